@@ -1,0 +1,35 @@
+"""The `jetllm` command. Producer commands never import vLLM; worker commands import it lazily."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .. import __version__
+from . import demo, misc, produce, worker_cmd
+from .common import setup_logging
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="jetllm",
+        description="LLM inference jobs on NATS JetStream, served by vLLM workers.",
+    )
+    p.add_argument("--version", action="version", version=f"jetllm {__version__}")
+    p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: INFO)")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    demo.register(sub)
+    worker_cmd.register(sub)
+    produce.register(sub)
+    misc.register(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    setup_logging(args.log_level)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

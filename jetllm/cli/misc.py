@@ -1,0 +1,65 @@
+"""`jetllm schema` and `jetllm make-tiny-model`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def wire_types() -> dict[str, object]:
+    """Every message type on the wire, by the name the docs use."""
+    from .. import schemas as s
+
+    return {
+        "GenerateRequest": s.GenerateRequest,
+        "Frame": s.Frame,
+        "CancelRequest": s.CancelRequest,
+        "StatusRequest": s.StatusRequest,
+        "WorkerStatus": s.WorkerStatus,
+        "DeadLetter": s.DeadLetter,
+        "BatchLine": s.BatchLine,
+        "BatchResult": s.BatchResult,
+    }
+
+
+def json_schemas() -> dict[str, dict]:
+    import msgspec
+
+    return {name: msgspec.json.schema(t) for name, t in wire_types().items()}
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    schemas = json_schemas()
+    if args.output:
+        out = Path(args.output)
+        out.mkdir(parents=True, exist_ok=True)
+        for name, schema in schemas.items():
+            (out / f"{name}.schema.json").write_text(json.dumps(schema, indent=2, sort_keys=True) + "\n")
+        print(f"wrote {len(schemas)} schemas to {out}", file=sys.stderr)
+    else:
+        json.dump(schemas, sys.stdout, indent=2, sort_keys=True)
+        sys.stdout.write("\n")
+    return 0
+
+
+def cmd_make_tiny_model(args: argparse.Namespace) -> int:
+    from .. import tinymodel
+
+    out = tinymodel.build(Path(args.directory), seed=args.seed)
+    print(out)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("schema", help="write the JSON Schema of every message",
+                       description="Write the JSON Schema of every wire message (one file each with -o).")
+    p.add_argument("-o", "--output", default=None, help="directory for NAME.schema.json files (default: stdout)")
+    p.set_defaults(func=cmd_schema)
+
+    p = sub.add_parser("make-tiny-model", help="build the deterministic tiny test model",
+                       description="Build a tiny random Llama with tokenizer and chat template, offline.")
+    p.add_argument("directory")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_make_tiny_model)

@@ -1,0 +1,193 @@
+"""Producer commands: `jetllm generate` streams one request, `jetllm batch` runs a JSONL file."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import anyio
+import msgspec
+
+from ..errors import JetllmError
+from ..schemas import (
+    AcceptedFrame,
+    ChatMessage,
+    ChatPrompt,
+    ErrorFrame,
+    FinalFrame,
+    GenerateRequest,
+    OutputOptions,
+    SamplingOptions,
+    StopConditions,
+    TextPrompt,
+    TokensFrame,
+    TokensPrompt,
+)
+from ..batch import run_batch
+from .common import TINY_MODEL_NAME, add_nats, nats_url
+
+
+def add_sampling(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling and stopping")
+    g.add_argument("--max-tokens", type=int, default=None)
+    g.add_argument("--min-tokens", type=int, default=0)
+    g.add_argument("--temperature", type=float, default=None)
+    g.add_argument("--top-p", type=float, default=None)
+    g.add_argument("--top-k", type=int, default=None)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def request_from_args(args: argparse.Namespace) -> GenerateRequest:
+    if args.tokens:
+        try:
+            prompt = TokensPrompt([int(t) for t in args.tokens.replace(",", " ").split()])
+        except ValueError:
+            raise SystemExit("--tokens takes integers separated by commas or spaces") from None
+    elif args.chat:
+        messages = [ChatMessage(role="system", content=args.system)] if args.system else []
+        messages.append(ChatMessage(role="user", content=args.text))
+        prompt = ChatPrompt(messages)
+    else:
+        prompt = TextPrompt(args.text)
+    return GenerateRequest(
+        request_id=args.request_id or f"gen-{uuid.uuid4().hex}",
+        model=args.model,
+        prompt=prompt,
+        sampling=SamplingOptions(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed),
+        stop=StopConditions(
+            max_tokens=args.max_tokens, min_tokens=args.min_tokens, stop=args.stop, ignore_eos=args.ignore_eos
+        ),
+        output=OutputOptions(text=None if not args.tokens else bool(args.text_out)),
+    )
+
+
+async def _generate(args: argparse.Namespace) -> int:
+    from ..subjects import Client
+
+    try:
+        req = msgspec.convert(msgspec.to_builtins(request_from_args(args)), GenerateRequest)
+    except msgspec.ValidationError as exc:
+        print(f"error: invalid request: {exc}", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    async with Client(nats_url(args), namespace=args.namespace, heartbeat_timeout=args.heartbeat_timeout) as c:
+        first = None
+        async for frame in c.generate(req, accept_timeout=args.accept_timeout):
+            if args.json:
+                sys.stdout.write(msgspec.json.encode(frame).decode() + "\n")
+                sys.stdout.flush()
+                if isinstance(frame, ErrorFrame):
+                    return 1
+                continue
+            if isinstance(frame, AcceptedFrame):
+                print(f"[accepted by {frame.worker}]", file=sys.stderr, flush=True)
+            elif isinstance(frame, TokensFrame):
+                first = first or time.monotonic()
+                sys.stdout.write(frame.text if frame.text is not None else " ".join(map(str, frame.token_ids)) + " ")
+                sys.stdout.flush()
+            elif isinstance(frame, FinalFrame):
+                ch = frame.choices[0]
+                u = frame.usage
+                ttft = f"{(first - started) * 1000:.0f} ms" if first else "-"
+                print(
+                    f"\n[{ch.finish_reason}; prompt {u.prompt_tokens} tokens ({u.cached_tokens} cached), "
+                    f"completion {u.completion_tokens}; first token {ttft}, "
+                    f"total {(time.monotonic() - started) * 1000:.0f} ms]",
+                    file=sys.stderr,
+                )
+            elif isinstance(frame, ErrorFrame):
+                where = f" at {frame.field}" if frame.field else ""
+                print(f"\nerror: {frame.code.value}{where}: {frame.message}", file=sys.stderr)
+                return 1
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    if not args.text and not args.tokens:
+        raise SystemExit("give a prompt text, or --tokens")
+    try:
+        return anyio.run(_generate, args)
+    except JetllmError as exc:
+        print(f"error: {exc.code.value}: {exc}", file=sys.stderr)
+        return 1
+    except ConnectionError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def batch_id(path: Path, model: str, extra: str = "") -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    h.update(f"\0{model}\0{extra}".encode())
+    return h.hexdigest()[:16]
+
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    path = Path(args.input)
+    if not path.is_file():
+        raise SystemExit(f"no such input file: {path}")
+    out = Path(args.output) if args.output else path.with_suffix(".results.jsonl")
+    bid = args.batch_id or batch_id(path, args.model)
+    try:
+        summary = anyio.run(
+            lambda: run_batch(
+                nats_url(args), args.namespace, path, out, model=args.model, batch_id=bid,
+                concurrency=args.concurrency, max_tokens=args.max_tokens,
+                progress=not args.quiet and sys.stderr.isatty() or args.progress,
+                heartbeat_timeout=args.heartbeat_timeout,
+            )
+        )
+    except (JetllmError, ConnectionError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    print(summary.describe(out), file=sys.stderr)
+    if args.print:
+        sys.stdout.write(out.read_text())
+    return 0 if summary.errors == 0 else 1
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="stream one request to stdout",
+                       description="Submit one generate job and stream its text (or tokens) to stdout.")
+    add_nats(p)
+    p.add_argument("text", nargs="?", default="", help="the prompt")
+    p.add_argument("--model", default=TINY_MODEL_NAME, help=f"model name (default: {TINY_MODEL_NAME})")
+    p.add_argument("--chat", action="store_true", help="send the text as a user chat message (chat template applied)")
+    p.add_argument("--system", default=None, help="system message, with --chat")
+    p.add_argument("--tokens", default=None, help="send token ids instead of text, e.g. '1,5,7'")
+    p.add_argument("--text-out", action="store_true", help="with --tokens: also stream text")
+    p.add_argument("--request-id", default=None)
+    p.add_argument("--json", action="store_true", help="print every frame as a JSON line")
+    p.add_argument("--accept-timeout", type=float, default=None,
+                   help="give up if no worker accepts the job within this many seconds (default: wait)")
+    p.add_argument("--heartbeat-timeout", type=float, default=10.0,
+                   help="give up if an accepted request sends nothing for this many seconds")
+    add_sampling(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("batch", help="run a JSONL file of prompts, one result per line",
+                       description="Submit every line of INPUT as a job; write one result per input line, in input order.")
+    add_nats(p)
+    p.add_argument("input", help="JSONL: one object per line with prompt | messages | token_ids (see docs/messages.md)")
+    p.add_argument("-o", "--output", default=None, help="results file (default: INPUT with .results.jsonl)")
+    p.add_argument("--model", default=TINY_MODEL_NAME, help="model for lines that name none")
+    p.add_argument("--concurrency", type=int, default=64, help="requests in flight at once")
+    p.add_argument("--max-tokens", type=int, default=None, help="default max_tokens for lines that set none")
+    p.add_argument("--batch-id", default=None, help="default: a hash of the input file and model")
+    p.add_argument("--heartbeat-timeout", type=float, default=30.0)
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--progress", action="store_true", help="progress bar even when stderr is not a terminal")
+    p.add_argument("--print", action="store_true", help="print the results file when done")
+    p.set_defaults(func=cmd_batch)

@@ -1,0 +1,158 @@
+"""`jetllm worker` (one worker against any NATS) and `jetllm up` (embedded NATS plus a worker)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from .common import TINY_MODEL_NAME, add_nats, nats_url, parse_kv
+
+log = logging.getLogger("jetllm")
+
+
+def add_worker_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and engine")
+    g.add_argument("--model", default=None,
+                   help="model directory or name vLLM can load (default: the bundled tiny model, built on first use)")
+    g.add_argument("--served-model-name", default=None,
+                   help=f"name jobs use for the model (default: --model, or '{TINY_MODEL_NAME}' for the tiny model)")
+    g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    g.add_argument("--dtype", default=None, help="default: float32 on CPU, vLLM's 'auto' elsewhere")
+    g.add_argument("--kv-cache-bytes", type=int, default=None,
+                   help="KV cache size in bytes (default on CPU: 1 GiB; on GPU vLLM sizes it)")
+    g.add_argument("--block-size", type=int, default=None, help="KV block size (a multiple of 32 on CPU)")
+    g.add_argument("--max-num-seqs", type=int, default=None, help="engine batch limit")
+    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                   help="skip graph compilation (default on CPU: on)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other vLLM AsyncEngineArgs field, VALUE as JSON (repeatable)")
+    w = p.add_argument_group("worker")
+    w.add_argument("--slots", type=int, default=None,
+                   help="jobs run at once; never more un-acked jobs than this (default: the engine's max_num_seqs)")
+    w.add_argument("--grace-period", type=float, default=30.0,
+                   help="seconds running requests get to finish on SIGTERM before they are handed back")
+    w.add_argument("--heartbeat-interval", type=float, default=1.0,
+                   help="seconds between heartbeat frames of a quiet request")
+    w.add_argument("--health-interval", type=float, default=5.0, help="seconds between engine health checks")
+    w.add_argument("--instance-id", default=None, help="default: <host>-<pid>-<random>")
+    w.add_argument("--nats-wait", type=float, default=60.0,
+                   help="seconds to keep retrying the first connection to NATS")
+    q = p.add_argument_group("queue policy (applied when creating or updating streams and consumers)")
+    q.add_argument("--ack-wait", type=float, default=10.0,
+                   help="seconds before an un-acked job is redelivered (running jobs refresh it)")
+    q.add_argument("--max-deliver", type=int, default=5, help="deliveries of a job before it is dead-lettered")
+    q.add_argument("--max-age", type=float, default=86400.0, help="seconds a queued job may wait for a worker")
+    q.add_argument("--replicas", type=int, default=1, help="stream replicas (3 on a JetStream cluster)")
+
+
+def engine_options(args: argparse.Namespace):
+    from ..workers.engine import EngineOptions
+
+    model, served = args.model, args.served_model_name
+    if model is None:
+        from .. import tinymodel
+
+        model = str(tinymodel.ensure())
+        served = served or TINY_MODEL_NAME
+    return EngineOptions(
+        model=model,
+        served_model_name=served,
+        max_model_len=args.max_model_len,
+        dtype=args.dtype,
+        kv_cache_bytes=args.kv_cache_bytes,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        enforce_eager=args.enforce_eager,
+        seed=args.seed,
+        extra=parse_kv(args.engine_arg),
+    )
+
+
+def worker_config(args: argparse.Namespace, slots: int | None = None):
+    from ..subjects.setup import QueuePolicy
+    from ..workers import WorkerConfig
+
+    return WorkerConfig(
+        namespace=args.namespace,
+        slots=slots or args.slots or 0,
+        heartbeat_interval=args.heartbeat_interval,
+        grace_period=args.grace_period,
+        health_interval=args.health_interval,
+        instance=args.instance_id,
+        policy=QueuePolicy(
+            ack_wait=args.ack_wait, max_deliver=args.max_deliver, max_age=args.max_age,
+            replicas=args.replicas,
+        ),
+    )
+
+
+def _engine_env() -> None:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    _engine_env()
+    from ..workers.main import EXIT_STARTUP_FAILED, run, run_worker
+
+    try:
+        return run(run_worker, nats_url(args), engine_options(args), worker_config(args), nats_wait=args.nats_wait)
+    except KeyboardInterrupt:
+        return 0
+    except Exception as exc:
+        log.error("worker failed to start: %s", exc)
+        return EXIT_STARTUP_FAILED
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    """Embedded NATS (unless --nats) plus one worker, until Ctrl-C."""
+    _engine_env()
+    from ..natsserver import NatsServer
+    from ..workers.main import EXIT_STARTUP_FAILED, run, run_worker
+
+    server = None
+    url = args.nats
+    if url is None:
+        data_dir = Path(args.data_dir or Path(tempfile.gettempdir()) / "jetllm-up")
+        server = NatsServer(data_dir, port=args.port).start()
+        url = server.url
+    try:
+        opts = engine_options(args)
+        print(
+            f"jetllm up: NATS at {url}  (namespace {args.namespace!r}, model {opts.name!r})\n"
+            f"  try:  jetllm generate --nats {url} --model {opts.name} \"Hello\"\n"
+            f"        jetllm batch --nats {url} --model {opts.name} prompts.jsonl -o results.jsonl\n"
+            "  Ctrl-C stops the worker and the server.",
+            file=sys.stderr, flush=True,
+        )
+        return run(run_worker, url, opts, worker_config(args), nats_wait=args.nats_wait)
+    except KeyboardInterrupt:
+        return 0
+    except Exception as exc:
+        log.error("up failed: %s", exc)
+        return EXIT_STARTUP_FAILED
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("worker", help="run one worker against a NATS server",
+                       description="Run one worker: pull generate jobs for one model and serve them with vLLM.")
+    add_nats(p)
+    add_worker_options(p)
+    p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser("up", help="start an embedded NATS server and a worker",
+                       description="Start nats-server with JetStream (unless --nats is given) and one worker.")
+    add_nats(p)
+    p.add_argument("--data-dir", default=None, help="where the embedded server keeps its JetStream data")
+    p.add_argument("--port", type=int, default=4222, help="port of the embedded server")
+    add_worker_options(p)
+    p.set_defaults(func=cmd_up)

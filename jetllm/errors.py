@@ -1,0 +1,65 @@
+"""Exceptions: one class per failure a caller would handle differently, each with one clear message."""
+
+from __future__ import annotations
+
+from .schemas import ErrorCode
+
+
+class JetllmError(Exception):
+    code: ErrorCode = ErrorCode.INTERNAL
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.field = field
+
+
+class ServerTooOld(JetllmError):
+    """The NATS server predates 2.10 and would silently drop stream and consumer settings."""
+
+
+class JetStreamUnavailable(JetllmError):
+    """The NATS server answers, but JetStream is not enabled on it."""
+
+
+class PayloadTooLarge(JetllmError):
+    code = ErrorCode.PAYLOAD_TOO_LARGE
+
+
+class WorkerSilent(JetllmError):
+    code = ErrorCode.WORKER_SILENT
+
+
+class AcceptTimeout(JetllmError):
+    code = ErrorCode.TIMEOUT
+
+
+class FrameGap(JetllmError):
+    """Frames were lost between worker and producer (for example a slow consumer)."""
+
+
+class RequestFailed(JetllmError):
+    """The worker answered with an error frame."""
+
+    def __init__(self, code: ErrorCode, message: str, *, field: str | None = None) -> None:
+        super().__init__(f"{code.value}: {message}", field=field)
+        self.code = code
+        self.remote_message = message
+
+
+class RequestRejected(JetllmError):
+    """A job that cannot be served as it is; it goes to the dead-letter stream."""
+
+    def __init__(self, code: ErrorCode, message: str, *, field: str | None = None) -> None:
+        super().__init__(message, field=field)
+        self.code = code
+
+
+class EngineDead(JetllmError):
+    """The engine is gone; the worker hands its jobs back and exits."""
+
+
+class EngineRequestError(JetllmError):
+    """The engine failed one request and survived."""
+
+    code = ErrorCode.ENGINE_ERROR

@@ -1,0 +1,62 @@
+"""The wire contract: msgspec Structs for every message, and nothing else."""
+
+from .batch import BatchError, BatchLine, BatchResult
+from .common import SCHEMA_VERSION, SUPPORTED_VERSIONS, ErrorCode, Message
+from .control import CancelRequest, StatusRequest, WorkerStatus
+from .deadletter import DeadLetter
+from .frames import (
+    AcceptedFrame,
+    Choice,
+    ErrorFrame,
+    FinalFrame,
+    FinishReason,
+    Frame,
+    HeartbeatFrame,
+    TokensFrame,
+    Usage,
+)
+from .generate import (
+    ChatMessage,
+    ChatPrompt,
+    GenerateRequest,
+    JobEnvelope,
+    OutputOptions,
+    Prompt,
+    SamplingOptions,
+    StopConditions,
+    TextPrompt,
+    TokensPrompt,
+)
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "SUPPORTED_VERSIONS",
+    "AcceptedFrame",
+    "BatchError",
+    "BatchLine",
+    "BatchResult",
+    "CancelRequest",
+    "ChatMessage",
+    "ChatPrompt",
+    "Choice",
+    "DeadLetter",
+    "ErrorCode",
+    "ErrorFrame",
+    "FinalFrame",
+    "FinishReason",
+    "Frame",
+    "GenerateRequest",
+    "HeartbeatFrame",
+    "JobEnvelope",
+    "Message",
+    "OutputOptions",
+    "Prompt",
+    "SamplingOptions",
+    "StatusRequest",
+    "StopConditions",
+    "TextPrompt",
+    "TokensFrame",
+    "TokensPrompt",
+    "Usage",
+    "WorkerStatus",
+]

@@ -1,0 +1,48 @@
+"""What every message shares: the schema version and the stable error codes."""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+SCHEMA_VERSION = 1
+"""Major version of the wire contract. Workers refuse messages of any other version."""
+
+SUPPORTED_VERSIONS = frozenset({1})
+
+
+class Message(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Base of every wire message.
+
+    Unknown fields are refused so that a typo (`max_token`) is an error, not a silent default.
+    """
+
+    v: int = SCHEMA_VERSION
+
+
+class ErrorCode(str, enum.Enum):
+    """Machine-readable error codes; their values are part of the wire contract."""
+
+    MALFORMED = "malformed"
+    """The bytes could not be decoded at all (not msgpack/JSON, or an unknown content type)."""
+    UNSUPPORTED_VERSION = "unsupported_version"
+    """The message names a schema version this worker does not speak."""
+    INVALID_REQUEST = "invalid_request"
+    """A field is missing, of the wrong type or out of range; `field` names it."""
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    """Prompt (plus max_tokens) does not fit the model's context; the message names the limit."""
+    MODEL_NOT_SERVED = "model_not_served"
+    """The worker that pulled the job does not serve the model it names."""
+    ENGINE_ERROR = "engine_error"
+    """The engine failed this one request; the worker goes on serving."""
+    CANCELLED = "cancelled"
+    """The request was cancelled before it finished."""
+    INTERNAL = "internal"
+    """A bug in jetllm; the message says where."""
+    WORKER_SILENT = "worker_silent"
+    """Producer side: no frame arrived within the heartbeat timeout."""
+    PAYLOAD_TOO_LARGE = "payload_too_large"
+    """Producer side: the encoded job exceeds the server's max_payload."""
+    TIMEOUT = "timeout"
+    """Producer side: no worker accepted the job within the accept timeout."""

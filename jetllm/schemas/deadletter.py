@@ -1,0 +1,20 @@
+"""A job that could not be served, kept with the reason so an operator can inspect or replay it."""
+
+from __future__ import annotations
+
+from .common import ErrorCode, Message
+
+
+class DeadLetter(Message):
+    code: ErrorCode
+    reason: str
+    subject: str
+    """The job subject it was published to, for replay."""
+    deliveries: int
+    worker: str
+    failed_at: float
+    """Unix time."""
+    request_id: str | None = None
+    headers: dict[str, str] = {}
+    payload: bytes = b""
+    """The job exactly as published."""

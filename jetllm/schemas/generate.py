@@ -1,0 +1,104 @@
+"""A generate job: the prompt in one of three forms, and how to sample and stop."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from .common import Message
+
+RequestId = Annotated[
+    str,
+    Meta(
+        pattern=r"^[A-Za-z0-9._:=/+-]{1,200}$",
+        description="Unique per job; also the JetStream dedupe id (Nats-Msg-Id).",
+    ),
+]
+TokenId = Annotated[int, Meta(ge=0)]
+
+
+class ChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    role: Annotated[str, Meta(min_length=1, max_length=64)]
+    content: str
+
+
+class TokensPrompt(msgspec.Struct, tag="tokens", tag_field="type", forbid_unknown_fields=True):
+    """Token ids, sent to the engine as they are (no template, no special tokens added)."""
+
+    token_ids: Annotated[list[TokenId], Meta(min_length=1)]
+
+
+class ChatPrompt(msgspec.Struct, tag="chat", tag_field="type", forbid_unknown_fields=True):
+    """OpenAI-style messages, rendered on the worker with the model's chat template."""
+
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: dict[str, Any] | None = None
+
+
+class TextPrompt(msgspec.Struct, tag="text", tag_field="type", forbid_unknown_fields=True):
+    """Plain text, tokenized on the worker the way vLLM's completions endpoint does."""
+
+    text: Annotated[str, Meta(min_length=1)]
+
+
+Prompt = TokensPrompt | ChatPrompt | TextPrompt
+
+
+class SamplingOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    """None means the model's default (its generation_config), else vLLM's default."""
+
+    temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Meta(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
+    seed: int | None = None
+    presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] | None = None
+    n: Annotated[int, Meta(ge=1, le=64)] = 1
+
+
+class StopConditions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    max_tokens: Annotated[int, Meta(ge=1)] | None = None
+    """None: the room left in the context after the prompt."""
+    min_tokens: Annotated[int, Meta(ge=0)] = 0
+    stop: list[Annotated[str, Meta(min_length=1)]] = []
+    stop_token_ids: list[TokenId] = []
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+
+
+class OutputOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    text: bool | None = None
+    """Send text deltas. None: yes for chat and text prompts, no for token prompts."""
+    logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    """Log-probability of each sampled token, plus this many top alternatives."""
+    skip_special_tokens: bool = True
+
+
+class GenerateRequest(Message):
+    """Published to `jetllm.<ns>.jobs.generate.<model>`; frames go to `reply_to`."""
+
+    request_id: RequestId
+    model: Annotated[str, Meta(min_length=1, max_length=256)]
+    prompt: Prompt
+    sampling: SamplingOptions = msgspec.field(default_factory=SamplingOptions)
+    stop: StopConditions = msgspec.field(default_factory=StopConditions)
+    output: OutputOptions = msgspec.field(default_factory=OutputOptions)
+    reply_to: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    """Subject for the reply frames; None for a detached job."""
+
+
+class JobEnvelope(msgspec.Struct, kw_only=True):
+    """The few fields read from a job that fails to decode, to say why and to whom."""
+
+    v: Any = None
+    request_id: Any = None
+    reply_to: Any = None
+
+
+Encoding = Literal["msgpack", "json"]

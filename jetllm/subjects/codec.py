@@ -1,0 +1,69 @@
+"""Bytes on the wire: msgpack by default, JSON when the `Content-Type` header says so."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from ..schemas import Frame, GenerateRequest, JobEnvelope
+
+Encoding = Literal["msgpack", "json"]
+CONTENT_TYPE = "Content-Type"
+MSGPACK = "application/msgpack"
+JSON = "application/json"
+_BY_TYPE: dict[str, Encoding] = {
+    MSGPACK: "msgpack",
+    "application/x-msgpack": "msgpack",
+    "application/vnd.msgpack": "msgpack",
+    JSON: "json",
+    "text/json": "json",
+}
+
+
+class UnknownContentType(ValueError):
+    pass
+
+
+def encoding_of(headers: dict[str, str] | None) -> Encoding:
+    """The encoding a message declares; no header means msgpack."""
+    if not headers:
+        return "msgpack"
+    value = next((v for k, v in headers.items() if k.lower() == "content-type"), None)
+    if value is None:
+        return "msgpack"
+    kind = value.split(";")[0].strip().lower()
+    try:
+        return _BY_TYPE[kind]
+    except KeyError:
+        raise UnknownContentType(
+            f"unsupported Content-Type {value[:64]!r}; use {MSGPACK} or {JSON}"
+        ) from None
+
+
+def content_type(encoding: Encoding) -> str:
+    return JSON if encoding == "json" else MSGPACK
+
+
+_mp_enc = msgspec.msgpack.Encoder()
+_js_enc = msgspec.json.Encoder()
+
+
+def encode(obj: Any, encoding: Encoding = "msgpack") -> bytes:
+    return _js_enc.encode(obj) if encoding == "json" else _mp_enc.encode(obj)
+
+
+class Decoder:
+    """Decoders for one type in both encodings, reused (building them is the slow part)."""
+
+    def __init__(self, type_: Any) -> None:
+        self._mp = msgspec.msgpack.Decoder(type_)
+        self._js = msgspec.json.Decoder(type_)
+
+    def decode(self, data: bytes, encoding: Encoding = "msgpack") -> Any:
+        return self._js.decode(data) if encoding == "json" else self._mp.decode(data)
+
+
+frame_decoder = Decoder(Frame)
+request_decoder = Decoder(GenerateRequest)
+envelope_decoder = Decoder(JobEnvelope)

@@ -1,0 +1,126 @@
+"""Every subject, stream, consumer and bucket name jetllm uses, built here and nowhere else.
+
+Subject tree (one namespace `<ns>` per deployment):
+
+    jetllm.<ns>.jobs.<role>.<model>          work-queue stream, one shared consumer per (role, model)
+    jetllm.<ns>.jobs.<role>.<model>.<more>   reserved: directed jobs and lanes (do not overlap the above)
+    jetllm.<ns>.dlq.<role>.<model>           dead letters (limits stream)
+    jetllm.<ns>.cancel.<request>             cancel a request, wherever it runs (core NATS)
+    jetllm.<ns>.ctl.<verb>                   fleet-wide control, every worker answers (core NATS)
+    jetllm.<ns>.ctl.i.<instance>.<verb>      one instance's control subjects (core NATS)
+
+Model names and request ids are not subject tokens (`Qwen/Qwen3-0.6B` holds `/` and `.`), so
+they pass through `encode_token`, a reversible escaping into `[A-Za-z0-9-_]`.
+"""
+
+from __future__ import annotations
+
+import re
+
+PREFIX = "jetllm"
+_SAFE = re.compile(r"[A-Za-z0-9-]")
+_TOKEN = re.compile(r"^(?:[A-Za-z0-9-]|_[0-9A-F]{2})+$")
+_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
+
+ROLES = ("generate", "prefill", "encode")
+"""Job queues by what the job asks for. Aggregated and decode workers both consume `generate`."""
+
+
+def encode_token(value: str) -> str:
+    """Escape any string into one subject token that is also a valid stream/consumer/KV name.
+
+    Letters, digits and `-` stay; every other byte of the UTF-8 form becomes `_XX` (hex).
+    """
+    if not value:
+        raise ValueError("cannot encode an empty name")
+    out = []
+    for ch in value:
+        if _SAFE.fullmatch(ch):
+            out.append(ch)
+        else:
+            out.extend(f"_{b:02X}" for b in ch.encode())
+    return "".join(out)
+
+
+def decode_token(token: str) -> str:
+    if not _TOKEN.fullmatch(token):
+        raise ValueError(f"not an encoded token: {token!r}")
+    raw = bytearray()
+    i = 0
+    while i < len(token):
+        if token[i] == "_":
+            raw.append(int(token[i + 1 : i + 3], 16))
+            i += 3
+        else:
+            raw.extend(token[i].encode())
+            i += 1
+    return raw.decode()
+
+
+def check_name(kind: str, value: str) -> str:
+    if not _NAME.fullmatch(value):
+        raise ValueError(f"{kind} must match {_NAME.pattern}, got {value!r}")
+    return value
+
+
+def is_safe_reply_subject(subject: str) -> bool:
+    """Whether a worker may publish frames to this subject on a job's say-so.
+
+    A job names its own reply subject, so it must not point the worker at the JetStream API
+    (`$JS.API...`), system subjects, or jetllm's own subjects (jobs, control, cancel).
+    """
+    if not subject or len(subject) > 256 or subject.startswith(("$", f"{PREFIX}.")):
+        return False
+    tokens = subject.split(".")
+    return all(t and t not in ("*", ">") and not any(c.isspace() for c in t) for t in tokens)
+
+
+class Names:
+    """The names of one namespace."""
+
+    def __init__(self, namespace: str = "default") -> None:
+        self.namespace = check_name("namespace", namespace)
+        self._root = f"{PREFIX}.{namespace}"
+        upper = namespace.upper().replace("-", "_")
+        self.jobs_stream = f"JETLLM_{upper}_JOBS"
+        self.dlq_stream = f"JETLLM_{upper}_DLQ"
+
+    # jobs
+    def jobs(self, role: str, model: str) -> str:
+        return f"{self._root}.jobs.{check_name('role', role)}.{encode_token(model)}"
+
+    @property
+    def jobs_all(self) -> str:
+        return f"{self._root}.jobs.>"
+
+    def consumer(self, role: str, model: str) -> str:
+        return f"{check_name('role', role)}_{encode_token(model)}"
+
+    def parse_jobs(self, subject: str) -> tuple[str, str]:
+        """(role, model) of a job subject."""
+        parts = subject.split(".")
+        if len(parts) < 5 or ".".join(parts[:3]) != f"{self._root}.jobs":
+            raise ValueError(f"not a job subject of namespace {self.namespace!r}: {subject!r}")
+        return parts[3], decode_token(parts[4])
+
+    # dead letters
+    def dlq(self, role: str, model: str) -> str:
+        return f"{self._root}.dlq.{check_name('role', role)}.{encode_token(model)}"
+
+    @property
+    def dlq_all(self) -> str:
+        return f"{self._root}.dlq.>"
+
+    # control
+    def cancel(self, request_id: str) -> str:
+        return f"{self._root}.cancel.{encode_token(request_id)}"
+
+    @property
+    def cancel_all(self) -> str:
+        return f"{self._root}.cancel.*"
+
+    def control(self, verb: str) -> str:
+        return f"{self._root}.ctl.{check_name('verb', verb)}"
+
+    def instance_control(self, instance: str, verb: str) -> str:
+        return f"{self._root}.ctl.i.{encode_token(instance)}.{check_name('verb', verb)}"

@@ -1,0 +1,148 @@
+"""Server checks and idempotent creation of jetllm's streams and consumers.
+
+Every worker and every producer calls these on start, so creation races are normal: creating an
+existing stream with the same settings succeeds, and differing settings are updated in place.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+import nats.js.errors
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    DiscardPolicy,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+
+from ..errors import JetStreamUnavailable, ServerTooOld
+from .names import Names
+
+log = logging.getLogger(__name__)
+
+MIN_SERVER = (2, 10, 0)
+_STREAM_IN_USE = 10058
+
+
+class QueuePolicy(msgspec.Struct, kw_only=True, frozen=True):
+    """Delivery settings of the job queues; the defaults are argued in docs/operations.md."""
+
+    ack_wait: float = 10.0
+    """Seconds before an un-acked job is redelivered; workers heartbeat every ack_wait/3."""
+    max_deliver: int = 5
+    """Deliveries of one job before it is dead-lettered."""
+    max_age: float = 24 * 3600.0
+    """A job nobody serves within this time is dropped by the server."""
+    max_ack_pending: int = 10_000
+    """Jobs in flight across all workers of one consumer; keep above the role's total slots."""
+    duplicate_window: float = 600.0
+    """Seconds within which a re-published request id is dropped as a duplicate."""
+    replicas: int = 1
+    memory: bool = False
+    dlq_max_age: float = 14 * 24 * 3600.0
+
+
+def parse_version(text: str) -> tuple[int, int, int]:
+    core = text.strip().lstrip("v").split("-")[0].split("+")[0]
+    parts = (core.split(".") + ["0", "0"])[:3]
+    try:
+        return (int(parts[0]), int(parts[1]), int(parts[2]))
+    except ValueError:
+        raise ServerTooOld(f"cannot read the NATS server version {text!r}") from None
+
+
+def check_version(text: str) -> None:
+    if parse_version(text) < MIN_SERVER:
+        raise ServerTooOld(
+            f"nats-server {text} is too old: jetllm needs >= {'.'.join(map(str, MIN_SERVER))}, "
+            "because older servers silently drop stream and consumer settings they do not know "
+            "(filter_subjects, metadata, ...) instead of refusing them"
+        )
+
+
+async def check_server(nc: NATS) -> None:
+    """Refuse servers that would silently misbehave; fail fast when JetStream is off."""
+    v = nc.connected_server_version
+    check_version(f"{v.major}.{v.minor}.{v.patch}")
+    try:
+        await nc.jetstream(timeout=5).account_info()
+    except nats.js.errors.ServiceUnavailableError:
+        raise JetStreamUnavailable(
+            "the NATS server does not have JetStream enabled (start it with -js, or "
+            "`jetstream {}` in its config)"
+        ) from None
+    except nats.errors.NoRespondersError:
+        raise JetStreamUnavailable(
+            "no JetStream API answered: JetStream is not enabled for this account/server"
+        ) from None
+
+
+async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
+    try:
+        await js.add_stream(cfg)
+    except nats.js.errors.BadRequestError as exc:
+        if exc.err_code != _STREAM_IN_USE:
+            raise
+        log.info("stream %s exists with other settings; updating it", cfg.name)
+        await js.update_stream(cfg)
+
+
+async def ensure_streams(js: JetStreamContext, names: Names, policy: QueuePolicy) -> None:
+    storage = StorageType.MEMORY if policy.memory else StorageType.FILE
+    await _ensure_stream(
+        js,
+        StreamConfig(
+            name=names.jobs_stream,
+            description="jetllm jobs: one shared durable pull consumer per (role, model)",
+            subjects=[names.jobs_all],
+            retention=RetentionPolicy.WORK_QUEUE,
+            storage=storage,
+            num_replicas=policy.replicas,
+            max_age=policy.max_age,
+            duplicate_window=policy.duplicate_window,
+            discard=DiscardPolicy.OLD,
+        ),
+    )
+    await _ensure_stream(
+        js,
+        StreamConfig(
+            name=names.dlq_stream,
+            description="jetllm dead letters: jobs that could not be served, with the reason",
+            subjects=[names.dlq_all],
+            retention=RetentionPolicy.LIMITS,
+            storage=storage,
+            num_replicas=policy.replicas,
+            max_age=policy.dlq_max_age,
+            duplicate_window=policy.duplicate_window,
+        ),
+    )
+
+
+async def ensure_consumer(
+    js: JetStreamContext, names: Names, role: str, model: str, policy: QueuePolicy
+) -> str:
+    """Create (or update) the durable pull consumer of (role, model); returns its name."""
+    durable = names.consumer(role, model)
+    await js.add_consumer(
+        names.jobs_stream,
+        ConsumerConfig(
+            durable_name=durable,
+            description=f"jetllm {role} workers of {model}"[:256],
+            filter_subject=names.jobs(role, model),
+            ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.ALL,
+            ack_wait=policy.ack_wait,
+            max_deliver=policy.max_deliver,
+            max_ack_pending=policy.max_ack_pending,
+            max_waiting=512,
+            num_replicas=policy.replicas,
+        ),
+    )
+    return durable

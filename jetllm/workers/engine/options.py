@@ -1,0 +1,30 @@
+"""How to start an engine: the few settings jetllm chooses, plus any vLLM engine argument."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class EngineOptions(msgspec.Struct, kw_only=True):
+    model: str
+    """A local directory or a model name vLLM can load."""
+    served_model_name: str | None = None
+    """The name jobs use; defaults to `model`."""
+    max_model_len: int | None = None
+    dtype: str | None = None
+    """None: float32 on CPU (bf16 takes an AMX path that crashes on some CPUs), else vLLM's auto."""
+    kv_cache_bytes: int | None = None
+    """None: 1 GiB on CPU (vLLM would otherwise reserve 92% of the node), else vLLM's default."""
+    block_size: int | None = None
+    max_num_seqs: int | None = None
+    enforce_eager: bool | None = None
+    """None: True on CPU (compiling takes minutes on small CPUs), else vLLM's default."""
+    seed: int = 0
+    extra: dict[str, Any] = {}
+    """Any other AsyncEngineArgs field, passed through unchanged."""
+
+    @property
+    def name(self) -> str:
+        return self.served_model_name or self.model

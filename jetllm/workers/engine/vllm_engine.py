@@ -1,0 +1,223 @@
+"""The vLLM `AsyncLLM` behind the Engine protocol: start-up, prompt rendering, sampling, outputs."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+
+from ...errors import EngineDead, EngineRequestError, RequestRejected
+from ...schemas import ChatPrompt, ErrorCode, GenerateRequest, Prompt, TextPrompt, TokensPrompt
+from .base import ChoiceDelta, EngineFacts, EngineLoad, EngineStep
+from .options import EngineOptions
+from .sampling import build_sampling_params, field_of
+
+log = logging.getLogger(__name__)
+
+_FINISH = {"stop": "stop", "length": "length", "abort": "cancelled", "error": "error", "repetition": "repetition"}
+
+
+def _quiet_defaults() -> None:
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+
+
+def engine_args(opts: EngineOptions) -> Any:
+    _quiet_defaults()
+    from vllm import AsyncEngineArgs
+    from vllm.platforms import current_platform
+
+    on_cpu = current_platform.is_cpu()
+    kw: dict[str, Any] = dict(model=opts.model, seed=opts.seed, disable_log_stats=False)
+    if opts.served_model_name:
+        kw["served_model_name"] = opts.served_model_name
+    if opts.max_model_len:
+        kw["max_model_len"] = opts.max_model_len
+    dtype = opts.dtype or ("float32" if on_cpu else None)
+    if dtype:
+        kw["dtype"] = dtype
+    kv = opts.kv_cache_bytes or ((1 << 30) if on_cpu else None)
+    if kv and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        kw["kv_cache_memory_bytes"] = kv
+    if opts.block_size:
+        kw["block_size"] = opts.block_size
+    if opts.max_num_seqs:
+        kw["max_num_seqs"] = opts.max_num_seqs
+    eager = opts.enforce_eager if opts.enforce_eager is not None else (True if on_cpu else None)
+    if eager is not None:
+        kw["enforce_eager"] = eager
+    kw.update(opts.extra)
+    return AsyncEngineArgs(**kw)
+
+
+class _LoadRecorder:
+    """Keeps the scheduler's latest running/waiting counts (a vLLM stat logger)."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.waiting = 0
+
+    def factory(self, vllm_config: Any, engine_index: int = 0) -> Any:
+        from vllm.v1.metrics.loggers import StatLoggerBase
+
+        recorder = self
+
+        class Logger(StatLoggerBase):
+            def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+                pass
+
+            def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
+                if scheduler_stats is not None:
+                    recorder.running = scheduler_stats.num_running_reqs
+                    recorder.waiting = scheduler_stats.num_waiting_reqs
+
+            def log_engine_initialized(self) -> None:
+                pass
+
+        return Logger(vllm_config, engine_index)
+
+
+class VllmEngine:
+    """One AsyncLLM. Build it with `await VllmEngine.start(opts)` inside the worker's event loop."""
+
+    def __init__(self, llm: Any, opts: EngineOptions, recorder: _LoadRecorder) -> None:
+        self.llm = llm
+        self._recorder = recorder
+        cfg = llm.vllm_config
+        try:
+            vocab = cfg.model_config.get_vocab_size()
+        except Exception:
+            vocab = None
+        import vllm
+
+        self.facts = EngineFacts(
+            model=opts.name,
+            max_model_len=llm.model_config.max_model_len,
+            block_size=cfg.cache_config.block_size,
+            num_kv_blocks=cfg.cache_config.num_gpu_blocks,
+            max_num_seqs=cfg.scheduler_config.max_num_seqs,
+            vocab_size=vocab,
+            engine=f"vllm {vllm.__version__}",
+        )
+        self._defaults = llm.model_config.get_diff_sampling_param()
+
+    @classmethod
+    async def start(cls, opts: EngineOptions) -> VllmEngine:
+        """Start the engine (blocks the loop for its start-up, ~15 s for a tiny model on CPU)."""
+        args = engine_args(opts)
+        from vllm.usage.usage_lib import UsageContext
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        recorder = _LoadRecorder()
+        llm = AsyncLLM.from_engine_args(
+            args, usage_context=UsageContext.ENGINE_CONTEXT, stat_loggers=[recorder.factory]
+        )
+        return cls(llm, opts, recorder)
+
+    async def render(self, prompt: Prompt) -> list[int]:
+        from vllm.exceptions import VLLMValidationError
+
+        if isinstance(prompt, TokensPrompt):
+            return list(prompt.token_ids)
+        try:
+            if isinstance(prompt, ChatPrompt):
+                from vllm.renderers.params import ChatParams
+
+                kwargs = dict(prompt.template_kwargs or {})
+                kwargs["add_generation_prompt"] = prompt.add_generation_prompt
+                kwargs["continue_final_message"] = prompt.continue_final_message
+                messages = [{"role": m.role, "content": m.content} for m in prompt.messages]
+                _, (rendered,) = await self.llm.renderer.render_chat_async(
+                    [messages], ChatParams(chat_template_kwargs=kwargs)
+                )
+            elif isinstance(prompt, TextPrompt):
+                (rendered,) = await self.llm.renderer.render_cmpl_async([{"prompt": prompt.text}])
+            else:  # pragma: no cover - the union is closed
+                raise RequestRejected(ErrorCode.INVALID_REQUEST, f"unknown prompt type {type(prompt)}")
+        except VLLMValidationError as exc:
+            raise RequestRejected(ErrorCode.INVALID_REQUEST, str(exc), field="$.prompt") from None
+        except RequestRejected:
+            raise
+        except Exception as exc:  # templates and tokenizers raise many kinds of errors
+            raise RequestRejected(
+                ErrorCode.INVALID_REQUEST, f"cannot render the prompt: {type(exc).__name__}: {exc}",
+                field="$.prompt",
+            ) from None
+        return list(rendered["prompt_token_ids"])
+
+    async def generate(
+        self, req: GenerateRequest, prompt_ids: list[int], max_tokens: int
+    ) -> AsyncIterator[EngineStep]:
+        from vllm.exceptions import VLLMValidationError
+        from vllm.inputs import tokens_input
+        from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+        params = build_sampling_params(req, max_tokens, self._defaults)
+        want_text = req.output.text if req.output.text is not None else not isinstance(req.prompt, TokensPrompt)
+        rid = req.request_id
+        try:
+            async for out in self.llm.generate(tokens_input(prompt_ids), params, rid):
+                yield self._step(out, want_text)
+        except EngineDeadError:
+            raise EngineDead("the vLLM engine died") from None
+        except VLLMValidationError as exc:
+            raise RequestRejected(
+                ErrorCode.INVALID_REQUEST, str(exc), field=field_of(getattr(exc, "parameter", None))
+            ) from None
+        except EngineGenerateError as exc:
+            cause = exc.__cause__
+            raise EngineRequestError(
+                f"the engine failed this request: {type(cause).__name__ if cause else 'error'}: {cause or exc}"
+            ) from None
+        except BaseException:
+            # vLLM aborts on cancellation itself, but its abort can be cut short by a repeated
+            # cancel; a shielded second abort makes sure the engine stops computing.
+            with anyio.CancelScope(shield=True):
+                try:
+                    await self.llm.abort(rid)
+                except Exception:
+                    pass
+            raise
+
+    @staticmethod
+    def _step(out: Any, want_text: bool) -> EngineStep:
+        choices = []
+        for c in out.outputs:
+            logprobs = top = None
+            if c.logprobs:
+                logprobs, top = [], []
+                for tid, entry in zip(c.token_ids, c.logprobs):
+                    logprobs.append(float(entry[tid].logprob) if tid in entry else float("nan"))
+                    top.append({int(k): float(v.logprob) for k, v in entry.items()})
+            reason = _FINISH.get(c.finish_reason) if c.finish_reason else None
+            choices.append(
+                ChoiceDelta(
+                    index=c.index,
+                    token_ids=list(c.token_ids),
+                    text=c.text if want_text else None,
+                    logprobs=logprobs,
+                    top_logprobs=top,
+                    finish_reason=reason,
+                    stop_reason=c.stop_reason,
+                )
+            )
+        return EngineStep(choices=choices, finished=out.finished, cached_tokens=out.num_cached_tokens or 0)
+
+    async def check_health(self) -> None:
+        try:
+            await self.llm.check_health()
+        except Exception as exc:
+            raise EngineDead(f"engine health check failed: {type(exc).__name__}: {exc}") from None
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(
+            running=self._recorder.running,
+            waiting=self._recorder.waiting,
+            unfinished=self.llm.get_num_unfinished_requests(),
+        )
+
+    async def close(self) -> None:
+        await anyio.to_thread.run_sync(self.llm.shutdown)

@@ -1,0 +1,145 @@
+"""A pulled JetStream message as a job: decoding with precise errors, and its acknowledgements."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+
+import anyio
+import msgspec
+from nats.aio.msg import Msg
+
+from ..errors import RequestRejected
+from ..schemas import SUPPORTED_VERSIONS, DeadLetter, ErrorCode, GenerateRequest
+from ..subjects import codec
+from ..subjects.names import is_safe_reply_subject
+
+log = logging.getLogger(__name__)
+_AT = re.compile(r" - at `(\$[^`]*)`$")
+
+
+class RejectedJob(RequestRejected):
+    """A job that failed to decode, with whatever could be salvaged to report it."""
+
+    def __init__(
+        self, code: ErrorCode, message: str, *, field: str | None = None,
+        request_id: str | None = None, reply_to: str | None = None,
+        encoding: codec.Encoding = "msgpack",
+    ) -> None:
+        super().__init__(code, message, field=field)
+        self.request_id = request_id
+        self.reply_to = reply_to
+        self.encoding = encoding
+
+
+def _salvage(data: bytes, encoding: codec.Encoding) -> tuple[object, str | None, str | None]:
+    try:
+        env = codec.envelope_decoder.decode(data, encoding)
+    except Exception:
+        return None, None, None
+    rid = env.request_id if isinstance(env.request_id, str) and len(env.request_id) <= 200 else None
+    reply = env.reply_to if isinstance(env.reply_to, str) and is_safe_reply_subject(env.reply_to) else None
+    return env.v, rid, reply
+
+
+def decode_request(data: bytes, headers: dict[str, str] | None) -> tuple[GenerateRequest, codec.Encoding]:
+    """Decode and check a job; raises RejectedJob naming what is wrong."""
+    try:
+        encoding = codec.encoding_of(headers)
+    except codec.UnknownContentType as exc:
+        raise RejectedJob(ErrorCode.MALFORMED, str(exc)) from None
+    try:
+        req = codec.request_decoder.decode(data, encoding)
+    except msgspec.ValidationError as exc:
+        version, rid, reply = _salvage(data, encoding)
+        if version is not None and version not in SUPPORTED_VERSIONS:
+            raise RejectedJob(
+                ErrorCode.UNSUPPORTED_VERSION,
+                f"schema version {version!r} is not supported (this worker speaks {sorted(SUPPORTED_VERSIONS)})",
+                field="$.v", request_id=rid, reply_to=reply, encoding=encoding,
+            ) from None
+        text = str(exc)
+        m = _AT.search(text)
+        raise RejectedJob(
+            ErrorCode.INVALID_REQUEST, text, field=m.group(1) if m else None,
+            request_id=rid, reply_to=reply, encoding=encoding,
+        ) from None
+    except msgspec.DecodeError as exc:
+        raise RejectedJob(
+            ErrorCode.MALFORMED, f"not valid {encoding}: {exc}", encoding=encoding
+        ) from None
+    if req.v not in SUPPORTED_VERSIONS:
+        raise RejectedJob(
+            ErrorCode.UNSUPPORTED_VERSION,
+            f"schema version {req.v} is not supported (this worker speaks {sorted(SUPPORTED_VERSIONS)})",
+            field="$.v", request_id=req.request_id, reply_to=_safe(req.reply_to), encoding=encoding,
+        )
+    if req.reply_to is not None and not is_safe_reply_subject(req.reply_to):
+        raise RejectedJob(
+            ErrorCode.INVALID_REQUEST,
+            "reply_to must be a plain subject outside `$...` and `jetllm.` (no wildcards or spaces)",
+            field="$.reply_to", request_id=req.request_id, encoding=encoding,
+        )
+    return req, encoding
+
+
+def _safe(reply: str | None) -> str | None:
+    return reply if reply is not None and is_safe_reply_subject(reply) else None
+
+
+class Job:
+    """One delivery of a job message; settles it exactly once (ack, nak or term)."""
+
+    def __init__(self, msg: Msg) -> None:
+        self.msg = msg
+        md = msg.metadata
+        self.attempt = md.num_delivered
+        self.stream_seq = md.sequence.stream
+        self.subject = msg.subject
+        self.settled = False
+        self.last_progress = time.monotonic()
+
+    async def _settle(self, how: str, **kw: float) -> None:
+        if self.settled:
+            return
+        self.settled = True
+        with anyio.CancelScope(shield=True):
+            try:
+                await getattr(self.msg, how)(**kw)
+            except Exception as exc:  # the server redelivers after ack_wait; nothing is lost
+                log.warning("job seq %d: %s failed: %s", self.stream_seq, how, exc)
+
+    async def ack(self) -> None:
+        await self._settle("ack")
+
+    async def nak(self, delay: float | None = None) -> None:
+        await (self._settle("nak", delay=delay) if delay else self._settle("nak"))
+
+    async def term(self) -> None:
+        await self._settle("term")
+
+    async def in_progress(self) -> None:
+        if self.settled:
+            return
+        self.last_progress = time.monotonic()
+        try:
+            await self.msg.in_progress()
+        except Exception as exc:
+            log.warning("job seq %d: in_progress failed: %s", self.stream_seq, exc)
+
+
+def dead_letter_record(
+    msg: Msg, code: ErrorCode, reason: str, worker: str, deliveries: int, request_id: str | None
+) -> DeadLetter:
+    return DeadLetter(
+        code=code,
+        reason=reason[:4000],
+        subject=msg.subject,
+        deliveries=deliveries,
+        worker=worker,
+        failed_at=time.time(),
+        request_id=request_id,
+        headers=dict(msg.headers or {}),
+        payload=bytes(msg.data),
+    )

@@ -1,0 +1,67 @@
+"""Process entry for one worker: connect, start the engine, serve, exit with a meaningful code."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import anyio
+from nats.aio.client import Client as NATS
+
+from ..subjects.connection import connect, redact
+from ..subjects.setup import check_server
+from .engine.options import EngineOptions
+from .runtime import Worker, WorkerConfig
+
+log = logging.getLogger(__name__)
+
+EXIT_STARTUP_FAILED = 2
+
+
+async def connect_waiting(url: str, wait: float, name: str) -> NATS:
+    """Connect, retrying for up to `wait` seconds: workers often start before NATS is up."""
+    deadline = time.monotonic() + wait
+    delay = 0.25
+    while True:
+        try:
+            return await connect(url, name=name)
+        except ConnectionError as exc:
+            if time.monotonic() + delay > deadline:
+                raise
+            log.info("waiting for NATS at %s (%s)", redact(url), exc)
+            await anyio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+
+
+async def run_worker(url: str, engine_opts: EngineOptions, config: WorkerConfig, *, nats_wait: float = 60.0) -> int:
+    from .engine.vllm_engine import VllmEngine
+
+    nc = await connect_waiting(url, nats_wait, name=f"jetllm-worker-{engine_opts.name}"[:64])
+    try:
+        await check_server(nc)
+        log.info("starting vLLM engine for %s", engine_opts.model)
+        started = time.monotonic()
+        engine = await VllmEngine.start(engine_opts)
+        log.info("engine ready in %.1fs: %s", time.monotonic() - started, engine.facts)
+        try:
+            return await Worker(nc, engine, config).serve()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await engine.close()
+    finally:
+        with anyio.CancelScope(shield=True):
+            try:
+                await nc.drain()
+            except Exception:
+                pass
+
+
+def run(coro_fn, *args, **kwargs):
+    """anyio.run on asyncio, with uvloop when it is installed."""
+    try:
+        import uvloop  # noqa: F401
+
+        opts = {"use_uvloop": True}
+    except ImportError:
+        opts = {}
+    return anyio.run(lambda: coro_fn(*args, **kwargs), backend="asyncio", backend_options=opts)

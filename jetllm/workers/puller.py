@@ -1,0 +1,134 @@
+"""Pulling jobs so that requested + running never exceeds the worker's slots.
+
+nats-py's `fetch(batch=n)` waits for the whole batch (or its timeout) before returning, which
+would hold the first job of a quiet queue for seconds. This puller instead sends raw pull
+requests, each with its own reply token, and hands every job over the moment it arrives. Each
+pull request's credit is tracked until it is used, expires (408) or is refused (409), so the
+worker always knows how many more jobs the server may still send it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+
+import anyio
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+log = logging.getLogger(__name__)
+
+
+class _Pull:
+    __slots__ = ("credit", "deadline")
+
+    def __init__(self, credit: int, deadline: float) -> None:
+        self.credit = credit
+        self.deadline = deadline
+
+
+class Puller:
+    def __init__(
+        self,
+        nc: NATS,
+        stream: str,
+        consumer: str,
+        *,
+        free_slots: Callable[[], int],
+        on_job: Callable[[Msg], None],
+        expires: float = 3.0,
+        api_prefix: str = "$JS.API",
+    ) -> None:
+        self._nc = nc
+        self._next_subject = f"{api_prefix}.CONSUMER.MSG.NEXT.{stream}.{consumer}"
+        self._free_slots = free_slots
+        self._on_job = on_job
+        self._expires = expires
+        self._inbox = f"_INBOX.{uuid.uuid4().hex}"
+        self._pulls: dict[str, _Pull] = {}
+        self._counter = 0
+        self._wake = anyio.Event()
+        self._stopping = False
+        self.outstanding = 0
+        self.bound = False
+        """True once the first pull request was answered by the consumer."""
+        self.pulled = 0
+
+    def wake(self) -> None:
+        """Call when a slot frees up."""
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Pull until stop(); then keep handing stray deliveries back until all credit is gone."""
+        sub = await self._nc.subscribe(f"{self._inbox}.*", cb=self._on_msg)
+        try:
+            while not self._stopping:
+                self._expire(time.monotonic())
+                want = self._free_slots() - self.outstanding
+                if want > 0 and self._nc.is_connected:
+                    await self._request(want)
+                with anyio.move_on_after(self._expires / 2):
+                    await self._wake.wait()
+                self._wake = anyio.Event()
+            deadline = time.monotonic() + self._expires + 1.0
+            while self._pulls and time.monotonic() < deadline:
+                await anyio.sleep(0.05)
+                self._expire(time.monotonic())
+        finally:
+            with anyio.CancelScope(shield=True):
+                await sub.unsubscribe()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+
+    async def _request(self, batch: int) -> None:
+        self._counter += 1
+        token = str(self._counter)
+        self._pulls[token] = _Pull(batch, time.monotonic() + self._expires + 1.0)
+        self.outstanding += batch
+        body = json.dumps({"batch": batch, "expires": int(self._expires * 1e9)}).encode()
+        await self._nc.publish(self._next_subject, body, reply=f"{self._inbox}.{token}")
+
+    def _expire(self, now: float) -> None:
+        """Forget pull requests the server never closed (e.g. lost in a reconnect)."""
+        for token in [t for t, p in self._pulls.items() if p.deadline < now]:
+            self.outstanding -= self._pulls.pop(token).credit
+
+    def _end(self, token: str) -> None:
+        pull = self._pulls.pop(token, None)
+        if pull is not None:
+            self.outstanding -= pull.credit
+        self._wake.set()
+
+    async def _on_msg(self, msg: Msg) -> None:
+        token = msg.subject.rsplit(".", 1)[-1]
+        status = msg.headers.get("Status") if msg.headers else None
+        if status and not msg.data:
+            self.bound = True
+            if status == "100":
+                return
+            if status not in ("404", "408"):
+                desc = msg.headers.get("Description", "") if msg.headers else ""
+                log.warning("pull request refused: %s %s", status, desc)
+            self._end(token)
+            return
+        self.bound = True
+        pull = self._pulls.get(token)
+        if pull is not None:
+            pull.credit -= 1
+            self.outstanding -= 1
+            if pull.credit <= 0:
+                del self._pulls[token]
+        if self._stopping or self._free_slots() <= 0:
+            # Not ours to run: a stray delivery after stop, or a forgotten pull that was honoured.
+            try:
+                await msg.nak()
+            except Exception:
+                pass
+            return
+        self.pulled += 1
+        self._on_job(msg)

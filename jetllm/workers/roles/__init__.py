@@ -1,0 +1,5 @@
+"""One module per worker role."""
+
+from .generate import GenerateRole
+
+__all__ = ["GenerateRole"]

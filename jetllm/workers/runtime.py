@@ -1,0 +1,353 @@
+"""The worker runtime: pull jobs for one (role, model), run them, settle them, stop cleanly.
+
+Every task belongs to one task group owned by `Worker.serve`; jobs run in a nested group so
+that stopping can wait for them, then hand back the ones still running.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import time
+import uuid
+from typing import Any
+
+import anyio
+import msgspec
+from anyio.abc import TaskGroup
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from .. import __version__
+from ..errors import EngineDead, EngineRequestError, RequestRejected
+from ..schemas import CancelRequest, ErrorCode, GenerateRequest, WorkerStatus
+from ..subjects import codec
+from ..subjects.names import Names
+from ..subjects.setup import QueuePolicy, ensure_consumer, ensure_streams
+from .engine import Engine
+from .frames import FrameSink
+from .jobs import Job, RejectedJob, dead_letter_record, decode_request
+from .puller import Puller
+from .roles import GenerateRole
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_ENGINE_DEAD = 3
+
+
+class WorkerConfig(msgspec.Struct, kw_only=True):
+    namespace: str = "default"
+    slots: int = 0
+    """Jobs this worker runs at once; it never holds more un-acked jobs than this.
+    0: the engine's batch limit (max_num_seqs)."""
+    heartbeat_interval: float = 1.0
+    """A quiet request gets a heartbeat frame this often."""
+    grace_period: float = 30.0
+    """On SIGTERM, how long running requests may take to finish before they are handed back."""
+    health_interval: float = 5.0
+    health_timeout: float = 10.0
+    pull_expires: float = 3.0
+    instance: str | None = None
+    policy: QueuePolicy = msgspec.field(default_factory=QueuePolicy)
+
+
+def new_instance_id() -> str:
+    host = socket.gethostname().split(".")[0][:24] or "host"
+    return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class _Running:
+    __slots__ = ("job", "frames", "scope", "hand_back", "cancel_reason")
+
+    def __init__(self, job: Job, frames: FrameSink) -> None:
+        self.job = job
+        self.frames = frames
+        self.scope = anyio.CancelScope()
+        self.hand_back = False
+        self.cancel_reason: str | None = None
+
+
+class Worker:
+    def __init__(self, nc: NATS, engine: Engine, config: WorkerConfig) -> None:
+        self.nc = nc
+        self.js = nc.jetstream(timeout=10)
+        self.engine = engine
+        self.config = config
+        self.names = Names(config.namespace)
+        self.role = GenerateRole(engine)
+        self.model = engine.facts.model
+        self.instance = config.instance or new_instance_id()
+        self.slots = config.slots if config.slots > 0 else (engine.facts.max_num_seqs or 64)
+        self.state = "starting"
+        self.started_at = time.time()
+        self._busy = 0
+        self._running: dict[str, _Running] = {}
+        self._jobs_tg: TaskGroup | None = None
+        self._idle = anyio.Event()
+        self._stop = anyio.Event()
+        self._engine_dead = False
+        self._puller: Puller | None = None
+        self.exit_code = EXIT_OK
+        self.counters = {"pulled": 0, "acked": 0, "handed_back": 0, "dead_lettered": 0, "cancelled": 0}
+
+    # lifecycle
+
+    async def serve(self, *, handle_signals: bool = True) -> int:
+        """Run until stopped (signal, `stop()`, or engine death); returns the process exit code."""
+        await ensure_streams(self.js, self.names, self.config.policy)
+        consumer = await ensure_consumer(self.js, self.names, self.role.role, self.model, self.config.policy)
+        subs = [
+            await self.nc.subscribe(self.names.cancel_all, cb=self._on_cancel),
+            await self.nc.subscribe(self.names.control("status"), cb=self._on_status),
+            await self.nc.subscribe(self.names.instance_control(self.instance, "status"), cb=self._on_status),
+        ]
+        self._puller = Puller(
+            self.nc,
+            self.names.jobs_stream,
+            consumer,
+            free_slots=lambda: self.slots - self._busy,
+            on_job=self._on_job,
+            expires=self.config.pull_expires,
+        )
+        log.info(
+            "worker %s serving %r (role %s, %d slots) from consumer %s",
+            self.instance, self.model, self.role.role, self.slots, consumer,
+        )
+        try:
+            async with anyio.create_task_group() as tg:
+                if handle_signals:
+                    tg.start_soon(self._watch_signals)
+                tg.start_soon(self._monitor_engine)
+                tg.start_soon(self._tick)
+                async with anyio.create_task_group() as jobs:
+                    self._jobs_tg = jobs
+                    jobs.start_soon(self._puller.run)
+                    self.state = "serving"
+                    await self._stop.wait()
+                    await self._wind_down()
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                for sub in subs:
+                    try:
+                        await sub.unsubscribe()
+                    except Exception:
+                        pass
+                try:
+                    await self.nc.flush(timeout=5)
+                except Exception:
+                    pass
+        self.state = "engine_dead" if self._engine_dead else "stopped"
+        log.info("worker %s stopped (%s), exit code %d", self.instance, self.state, self.exit_code)
+        return self.exit_code
+
+    def stop(self) -> None:
+        """Begin a graceful stop: no more pulls, running requests get the grace period."""
+        self._stop.set()
+
+    async def _wind_down(self) -> None:
+        assert self._puller is not None
+        self._puller.stop()
+        if self._engine_dead:
+            self._hand_back_all()
+            return
+        self.state = "draining"
+        log.info("draining: %d running, grace %.1fs", len(self._running), self.config.grace_period)
+        with anyio.move_on_after(self.config.grace_period):
+            while self._busy:
+                self._idle = anyio.Event()
+                await self._idle.wait()
+        if self._running:
+            log.info("grace period over: handing back %d running jobs", len(self._running))
+            self._hand_back_all()
+
+    def _hand_back_all(self) -> None:
+        for run in self._running.values():
+            run.hand_back = True
+            run.scope.cancel()
+
+    async def _watch_signals(self) -> None:
+        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                if not self._stop.is_set():
+                    log.info("%s: stopping gracefully", signal.Signals(signum).name)
+                    self.stop()
+                else:
+                    log.info("%s again: handing back running jobs now", signal.Signals(signum).name)
+                    self._hand_back_all()
+
+    async def _monitor_engine(self) -> None:
+        while True:
+            await anyio.sleep(self.config.health_interval)
+            try:
+                with anyio.fail_after(self.config.health_timeout):
+                    await self.engine.check_health()
+            except (EngineDead, TimeoutError) as exc:
+                self._on_engine_dead(str(exc) or "health check timed out")
+                return
+
+    def _on_engine_dead(self, why: str) -> None:
+        if self._engine_dead:
+            return
+        log.error("engine is dead (%s): handing back %d jobs and exiting", why, len(self._running))
+        self._engine_dead = True
+        self.exit_code = EXIT_ENGINE_DEAD
+        self.state = "engine_dead"
+        self._hand_back_all()
+        self.stop()
+
+    async def _tick(self) -> None:
+        """Heartbeat frames for quiet requests and in-progress acks for long ones."""
+        every = min(self.config.heartbeat_interval, self.config.policy.ack_wait / 3) / 2
+        progress_every = self.config.policy.ack_wait / 3
+        while True:
+            await anyio.sleep(every)
+            now = time.monotonic()
+            for run in list(self._running.values()):
+                await run.frames.heartbeat_if_idle(now, self.config.heartbeat_interval)
+                if now - run.job.last_progress >= progress_every:
+                    await run.job.in_progress()
+
+    # jobs
+
+    def _on_job(self, msg: Msg) -> None:
+        self._busy += 1
+        self.counters["pulled"] += 1
+        assert self._jobs_tg is not None
+        self._jobs_tg.start_soon(self._run_job, msg)
+
+    async def _run_job(self, msg: Msg) -> None:
+        try:
+            job = Job(msg)
+            try:
+                req, encoding = decode_request(msg.data, msg.headers)
+            except RejectedJob as exc:
+                frames = FrameSink(self.nc, exc.reply_to, exc.encoding, exc.request_id or "")
+                await self._reject(job, frames, exc, exc.request_id)
+                return
+            if req.request_id in self._running:
+                # The same request is already running here (a redelivery that overtook a slow
+                # ack); let that one finish and drop this copy.
+                log.warning("request %s delivered again while running here; dropping the copy", req.request_id)
+                await job.nak(delay=self.config.policy.ack_wait)
+                return
+            await self._serve(job, req, FrameSink(self.nc, req.reply_to, encoding, req.request_id))
+        finally:
+            self._busy -= 1
+            if self._busy == 0:
+                self._idle.set()
+            if self._puller is not None:
+                self._puller.wake()
+
+    async def _serve(self, job: Job, req: GenerateRequest, frames: FrameSink) -> None:
+        run = _Running(job, frames)
+        self._running[req.request_id] = run
+        try:
+            with run.scope:
+                await frames.accepted(self.instance, self.model, job.attempt)
+                try:
+                    await self.role.run(req, frames)
+                except RequestRejected as exc:
+                    await self._reject(job, frames, exc, req.request_id)
+                    return
+                except EngineRequestError as exc:
+                    await self._reject(job, frames, exc, req.request_id, code=ErrorCode.ENGINE_ERROR)
+                    return
+                except EngineDead as exc:
+                    run.hand_back = True
+                    self._on_engine_dead(str(exc))
+                    raise
+                except Exception as exc:  # a bug: tell the producer, keep the job for inspection
+                    log.exception("request %s failed inside jetllm", req.request_id)
+                    await self._reject(
+                        job, frames,
+                        RequestRejected(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"),
+                        req.request_id,
+                    )
+                    return
+                await job.ack()
+                self.counters["acked"] += 1
+        except EngineDead:
+            pass
+        finally:
+            self._running.pop(req.request_id, None)
+            with anyio.CancelScope(shield=True):
+                if run.hand_back:
+                    await job.nak()
+                    self.counters["handed_back"] += 1
+                elif run.cancel_reason is not None and not job.settled:
+                    await frames.error(ErrorCode.CANCELLED, run.cancel_reason)
+                    await job.term()
+                    self.counters["cancelled"] += 1
+
+    async def _reject(
+        self, job: Job, frames: FrameSink, exc: RequestRejected, request_id: str | None,
+        code: ErrorCode | None = None,
+    ) -> None:
+        """Error frame to the producer, the job to the dead-letter stream, then terminate it."""
+        code = code or exc.code
+        log.info("request %s rejected: %s: %s", request_id or f"seq {job.stream_seq}", code.value, exc.message)
+        with anyio.CancelScope(shield=True):
+            await frames.error(code, exc.message, field=exc.field)
+            record = dead_letter_record(job.msg, code, exc.message, self.instance, job.attempt, request_id)
+            try:
+                await self.js.publish(
+                    self.names.dlq(self.role.role, self.model),
+                    codec.encode(record),
+                    headers={"Nats-Msg-Id": f"dlq-{self.names.jobs_stream}-{job.stream_seq}"},
+                )
+            except Exception as exc2:  # keep the job rather than lose it
+                log.error("dead-lettering seq %d failed (%s); handing it back", job.stream_seq, exc2)
+                await job.nak(delay=self.config.policy.ack_wait)
+                return
+            self.counters["dead_lettered"] += 1
+            await job.term()
+
+    # control
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        try:
+            cancel = codec.Decoder(CancelRequest).decode(msg.data, codec.encoding_of(msg.headers))
+        except Exception:
+            return
+        run = self._running.get(cancel.request_id)
+        if run is not None and run.cancel_reason is None:
+            log.info("request %s cancelled by its producer", cancel.request_id)
+            run.cancel_reason = cancel.reason or "cancelled by the producer"
+            run.scope.cancel()
+
+    def status(self) -> WorkerStatus:
+        load = self.engine.load()
+        return WorkerStatus(
+            instance=self.instance,
+            role=self.role.role,
+            model=self.model,
+            state=self.state,
+            slots=self.slots,
+            in_flight=self._busy,
+            request_ids=sorted(self._running),
+            engine_unfinished=load.unfinished,
+            started_at=self.started_at,
+            version=__version__,
+            extra={
+                "engine": self.engine.facts.engine,
+                "engine_running": str(load.running),
+                "engine_waiting": str(load.waiting),
+                "max_model_len": str(self.engine.facts.max_model_len),
+                **{k: str(v) for k, v in self.counters.items()},
+            },
+        )
+
+    async def _on_status(self, msg: Msg) -> None:
+        if msg.reply:
+            await self.nc.publish(msg.reply, codec.encode(self.status(), _reply_encoding(msg)))
+
+
+def _reply_encoding(msg: Msg) -> Any:
+    try:
+        return codec.encoding_of(msg.headers)
+    except codec.UnknownContentType:
+        return "msgpack"
