@@ -59,7 +59,14 @@ def build(out: Path, *, seed: int = 0) -> Path:
         return out
     try:
         import torch
-        from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+        from tokenizers import (
+            Tokenizer,
+            decoders,
+            models,
+            normalizers,
+            pre_tokenizers,
+            trainers,
+        )
         from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
     except ImportError as exc:  # pragma: no cover - depends on the install
         raise RuntimeError(

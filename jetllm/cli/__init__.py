@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from .. import __version__
+from ..bench import run as bench
 from . import demo, misc, produce, worker_cmd
 from .common import setup_logging
 
@@ -22,6 +23,7 @@ def parser() -> argparse.ArgumentParser:
     worker_cmd.register(sub)
     produce.register(sub)
     misc.register(sub)
+    bench.register(sub)
     return p
 
 

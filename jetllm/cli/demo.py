@@ -15,6 +15,7 @@ from pathlib import Path
 import anyio
 import msgspec
 
+from ..aio import run
 from ..schemas import BatchResult
 from .common import TINY_MODEL_NAME
 
@@ -45,7 +46,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     prompts = Path(args.prompts) if args.prompts else Path(str(resources.files("jetllm").joinpath("data", "prompts.jsonl")))
     work = Path(tempfile.mkdtemp(prefix="jetllm-demo-"))
-    print(f"1/4 building the tiny model (cached after the first run)", file=sys.stderr, flush=True)
+    print("1/4 building the tiny model (cached after the first run)", file=sys.stderr, flush=True)
     model_dir = tinymodel.ensure()
     with NatsServer(work / "nats") as server:
         print(f"2/4 nats-server with JetStream at {server.url}", file=sys.stderr, flush=True)
@@ -60,11 +61,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         try:
             print(f"3/4 starting a vLLM worker (log: {log_path}) ...", file=sys.stderr, flush=True)
             started = time.monotonic()
-            anyio.run(_wait_ready, server.url, "default", TINY_MODEL_NAME, proc, args.timeout)
+            run(_wait_ready, server.url, "default", TINY_MODEL_NAME, proc, args.timeout)
             print(f"    worker ready in {time.monotonic() - started:.0f}s", file=sys.stderr, flush=True)
             out = work / "results.jsonl"
             print(f"4/4 jetllm batch {prompts.name} -> {out}", file=sys.stderr, flush=True)
-            summary = anyio.run(
+            summary = run(
                 lambda: run_batch(server.url, "default", prompts, out, model=TINY_MODEL_NAME,
                                   batch_id=f"demo-{int(time.time())}", progress=sys.stderr.isatty())
             )

@@ -9,9 +9,10 @@ import time
 import uuid
 from pathlib import Path
 
-import anyio
 import msgspec
 
+from ..aio import run
+from ..batch import run_batch
 from ..errors import JetllmError
 from ..schemas import (
     AcceptedFrame,
@@ -27,7 +28,6 @@ from ..schemas import (
     TokensFrame,
     TokensPrompt,
 )
-from ..batch import run_batch
 from .common import TINY_MODEL_NAME, add_nats, nats_url
 
 
@@ -112,7 +112,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not args.text and not args.tokens:
         raise SystemExit("give a prompt text, or --tokens")
     try:
-        return anyio.run(_generate, args)
+        return run(_generate, args)
     except JetllmError as exc:
         print(f"error: {exc.code.value}: {exc}", file=sys.stderr)
         return 1
@@ -139,7 +139,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
     out = Path(args.output) if args.output else path.with_suffix(".results.jsonl")
     bid = args.batch_id or batch_id(path, args.model)
     try:
-        summary = anyio.run(
+        summary = run(
             lambda: run_batch(
                 nats_url(args), args.namespace, path, out, model=args.model, batch_id=bid,
                 concurrency=args.concurrency, max_tokens=args.max_tokens,

@@ -99,10 +99,12 @@ def _engine_env() -> None:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     _engine_env()
-    from ..workers.main import EXIT_STARTUP_FAILED, run, run_worker
+    from ..aio import run
+    from ..workers.main import EXIT_STARTUP_FAILED, run_worker
 
     try:
-        return run(run_worker, nats_url(args), engine_options(args), worker_config(args), nats_wait=args.nats_wait)
+        opts, config = engine_options(args), worker_config(args)
+        return run(lambda: run_worker(nats_url(args), opts, config, nats_wait=args.nats_wait))
     except KeyboardInterrupt:
         return 0
     except Exception as exc:
@@ -113,8 +115,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     """Embedded NATS (unless --nats) plus one worker, until Ctrl-C."""
     _engine_env()
+    from ..aio import run
     from ..natsserver import NatsServer
-    from ..workers.main import EXIT_STARTUP_FAILED, run, run_worker
+    from ..workers.main import EXIT_STARTUP_FAILED, run_worker
 
     server = None
     url = args.nats
@@ -131,7 +134,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             "  Ctrl-C stops the worker and the server.",
             file=sys.stderr, flush=True,
         )
-        return run(run_worker, url, opts, worker_config(args), nats_wait=args.nats_wait)
+        config = worker_config(args)
+        return run(lambda: run_worker(url, opts, config, nats_wait=args.nats_wait))
     except KeyboardInterrupt:
         return 0
     except Exception as exc:

@@ -21,7 +21,7 @@ class Message(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     v: int = SCHEMA_VERSION
 
 
-class ErrorCode(str, enum.Enum):
+class ErrorCode(enum.StrEnum):
     """Machine-readable error codes; their values are part of the wire contract."""
 
     MALFORMED = "malformed"

@@ -15,18 +15,24 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
 import msgspec
-import nats.errors
-import nats.js.errors
+from anyio.abc import TaskGroup
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js.api import PubAck
 
-from ..errors import AcceptTimeout, FrameGap, PayloadTooLarge, RequestFailed, WorkerSilent
+from ..errors import (
+    AcceptTimeout,
+    FrameGap,
+    PayloadTooLarge,
+    RequestFailed,
+    WorkerSilent,
+)
 from ..schemas import (
     AcceptedFrame,
     CancelRequest,
@@ -41,6 +47,7 @@ from ..schemas import (
 )
 from . import codec
 from .connection import connect
+from .direct import subscribe_direct
 from .names import Names
 from .setup import QueuePolicy, check_server, ensure_streams
 
@@ -62,6 +69,35 @@ class Completion(msgspec.Struct, kw_only=True):
     worker: str
     choices: list[Completion] = []
     """For n > 1: one entry per choice (index order); the top-level fields are choice 0's."""
+
+
+class _Inbox:
+    """Frames of one request: a deque and one waiter, lighter than asyncio.Queue on this hot path."""
+
+    __slots__ = ("items", "waiter", "deadline")
+
+    def __init__(self) -> None:
+        self.items: deque[bytes | None] = deque()
+        self.waiter: asyncio.Future[None] | None = None
+        self.deadline: float | None = None
+
+    def wait_for(self, seconds: float | None) -> None:
+        self.deadline = None if seconds is None else time.monotonic() + seconds
+
+    def put(self, data: bytes | None) -> None:
+        self.items.append(data)
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def get(self) -> bytes | None:
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        return self.items.popleft()
 
 
 class Client:
@@ -88,7 +124,8 @@ class Client:
         self._policy = policy or QueuePolicy()
         self._inbox_root = ""
         self._sub = None
-        self._queues: dict[str, asyncio.Queue[Msg]] = {}
+        self._inboxes: dict[str, _Inbox] = {}
+        self._tg: TaskGroup | None = None
 
     @property
     def nc(self) -> NATS:
@@ -104,9 +141,10 @@ class Client:
             self.js = self._nc.jetstream(timeout=10)
             await ensure_streams(self.js, self.names, self._policy)
             self._inbox_root = f"_INBOX.{uuid.uuid4().hex}"
-            self._sub = await self._nc.subscribe(
-                f"{self._inbox_root}.*", cb=self._on_frame, pending_msgs_limit=1_000_000
-            )
+            self._sub = await subscribe_direct(self._nc, f"{self._inbox_root}.*", self._on_frame)
+            self._tg = anyio.create_task_group()
+            await self._tg.__aenter__()
+            self._tg.start_soon(self._watchdog)
         except BaseException:
             await self.close()
             raise
@@ -116,6 +154,10 @@ class Client:
         await self.close()
 
     async def close(self) -> None:
+        if self._tg is not None:
+            self._tg.cancel_scope.cancel()
+            await self._tg.__aexit__(None, None, None)
+            self._tg = None
         if self._sub is not None:
             try:
                 await self._sub.unsubscribe()
@@ -126,10 +168,19 @@ class Client:
             await self._nc.drain()
         self._nc = None
 
-    async def _on_frame(self, msg: Msg) -> None:
-        queue = self._queues.get(msg.subject.rsplit(".", 1)[-1])
-        if queue is not None:
-            queue.put_nowait(msg)
+    def _on_frame(self, msg: Msg) -> None:
+        inbox = self._inboxes.get(msg.subject[len(self._inbox_root) + 1 :])
+        if inbox is not None:
+            inbox.put(msg.data)
+
+    async def _watchdog(self) -> None:
+        """Wakes requests whose wait ran out; a timer per request per frame costs too much."""
+        while True:
+            await anyio.sleep(0.1)
+            now = time.monotonic()
+            for inbox in list(self._inboxes.values()):
+                if inbox.deadline is not None and now > inbox.deadline:
+                    inbox.put(None)
 
     # submitting
 
@@ -172,8 +223,8 @@ class Client:
         AcceptTimeout when no worker picks the job up within `accept_timeout` (None: wait).
         """
         token = uuid.uuid4().hex
-        queue: asyncio.Queue[Msg] = asyncio.Queue()
-        self._queues[token] = queue
+        inbox = _Inbox()
+        self._inboxes[token] = inbox
         if req.reply_to is None:
             req = msgspec.structs.replace(req, reply_to=f"{self._inbox_root}.{token}")
         elif not req.reply_to.startswith(self._inbox_root):
@@ -183,22 +234,24 @@ class Client:
             await self.submit(req, role=role)
             last_seq = 0
             accepted = False
+            inbox.wait_for(accept_timeout)
+            decode = codec.frame_decoder.decode
+            encoding = self.encoding
             while True:
-                timeout = self.heartbeat_timeout if accepted else accept_timeout
-                try:
-                    with anyio.fail_after(timeout):
-                        msg = await queue.get()
-                except TimeoutError:
+                data = await inbox.get()
+                if data is None:
                     if accepted:
                         raise WorkerSilent(
                             f"request {req.request_id}: no frame for {self.heartbeat_timeout:.1f}s "
                             "after the worker accepted it"
-                        ) from None
+                        )
                     raise AcceptTimeout(
                         f"request {req.request_id}: no worker accepted it within {accept_timeout}s"
-                    ) from None
-                frame = codec.frame_decoder.decode(msg.data, self.encoding)
+                    )
+                frame = decode(data, encoding)
                 if isinstance(frame, HeartbeatFrame):
+                    if accepted:
+                        inbox.wait_for(self.heartbeat_timeout)
                     if frame.seq > last_seq:
                         raise FrameGap(
                             f"request {req.request_id}: frames {last_seq + 1}..{frame.seq} were lost"
@@ -213,12 +266,14 @@ class Client:
                 last_seq = frame.seq
                 if isinstance(frame, AcceptedFrame):
                     accepted = True
+                if accepted:
+                    inbox.wait_for(self.heartbeat_timeout)
                 yield frame
                 if isinstance(frame, (FinalFrame, ErrorFrame)):
                     finished = True
                     return
         finally:
-            self._queues.pop(token, None)
+            self._inboxes.pop(token, None)
             if not finished and self._nc is not None and self._nc.is_connected:
                 with anyio.CancelScope(shield=True):
                     try:

@@ -55,13 +55,3 @@ async def run_worker(url: str, engine_opts: EngineOptions, config: WorkerConfig,
             except Exception:
                 pass
 
-
-def run(coro_fn, *args, **kwargs):
-    """anyio.run on asyncio, with uvloop when it is installed."""
-    try:
-        import uvloop  # noqa: F401
-
-        opts = {"use_uvloop": True}
-    except ImportError:
-        opts = {}
-    return anyio.run(lambda: coro_fn(*args, **kwargs), backend="asyncio", backend_options=opts)

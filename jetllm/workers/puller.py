@@ -9,6 +9,7 @@ worker always knows how many more jobs the server may still send it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -19,7 +20,16 @@ import anyio
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from ..subjects.direct import subscribe_direct
+
 log = logging.getLogger(__name__)
+
+
+async def _nak(msg: Msg) -> None:
+    try:
+        await msg.nak()
+    except Exception as exc:
+        log.warning("could not hand back a stray job: %s", exc)
 
 
 class _Pull:
@@ -63,7 +73,7 @@ class Puller:
 
     async def run(self) -> None:
         """Pull until stop(); then keep handing stray deliveries back until all credit is gone."""
-        sub = await self._nc.subscribe(f"{self._inbox}.*", cb=self._on_msg)
+        sub = await subscribe_direct(self._nc, f"{self._inbox}.*", self._on_msg)
         try:
             while not self._stopping:
                 self._expire(time.monotonic())
@@ -104,7 +114,7 @@ class Puller:
             self.outstanding -= pull.credit
         self._wake.set()
 
-    async def _on_msg(self, msg: Msg) -> None:
+    def _on_msg(self, msg: Msg) -> None:
         token = msg.subject.rsplit(".", 1)[-1]
         status = msg.headers.get("Status") if msg.headers else None
         if status and not msg.data:
@@ -125,10 +135,7 @@ class Puller:
                 del self._pulls[token]
         if self._stopping or self._free_slots() <= 0:
             # Not ours to run: a stray delivery after stop, or a forgotten pull that was honoured.
-            try:
-                await msg.nak()
-            except Exception:
-                pass
+            asyncio.get_running_loop().create_task(_nak(msg))
             return
         self.pulled += 1
         self._on_job(msg)

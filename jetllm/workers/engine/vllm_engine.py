@@ -10,7 +10,14 @@ from typing import Any
 import anyio
 
 from ...errors import EngineDead, EngineRequestError, RequestRejected
-from ...schemas import ChatPrompt, ErrorCode, GenerateRequest, Prompt, TextPrompt, TokensPrompt
+from ...schemas import (
+    ChatPrompt,
+    ErrorCode,
+    GenerateRequest,
+    Prompt,
+    TextPrompt,
+    TokensPrompt,
+)
 from .base import ChoiceDelta, EngineFacts, EngineLoad, EngineStep
 from .options import EngineOptions
 from .sampling import build_sampling_params, field_of
@@ -189,7 +196,7 @@ class VllmEngine:
             logprobs = top = None
             if c.logprobs:
                 logprobs, top = [], []
-                for tid, entry in zip(c.token_ids, c.logprobs):
+                for tid, entry in zip(c.token_ids, c.logprobs, strict=False):
                     logprobs.append(float(entry[tid].logprob) if tid in entry else float("nan"))
                     top.append({int(k): float(v.logprob) for k, v in entry.items()})
             reason = _FINISH.get(c.finish_reason) if c.finish_reason else None

@@ -1,0 +1,166 @@
+"""Running the targets one after another on the same machine and reporting them side by side."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+import msgspec
+
+from ..aio import run
+from ..workers.engine import EngineOptions
+from .targets import run_direct, run_jetllm, run_openai
+from .workload import Summary, Workload
+
+TARGETS = ("direct", "jetllm", "openai")
+
+
+def table(rows: list[Summary]) -> str:
+    head = "| target | output tok/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | errors |\n|---|---:|---:|---:|---:|---:|---:|\n"
+    body = "".join(
+        f"| {r.target} | {r.tokens_per_s:,.0f} | {r.ttft_p50_ms:.1f} | {r.ttft_p99_ms:.1f} | "
+        f"{r.itl_p50_ms:.2f} | {r.itl_p99_ms:.2f} | {r.errors} |\n"
+        for r in rows
+    )
+    return head + body
+
+
+def ratios(rows: list[Summary]) -> str:
+    by = {r.target: r for r in rows}
+    d = by.get("AsyncLLM direct")
+    j = by.get("through jetllm")
+    o = by.get("vLLM OpenAI server (HTTP streaming)")
+    lines = []
+    if d and j:
+        lines.append(f"- jetllm / direct throughput: **{j.tokens_per_s / d.tokens_per_s:.3f}x** (target >= 0.95x)")
+        lines.append(f"- TTFT p50 added by jetllm: **{j.ttft_p50_ms - d.ttft_p50_ms:+.1f} ms** (target <= 5 ms)")
+        lines.append(f"- ITL p50 added by jetllm: {j.itl_p50_ms - d.itl_p50_ms:+.2f} ms")
+    if j and o:
+        lines.append(f"- jetllm / vLLM OpenAI server throughput: **{j.tokens_per_s / o.tokens_per_s:.3f}x** (target >= 1x)")
+        lines.append(f"- TTFT p50 jetllm vs OpenAI server: {j.ttft_p50_ms - o.ttft_p50_ms:+.1f} ms")
+    return "\n".join(lines)
+
+
+def report(work: Workload, opts: EngineOptions, rows: list[Summary], command: str) -> str:
+    when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    return (
+        f"Measured {when} on {os.cpu_count()} CPUs ({platform.machine()}), Python {platform.python_version()}.\n\n"
+        f"Workload: {work.requests} requests, {work.concurrency} concurrent, {work.prompt_len}-token prompts, "
+        f"{work.output_len} output tokens each (greedy, ignore_eos), after {work.warmup} warm-up requests; "
+        f"model `{opts.name}`, engine arguments identical for all targets "
+        f"(max_model_len={opts.max_model_len}, dtype={opts.dtype or 'auto'}, max_num_seqs={opts.max_num_seqs}, "
+        f"block_size={opts.block_size or 'default'}, enforce_eager={opts.enforce_eager}).\n\n"
+        f"Command: `{command}`\n\n" + table(rows) + "\n" + ratios(rows) + "\n"
+    )
+
+
+async def _run(args: argparse.Namespace, work: Workload, opts: EngineOptions, log_dir: Path) -> list[Summary]:
+    from ..natsserver import NatsServer
+
+    rows: list[Summary] = []
+    vocab = None
+    for target in args.targets.split(","):
+        print(f"bench: {target} ...", file=sys.stderr, flush=True)
+        if target == "direct":
+            rows.append(await run_direct(opts, work))
+        elif target == "jetllm":
+            vocab = vocab or _vocab(opts)
+            if args.nats:
+                rows.append(await run_jetllm(opts, work, args.nats, log_dir, vocab))
+            else:
+                with NatsServer(log_dir / "nats") as server:
+                    rows.append(await run_jetllm(opts, work, server.url, log_dir, vocab))
+        elif target == "openai":
+            vocab = vocab or _vocab(opts)
+            rows.append(await run_openai(opts, work, log_dir, vocab))
+        else:
+            raise SystemExit(f"unknown target {target!r}; choose from {', '.join(TARGETS)}")
+        print(table(rows[-1:]), file=sys.stderr, flush=True)
+    return rows
+
+
+def _vocab(opts: EngineOptions) -> int:
+    import json
+
+    cfg = Path(opts.model) / "config.json"
+    if cfg.is_file():
+        return int(json.loads(cfg.read_text()).get("vocab_size", 500))
+    return 500
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from .. import tinymodel
+    from ..cli.common import TINY_MODEL_NAME, parse_kv
+
+    model, served = args.model, args.served_model_name
+    if model is None:
+        model, served = str(tinymodel.ensure()), served or TINY_MODEL_NAME
+    opts = EngineOptions(
+        model=model, served_model_name=served, max_model_len=args.max_model_len, dtype=args.dtype,
+        kv_cache_bytes=args.kv_cache_bytes, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        enforce_eager=True, extra=parse_kv(args.engine_arg),
+    )
+    if opts.dtype is None:
+        from vllm.platforms import current_platform
+
+        opts = msgspec.structs.replace(opts, dtype="float32" if current_platform.is_cpu() else "auto")
+    work = Workload(
+        requests=args.requests, concurrency=args.concurrency, prompt_len=args.prompt_len,
+        output_len=args.output_len, warmup=args.warmup,
+    )
+    log_dir = Path(tempfile.mkdtemp(prefix="jetllm-bench-"))
+    rows = run(_run, args, work, opts, log_dir)
+    command = "jetllm bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "jetllm bench"
+    text = report(work, opts, rows, command)
+    print("\n" + text)
+    if args.json:
+        Path(args.json).write_bytes(msgspec.json.encode(rows))
+    if args.write:
+        _write_section(Path(args.write), text)
+    print(f"(logs in {log_dir})", file=sys.stderr)
+    return 0
+
+
+MARK_BEGIN = "<!-- bench:begin -->"
+MARK_END = "<!-- bench:end -->"
+
+
+def _write_section(path: Path, text: str) -> None:
+    """Replace the marked section of a markdown file with the new figures."""
+    old = path.read_text() if path.exists() else f"# Benchmarks\n\n{MARK_BEGIN}\n{MARK_END}\n"
+    if MARK_BEGIN not in old:
+        old += f"\n{MARK_BEGIN}\n{MARK_END}\n"
+    head, _, rest = old.partition(MARK_BEGIN)
+    _, _, tail = rest.partition(MARK_END)
+    path.write_text(f"{head}{MARK_BEGIN}\n{text}{MARK_END}{tail}")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="throughput and latency: direct AsyncLLM vs jetllm vs vLLM's HTTP server",
+                       description="Run one workload against AsyncLLM called directly, through jetllm (embedded "
+                       "NATS + a worker process), and vLLM's OpenAI server, one after another, with the same "
+                       "engine arguments; report output tokens/s, TTFT and inter-token latency.")
+    p.add_argument("--targets", default=",".join(TARGETS), help="comma separated: direct,jetllm,openai")
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=30)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--warmup", type=int, default=32)
+    p.add_argument("--model", default=None, help="default: the tiny model")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--max-model-len", type=int, default=1024)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--kv-cache-bytes", type=int, default=512 << 20)
+    p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--nats", default=None, help="use this NATS server instead of an embedded one")
+    p.add_argument("--json", default=None, help="also write the summaries as JSON here")
+    p.add_argument("--write", default=None, help="replace the figures section of this markdown file")
+    p.set_defaults(func=cmd_bench)

@@ -1,0 +1,196 @@
+"""The three ways the benchmark drives the same engine: directly, through jetllm, over HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import anyio
+
+from ..workers.engine import EngineOptions
+from .workload import Recorder, Summary, Timing, Workload, summarize
+
+
+async def _drive(prompts: list[list[int]], concurrency: int, one) -> tuple[list[Timing], float, int]:
+    timings: list[Timing] = []
+    errors = 0
+    limiter = anyio.Semaphore(concurrency)
+
+    async def run(p: list[int]) -> None:
+        nonlocal errors
+        async with limiter:
+            try:
+                timings.append(await one(p))
+            except Exception as exc:
+                errors += 1
+                if errors <= 3:
+                    print(f"  request failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+    started = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for p in prompts:
+            tg.start_soon(run, p)
+    return timings, time.perf_counter() - started, errors
+
+
+async def run_direct(opts: EngineOptions, work: Workload) -> Summary:
+    """AsyncLLM in this process, called the way a Python program would call it."""
+    from vllm import SamplingParams
+    from vllm.inputs import tokens_input
+    from vllm.sampling_params import RequestOutputKind
+
+    from ..workers.engine.vllm_engine import VllmEngine
+
+    engine = await VllmEngine.start(opts)
+    llm = engine.llm
+    params = SamplingParams(
+        temperature=0, max_tokens=work.output_len, ignore_eos=True, detokenize=False,
+        output_kind=RequestOutputKind.DELTA,
+    )
+
+    async def one(prompt: list[int]) -> Timing:
+        rec = Recorder(time.perf_counter())
+        async for out in llm.generate(tokens_input(prompt), params, uuid.uuid4().hex):
+            rec.chunk(time.perf_counter(), len(out.outputs[0].token_ids))
+        return rec.done(time.perf_counter())
+
+    try:
+        vocab = engine.facts.vocab_size or 500
+        await _drive(work.prompts(vocab, work.warmup, offset=1), work.concurrency, one)
+        timings, seconds, errors = await _drive(work.prompts(vocab), work.concurrency, one)
+    finally:
+        await engine.close()
+    return summarize("AsyncLLM direct", timings, seconds, errors)
+
+
+def engine_cli_args(opts: EngineOptions) -> list[str]:
+    args = ["--model", opts.model]
+    if opts.served_model_name:
+        args += ["--served-model-name", opts.served_model_name]
+    for flag, value in (
+        ("--max-model-len", opts.max_model_len), ("--dtype", opts.dtype),
+        ("--block-size", opts.block_size), ("--max-num-seqs", opts.max_num_seqs),
+    ):
+        if value is not None:
+            args += [flag, str(value)]
+    return args
+
+
+async def run_jetllm(opts: EngineOptions, work: Workload, url: str, log_dir: Path, vocab: int) -> Summary:
+    """A `jetllm worker` process; this process is the producer, streaming over NATS."""
+    from ..schemas import (
+        GenerateRequest,
+        SamplingOptions,
+        StopConditions,
+        TokensFrame,
+        TokensPrompt,
+    )
+    from ..subjects import Client
+    from ..subjects.fleet import wait_for_workers
+
+    namespace = f"bench-{uuid.uuid4().hex[:8]}"
+    cmd = [sys.executable, "-m", "jetllm", "worker", "--nats", url, "--namespace", namespace,
+           *engine_cli_args(opts), "--kv-cache-bytes", str(opts.kv_cache_bytes or (1 << 30)),
+           "--slots", str(opts.max_num_seqs or 256)]
+    for key, value in opts.extra.items():
+        cmd += ["--engine-arg", f"{key}={json.dumps(value)}"]
+    log = open(log_dir / "bench-worker.log", "wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        async with Client(url, namespace=namespace, heartbeat_timeout=60) as client:
+            await wait_for_workers(client.nc, client.names, model=opts.name, timeout=600)
+
+            async def one(prompt: list[int]) -> Timing:
+                req = GenerateRequest(
+                    request_id=uuid.uuid4().hex, model=opts.name, prompt=TokensPrompt(prompt),
+                    sampling=SamplingOptions(temperature=0),
+                    stop=StopConditions(max_tokens=work.output_len, ignore_eos=True),
+                )
+                rec = Recorder(time.perf_counter())
+                async for frame in client.generate(req):
+                    if isinstance(frame, TokensFrame):
+                        rec.chunk(time.perf_counter(), len(frame.token_ids))
+                return rec.done(time.perf_counter())
+
+            await _drive(work.prompts(vocab, work.warmup, offset=1), work.concurrency, one)
+            timings, seconds, errors = await _drive(work.prompts(vocab), work.concurrency, one)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+    return summarize("through jetllm", timings, seconds, errors)
+
+
+async def run_openai(opts: EngineOptions, work: Workload, log_dir: Path, vocab: int) -> Summary:
+    """vLLM's own OpenAI server with the same engine arguments, over its streaming API."""
+    import aiohttp
+
+    from ..natsserver import free_port
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *engine_cli_args(opts),
+           "--kv-cache-memory-bytes", str(opts.kv_cache_bytes or (1 << 30)),
+           "--host", "127.0.0.1", "--port", str(port), "--disable-log-requests"]
+    if opts.enforce_eager is not False:
+        cmd.append("--enforce-eager")
+    for key, value in opts.extra.items():
+        cmd += [f"--{key.replace('_', '-')}", str(value)]
+    log = open(log_dir / "bench-openai-server.log", "wb")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
+        conn = aiohttp.TCPConnector(limit=work.concurrency * 2)
+        async with aiohttp.ClientSession(timeout=timeout, connector=conn) as http:
+            deadline = time.monotonic() + 600
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"vLLM OpenAI server exited ({proc.returncode}); see {log.name}")
+                try:
+                    async with http.get(f"{base}/health") as r:
+                        if r.status == 200:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError("vLLM OpenAI server did not become healthy")
+                await anyio.sleep(0.5)
+
+            async def one(prompt: list[int]) -> Timing:
+                body = {
+                    "model": opts.name, "prompt": prompt, "max_tokens": work.output_len, "temperature": 0,
+                    "ignore_eos": True, "stream": True, "return_token_ids": True,
+                }
+                rec = Recorder(time.perf_counter())
+                async with http.post(f"{base}/v1/completions", json=body) as r:
+                    if r.status != 200:
+                        raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
+                    async for raw in r.content:
+                        line = raw.strip()
+                        if not line.startswith(b"data:") or line == b"data: [DONE]":
+                            continue
+                        chunk = json.loads(line[5:])
+                        for choice in chunk.get("choices", []):
+                            ids = choice.get("token_ids")
+                            rec.chunk(time.perf_counter(), len(ids) if ids is not None else 1)
+                return rec.done(time.perf_counter())
+
+            await _drive(work.prompts(vocab, work.warmup, offset=1), work.concurrency, one)
+            timings, seconds, errors = await _drive(work.prompts(vocab), work.concurrency, one)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+    return summarize("vLLM OpenAI server (HTTP streaming)", timings, seconds, errors)
