@@ -31,4 +31,6 @@ class WorkerStatus(Message):
     """Requests the engine itself still holds (vLLM's own count)."""
     started_at: float = 0.0
     version: str = ""
+    host: str = ""
+    pid: int = 0
     extra: dict[str, str] = msgspec.field(default_factory=dict)

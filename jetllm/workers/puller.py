@@ -9,7 +9,6 @@ worker always knows how many more jobs the server may still send it.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -62,6 +61,9 @@ class Puller:
         self._counter = 0
         self._wake = anyio.Event()
         self._stopping = False
+        self._strays: list[Msg] = []
+        self.done = anyio.Event()
+        """Set once no more jobs can arrive: safe to hand jobs back without them bouncing to us."""
         self.outstanding = 0
         self.bound = False
         """True once the first pull request was answered by the consumer."""
@@ -72,7 +74,11 @@ class Puller:
         self._wake.set()
 
     async def run(self) -> None:
-        """Pull until stop(); then keep handing stray deliveries back until all credit is gone."""
+        """Pull until stop(); then drop all outstanding credit and hand back stray deliveries.
+
+        Unsubscribing the reply inbox is what cancels the outstanding pull requests: the server
+        drops a pull request whose reply subject has lost its interest.
+        """
         sub = await subscribe_direct(self._nc, f"{self._inbox}.*", self._on_msg)
         try:
             while not self._stopping:
@@ -83,13 +89,19 @@ class Puller:
                 with anyio.move_on_after(self._expires / 2):
                     await self._wake.wait()
                 self._wake = anyio.Event()
-            deadline = time.monotonic() + self._expires + 1.0
-            while self._pulls and time.monotonic() < deadline:
-                await anyio.sleep(0.05)
-                self._expire(time.monotonic())
+            await anyio.sleep(0.05)  # deliveries already on the wire
         finally:
             with anyio.CancelScope(shield=True):
-                await sub.unsubscribe()
+                try:
+                    await sub.unsubscribe()
+                except Exception:
+                    pass
+                self._pulls.clear()
+                self.outstanding = 0
+                for msg in self._strays:
+                    await _nak(msg)
+                self._strays.clear()
+                self.done.set()
 
     def stop(self) -> None:
         self._stopping = True
@@ -135,7 +147,8 @@ class Puller:
                 del self._pulls[token]
         if self._stopping or self._free_slots() <= 0:
             # Not ours to run: a stray delivery after stop, or a forgotten pull that was honoured.
-            asyncio.get_running_loop().create_task(_nak(msg))
+            self._strays.append(msg)
+            self._wake.set()
             return
         self.pulled += 1
         self._on_job(msg)

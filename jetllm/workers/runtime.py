@@ -276,12 +276,19 @@ class Worker:
             self._running.pop(req.request_id, None)
             with anyio.CancelScope(shield=True):
                 if run.hand_back:
+                    await self._pulling_stopped()
                     await job.nak()
                     self.counters["handed_back"] += 1
                 elif run.cancel_reason is not None and not job.settled:
                     await frames.error(ErrorCode.CANCELLED, run.cancel_reason)
                     await job.term()
                     self.counters["cancelled"] += 1
+
+    async def _pulling_stopped(self) -> None:
+        """Wait (briefly) until this worker can receive no more jobs, so a handed-back job goes elsewhere."""
+        if self._puller is not None:
+            with anyio.move_on_after(self.config.pull_expires + 2):
+                await self._puller.done.wait()
 
     async def _reject(
         self, job: Job, frames: FrameSink, exc: RequestRejected, request_id: str | None,
@@ -332,6 +339,8 @@ class Worker:
             engine_unfinished=load.unfinished,
             started_at=self.started_at,
             version=__version__,
+            host=socket.gethostname(),
+            pid=os.getpid(),
             extra={
                 "engine": self.engine.facts.engine,
                 "engine_running": str(load.running),

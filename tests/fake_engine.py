@@ -1,0 +1,123 @@
+"""A light engine for fast tests of the message plane. Never a default; lives only under tests/.
+
+It mimics the parts of vLLM the worker relies on: a context limit, greedy-looking deterministic
+tokens, EOS, stop token ids, stop strings over a simple text form, min/max tokens, n choices,
+cancellation, and death. Token i of a request is (sum of the context so far) % vocab.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import anyio
+
+from jetllm.errors import EngineDead, EngineRequestError, RequestRejected
+from jetllm.schemas import ChatPrompt, ErrorCode, GenerateRequest, Prompt, TextPrompt, TokensPrompt
+from jetllm.workers.engine import ChoiceDelta, EngineFacts, EngineLoad, EngineStep
+
+EOS = 2
+
+
+def text_of(token: int) -> str:
+    return f"<{token}>"
+
+
+class FakeEngine:
+    def __init__(
+        self, *, model: str = "fake", max_model_len: int = 256, vocab: int = 97,
+        step_delay: float = 0.001, max_num_seqs: int = 64,
+    ) -> None:
+        self.facts = EngineFacts(
+            model=model, max_model_len=max_model_len, vocab_size=vocab, max_num_seqs=max_num_seqs,
+            block_size=16, num_kv_blocks=1024, engine="fake",
+        )
+        self.step_delay = step_delay
+        self.running: set[str] = set()
+        self.aborted: list[str] = []
+        self.dead = False
+        self.stalled = False  # True: every request freezes mid-stream
+        self.started = 0
+        self.fail_prompts: set[int] = set()  # a prompt starting with one of these fails in the engine
+
+    async def render(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, TokensPrompt):
+            return list(prompt.token_ids)
+        if isinstance(prompt, TextPrompt):
+            return [ord(c) % self.facts.vocab_size for c in prompt.text]
+        if isinstance(prompt, ChatPrompt):
+            text = "".join(f"[{m.role}]{m.content}" for m in prompt.messages) + "[assistant]"
+            return [ord(c) % self.facts.vocab_size for c in text]
+        raise RequestRejected(ErrorCode.INVALID_REQUEST, "unknown prompt")
+
+    async def generate(self, req: GenerateRequest, prompt_ids: list[int], max_tokens: int) -> AsyncIterator[EngineStep]:
+        if self.dead:
+            raise EngineDead("fake engine is dead")
+        if req.stop.min_tokens > max_tokens:
+            raise RequestRejected(ErrorCode.INVALID_REQUEST, "min_tokens must be <= max_tokens",
+                                  field="$.stop.min_tokens")
+        if prompt_ids and prompt_ids[0] in self.fail_prompts:
+            raise EngineRequestError("fake engine failed this request")
+        vocab = self.facts.vocab_size
+        if any(t >= vocab for t in prompt_ids):
+            raise RequestRejected(ErrorCode.INVALID_REQUEST, f"token id out of vocabulary ({vocab})",
+                                  field="$.prompt.token_ids")
+        want_text = req.output.text if req.output.text is not None else not isinstance(req.prompt, TokensPrompt)
+        rid = req.request_id
+        self.running.add(rid)
+        self.started += 1
+        n = req.sampling.n
+        ctx = [list(prompt_ids) for _ in range(n)]
+        texts = ["" for _ in range(n)]
+        produced = [0] * n
+        done = [False] * n
+        try:
+            while not all(done):
+                while self.stalled:
+                    await anyio.sleep(0.01)
+                await anyio.sleep(self.step_delay)
+                if self.dead:
+                    raise EngineDead("fake engine died")
+                choices = []
+                for i in range(n):
+                    if done[i]:
+                        continue
+                    tok = (sum(ctx[i]) + i) % vocab
+                    ctx[i].append(tok)
+                    produced[i] += 1
+                    finish = stop_reason = None
+                    piece = text_of(tok)
+                    if produced[i] >= req.stop.min_tokens:
+                        if tok == EOS and not req.stop.ignore_eos:
+                            finish = "stop"
+                        elif tok in req.stop.stop_token_ids:
+                            finish, stop_reason = "stop", tok
+                        else:
+                            for s in req.stop.stop:
+                                if s in texts[i] + piece:
+                                    finish, stop_reason = "stop", s
+                                    break
+                    if finish is None and produced[i] >= max_tokens:
+                        finish = "length"
+                    texts[i] += piece
+                    done[i] = finish is not None
+                    choices.append(ChoiceDelta(
+                        index=i, token_ids=[tok], text=piece if want_text else None,
+                        finish_reason=finish, stop_reason=stop_reason,
+                    ))
+                yield EngineStep(choices=choices, finished=all(done))
+        except BaseException:
+            if not all(done):
+                self.aborted.append(rid)
+            raise
+        finally:
+            self.running.discard(rid)
+
+    async def check_health(self) -> None:
+        if self.dead:
+            raise EngineDead("fake engine is dead")
+
+    def load(self) -> EngineLoad:
+        return EngineLoad(running=len(self.running), waiting=0, unfinished=len(self.running))
+
+    async def close(self) -> None:
+        pass
