@@ -212,3 +212,48 @@ def shared_vllm(nats_url, tiny_model, tmp_path_factory) -> Iterator[WorkerProces
         yield w
     finally:
         w.stop()
+
+
+class DirectVllm:
+    """The reference: vLLM's AsyncLLM called directly, in a child process (tests/helpers/direct_vllm.py)."""
+
+    def __init__(self, model: Path, log_path: Path) -> None:
+        import threading
+
+        self._lock = threading.Lock()
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.helpers.direct_vllm", str(model)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
+            cwd=Path(__file__).resolve().parent.parent, text=True,
+        )
+        ready = self.proc.stdout.readline()
+        if not ready:
+            raise RuntimeError(f"direct vLLM helper did not start; see {log_path}")
+
+    def run(self, prompt: dict, **params) -> dict:
+        import json
+
+        with self._lock:
+            self.proc.stdin.write(json.dumps({"prompt": prompt, "params": params}) + "\n")
+            self.proc.stdin.flush()
+            return json.loads(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+            self.proc.wait(60)
+        except Exception:
+            self.proc.kill()
+        self._log.close()
+
+
+@pytest.fixture(scope="session")
+def direct(tiny_model, tmp_path_factory) -> Iterator[DirectVllm]:
+    if not vllm_available():
+        pytest.skip("vLLM is not installed")
+    d = DirectVllm(tiny_model, tmp_path_factory.mktemp("direct") / "direct.log")
+    try:
+        yield d
+    finally:
+        d.close()

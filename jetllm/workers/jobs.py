@@ -17,6 +17,17 @@ from ..subjects.names import is_safe_reply_subject
 
 log = logging.getLogger(__name__)
 _AT = re.compile(r" - at `(\$[^`]*)`$")
+_MISSING = re.compile(r"missing required field `([^`]+)`")
+
+
+def field_path(message: str) -> str | None:
+    """The field a msgspec validation message is about, as `$.a.b`."""
+    at = _AT.search(message)
+    path = at.group(1) if at else "$"
+    missing = _MISSING.search(message)
+    if missing:
+        return f"{path}.{missing.group(1)}"
+    return path if at else None
 
 
 class RejectedJob(RequestRejected):
@@ -60,9 +71,8 @@ def decode_request(data: bytes, headers: dict[str, str] | None) -> tuple[Generat
                 field="$.v", request_id=rid, reply_to=reply, encoding=encoding,
             ) from None
         text = str(exc)
-        m = _AT.search(text)
         raise RejectedJob(
-            ErrorCode.INVALID_REQUEST, text, field=m.group(1) if m else None,
+            ErrorCode.INVALID_REQUEST, text, field=field_path(text),
             request_id=rid, reply_to=reply, encoding=encoding,
         ) from None
     except msgspec.DecodeError as exc:

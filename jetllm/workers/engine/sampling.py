@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ...errors import RequestRejected
@@ -22,13 +23,18 @@ _FIELDS = {
     "logprobs": "$.output.logprobs",
     "prompt": "$.prompt",
 }
+_LEADING_NAME = re.compile(r"^`?(\w+)`? (?:must|should|cannot|is)")
 _MODEL_DEFAULTED = (
     "temperature", "top_p", "top_k", "min_p",
     "presence_penalty", "frequency_penalty", "repetition_penalty",
 )
 
 
-def field_of(parameter: str | None) -> str | None:
+def field_of(parameter: str | None, message: str = "") -> str | None:
+    """Our field path for a vLLM parameter name (or, lacking one, the name a message starts with)."""
+    if parameter is None:
+        m = _LEADING_NAME.match(message)
+        parameter = m.group(1) if m and m.group(1) in _FIELDS else None
     if parameter is None:
         return None
     return _FIELDS.get(parameter, f"$.{parameter}")
@@ -66,7 +72,7 @@ def build_sampling_params(req: GenerateRequest, max_tokens: int, model_defaults:
         )
     except VLLMValidationError as exc:
         raise RequestRejected(
-            ErrorCode.INVALID_REQUEST, str(exc), field=field_of(getattr(exc, "parameter", None))
+            ErrorCode.INVALID_REQUEST, str(exc), field=field_of(getattr(exc, "parameter", None), str(exc))
         ) from None
     except (ValueError, TypeError) as exc:
-        raise RequestRejected(ErrorCode.INVALID_REQUEST, str(exc)) from None
+        raise RequestRejected(ErrorCode.INVALID_REQUEST, str(exc), field=field_of(None, str(exc))) from None

@@ -172,7 +172,7 @@ class VllmEngine:
             raise EngineDead("the vLLM engine died") from None
         except VLLMValidationError as exc:
             raise RequestRejected(
-                ErrorCode.INVALID_REQUEST, str(exc), field=field_of(getattr(exc, "parameter", None))
+                ErrorCode.INVALID_REQUEST, str(exc), field=field_of(getattr(exc, "parameter", None), str(exc))
             ) from None
         except EngineGenerateError as exc:
             cause = exc.__cause__

@@ -1,0 +1,241 @@
+"""Generation through jetllm against a real vLLM worker, compared with vLLM's AsyncLLM called directly."""
+
+from __future__ import annotations
+
+import math
+import uuid
+
+import anyio
+import pytest
+
+from jetllm.errors import RequestFailed
+from jetllm.schemas import (
+    ChatMessage,
+    ChatPrompt,
+    ErrorCode,
+    FinalFrame,
+    GenerateRequest,
+    OutputOptions,
+    SamplingOptions,
+    StopConditions,
+    TextPrompt,
+    TokensFrame,
+    TokensPrompt,
+)
+from jetllm.subjects import Client
+
+from .conftest import TINY
+from .jobs import RawInbox, consumer_counts, publish_raw
+
+pytestmark = [pytest.mark.anyio, pytest.mark.vllm]
+
+# Greedy continuations of these prompts end in EOS (id 2) after 46 and 24 tokens (found by search).
+ENDS_IN_EOS = [[171, 99, 166], [224, 311, 277, 213]]
+PROMPTS = [[1, 5, 6, 7, 8], [300, 12, 44, 9, 150, 151, 152, 7], [11] * 20, *ENDS_IN_EOS]
+
+
+@pytest.fixture
+async def c(shared_vllm, nats_url):
+    async with Client(nats_url, namespace=shared_vllm.namespace, heartbeat_timeout=30) as client:
+        yield client
+
+
+def request(prompt, *, max_tokens=None, **kw) -> GenerateRequest:
+    if isinstance(prompt, list):
+        prompt = TokensPrompt(prompt)
+    stop = kw.pop("stop", None) or StopConditions(max_tokens=max_tokens)
+    return GenerateRequest(
+        request_id=kw.pop("request_id", f"v-{uuid.uuid4().hex}"), model=TINY, prompt=prompt,
+        sampling=kw.pop("sampling", SamplingOptions(temperature=0)), stop=stop, **kw,
+    )
+
+
+async def ref(direct, prompt: dict, **params) -> dict:
+    result = await anyio.to_thread.run_sync(lambda: direct.run(prompt, **params))
+    assert "error" not in result, result
+    return result
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+async def test_greedy_token_mode_equals_asyncllm_called_directly(c, direct, prompt):
+    expected = await ref(direct, {"token_ids": prompt}, temperature=0, max_tokens=64)
+    got = await c.complete(request(prompt, max_tokens=64))
+    assert got.token_ids == expected["token_ids"]
+    assert got.finish_reason == expected["finish_reason"]
+    assert got.usage.prompt_tokens == len(prompt)
+    assert got.usage.completion_tokens == len(expected["token_ids"])
+
+
+async def test_eos_ends_generation_unless_ignore_eos(c, direct):
+    prompt = ENDS_IN_EOS[1]
+    plain = await c.complete(request(prompt, max_tokens=64))
+    forced = await c.complete(request(prompt, stop=StopConditions(max_tokens=64, ignore_eos=True)))
+    expected = await ref(direct, {"token_ids": prompt}, temperature=0, max_tokens=64, ignore_eos=True)
+    assert plain.finish_reason == "stop" and plain.token_ids[-1] == 2 and len(plain.token_ids) < 64
+    assert forced.finish_reason == "length" and len(forced.token_ids) == 64
+    assert forced.token_ids == expected["token_ids"]
+
+
+async def test_chat_mode_applies_the_chat_template_and_text_deltas_concatenate(c, direct):
+    messages = [{"role": "system", "content": "you are a helpful assistant."},
+                {"role": "user", "content": "write a short poem about the sea."}]
+    expected = await ref(direct, {"chat": messages}, temperature=0, max_tokens=40)
+    req = request(ChatPrompt([ChatMessage(role=m["role"], content=m["content"]) for m in messages]), max_tokens=40)
+    deltas, tokens, final = [], [], None
+    async for frame in c.generate(req):
+        if isinstance(frame, TokensFrame):
+            deltas.append(frame.text)
+            tokens.extend(frame.token_ids)
+        elif isinstance(frame, FinalFrame):
+            final = frame
+    # the template was applied: same rendered prompt length as vLLM's own chat rendering
+    assert final.usage.prompt_tokens == len(expected["prompt_token_ids"]) > 20
+    assert tokens == expected["token_ids"]
+    assert all(d is not None for d in deltas)
+    assert "".join(deltas) == expected["text"]
+
+
+async def test_text_prompt_is_tokenized_like_vllm(c, direct):
+    expected = await ref(direct, {"text": "Once upon a time there was a tiny model"}, temperature=0, max_tokens=30)
+    got = await c.complete(request(TextPrompt("Once upon a time there was a tiny model"), max_tokens=30))
+    assert got.usage.prompt_tokens == len(expected["prompt_token_ids"])
+    assert got.token_ids == expected["token_ids"] and got.text == expected["text"]
+
+
+async def test_stop_token_ids_and_min_tokens_behave_as_in_vllm(c, direct):
+    prompt = PROMPTS[1]
+    base = await ref(direct, {"token_ids": prompt}, temperature=0, max_tokens=60, ignore_eos=True)
+    ids = base["token_ids"]
+    stop_id = next(t for i, t in enumerate(ids) if i >= 3 and t not in ids[:i])
+    for min_tokens in (0, ids.index(stop_id) + 2):
+        expected = await ref(direct, {"token_ids": prompt}, temperature=0, max_tokens=60,
+                             stop_token_ids=[stop_id], min_tokens=min_tokens, ignore_eos=True)
+        got = await c.complete(request(prompt, stop=StopConditions(
+            max_tokens=60, stop_token_ids=[stop_id], min_tokens=min_tokens, ignore_eos=True)))
+        assert got.token_ids == expected["token_ids"]
+        assert (got.finish_reason, got.stop_reason) == (expected["finish_reason"], expected["stop_reason"])
+    assert expected["token_ids"] != ids  # the min_tokens run stopped later, at a repeat of the id
+
+
+async def test_stop_strings_behave_as_in_vllm(c, direct):
+    text_prompt = {"text": "The quick brown fox"}
+    base = await ref(direct, text_prompt, temperature=0, max_tokens=60)
+    ascii_text = base["text"]
+    stop = next(ascii_text[i:i + 2] for i in range(8, len(ascii_text) - 2)
+                if ascii_text[i:i + 2].isascii() and ascii_text[i:i + 2].strip()
+                and ascii_text[i:i + 2] not in ascii_text[:i + 1])
+    for include in (False, True):
+        expected = await ref(direct, text_prompt, temperature=0, max_tokens=60, stop=[stop],
+                             include_stop_str_in_output=include)
+        got = await c.complete(request(TextPrompt("The quick brown fox"), stop=StopConditions(
+            max_tokens=60, stop=[stop], include_stop_str_in_output=include)))
+        assert got.text == expected["text"] and got.token_ids == expected["token_ids"]
+        assert got.finish_reason == "stop" and got.stop_reason == stop
+        assert got.text.endswith(stop) == include
+
+
+async def test_seeded_sampling_equals_direct(c, direct):
+    prompt = PROMPTS[0]
+    expected = await ref(direct, {"token_ids": prompt}, temperature=1.0, seed=1234, max_tokens=32, ignore_eos=True)
+    got = await c.complete(request(prompt, sampling=SamplingOptions(temperature=1.0, seed=1234),
+                                   stop=StopConditions(max_tokens=32, ignore_eos=True)))
+    assert got.token_ids == expected["token_ids"]
+
+
+async def test_logprobs_are_the_engines(c, direct):
+    prompt = PROMPTS[2]
+    frames = [f async for f in c.generate(request(prompt, max_tokens=8, output=OutputOptions(logprobs=2)))]
+    tokens = [f for f in frames if isinstance(f, TokensFrame)]
+    lps = [lp for f in tokens for lp in f.logprobs]
+    tops = [t for f in tokens for t in f.top_logprobs]
+    assert len(lps) == 8 and all(lp <= 0 and math.isfinite(lp) for lp in lps)
+    # greedy: the sampled token is the most likely one
+    ids = [t for f in tokens for t in f.token_ids]
+    assert all(max(top, key=top.get) == tid for top, tid in zip(tops, ids, strict=True))
+    assert all(len(top) >= 2 for top in tops)
+
+
+async def test_prompt_longer_than_the_context_names_the_limit(c):
+    with pytest.raises(RequestFailed) as err:
+        await c.complete(request(list(range(4, 504)) + [5] * 20, max_tokens=4))
+    assert err.value.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED and "512" in str(err.value)
+    with pytest.raises(RequestFailed) as err:
+        await c.complete(request([5, 6, 7], max_tokens=600))
+    assert err.value.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED and err.value.field == "$.stop.max_tokens"
+
+
+async def test_invalid_parameters_name_the_field(c):
+    with pytest.raises(RequestFailed) as err:
+        await c.complete(request([5, 6], max_tokens=4, sampling=SamplingOptions(temperature=0, n=2)))
+    assert err.value.code == ErrorCode.INVALID_REQUEST and err.value.field == "$.sampling.n"
+    with pytest.raises(RequestFailed) as err:
+        await c.complete(request([5, 9999], max_tokens=4))
+    assert err.value.code == ErrorCode.INVALID_REQUEST
+
+
+async def test_64_concurrent_requests_complete_within_the_workers_slots(c, shared_vllm):
+    results: list = []
+    peak_held = peak_waiting = 0
+
+    async def one(i: int) -> None:
+        results.append(await c.complete(request([4 + i, 9, 10 + i], stop=StopConditions(
+            max_tokens=20 + i, ignore_eos=True))))
+
+    async def watch() -> None:
+        nonlocal peak_held, peak_waiting
+        while len(results) < 64:
+            waiting, held = await consumer_counts(c.nc, c.names, TINY)
+            peak_held, peak_waiting = max(peak_held, held), max(peak_waiting, waiting)
+            await anyio.sleep(0.005)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(watch)
+        for i in range(64):
+            tg.start_soon(one, i)
+    counts = sorted(len(r.token_ids) for r in results)
+    assert counts == [20 + i for i in range(64)]
+    assert all(r.usage.completion_tokens == len(r.token_ids) for r in results)
+    assert 0 < peak_held <= 16  # the shared worker runs with --slots 16
+    assert peak_waiting > 0
+
+
+async def test_cancel_aborts_the_engine_request_and_frees_the_slot(c, shared_vllm):
+    req = request([7, 8, 9], stop=StopConditions(max_tokens=480, ignore_eos=True))
+    seen = 0
+    async for frame in c.generate(req):
+        if isinstance(frame, TokensFrame):
+            seen += len(frame.token_ids)
+            if seen >= 5:
+                break
+    status = None
+    with anyio.fail_after(10):
+        while True:
+            from jetllm.subjects.fleet import worker_statuses
+
+            (status,) = [s for s in await worker_statuses(c.nc, c.names) if s.pid == shared_vllm.proc.pid]
+            if req.request_id not in status.request_ids and status.engine_unfinished == 0:
+                break
+            await anyio.sleep(0.05)
+    assert int(status.extra["cancelled"]) >= 1
+    # the engine's own scheduler dropped it too
+    with anyio.fail_after(10):
+        while True:
+            (status,) = [s for s in await worker_statuses(c.nc, c.names) if s.pid == shared_vllm.proc.pid]
+            if status.extra["engine_running"] == "0":
+                break
+            await anyio.sleep(0.05)
+
+
+async def test_a_json_job_is_served_and_answered_in_json(c):
+    async with RawInbox(c.nc, encoding="json") as inbox:
+        body = (
+            '{"v": 1, "request_id": "json-%s", "model": "tiny", '
+            '"prompt": {"type": "chat", "messages": [{"role": "user", "content": "hi"}]}, '
+            '"stop": {"max_tokens": 5}, "sampling": {"temperature": 0}, "reply_to": "%s"}'
+            % (uuid.uuid4().hex, inbox.subject)
+        ).encode()
+        await publish_raw(c.nc, c.names, TINY, body, {"Content-Type": "application/json"})
+        frames = await inbox.until_end()
+    assert isinstance(frames[-1], FinalFrame)
+    text = "".join(f.text for f in frames if isinstance(f, TokensFrame))
+    assert frames[-1].usage.completion_tokens == 5 and isinstance(text, str)
