@@ -229,10 +229,9 @@ async def test_cancel_aborts_the_engine_request_and_frees_the_slot(c, shared_vll
 async def test_a_json_job_is_served_and_answered_in_json(c):
     async with RawInbox(c.nc, encoding="json") as inbox:
         body = (
-            '{"v": 1, "request_id": "json-%s", "model": "tiny", '
+            f'{{"v": 1, "request_id": "json-{uuid.uuid4().hex}", "model": "tiny", '
             '"prompt": {"type": "chat", "messages": [{"role": "user", "content": "hi"}]}, '
-            '"stop": {"max_tokens": 5}, "sampling": {"temperature": 0}, "reply_to": "%s"}'
-            % (uuid.uuid4().hex, inbox.subject)
+            f'"stop": {{"max_tokens": 5}}, "sampling": {{"temperature": 0}}, "reply_to": "{inbox.subject}"}}'
         ).encode()
         await publish_raw(c.nc, c.names, TINY, body, {"Content-Type": "application/json"})
         frames = await inbox.until_end()

@@ -1,0 +1,86 @@
+"""Worker processes as an operator runs them: start after the jobs, SIGTERM, engine death."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import anyio
+import pytest
+
+from jetllm.schemas import StopConditions
+from jetllm.subjects import Client
+from jetllm.workers.runtime import EXIT_ENGINE_DEAD
+
+from .conftest import TINY
+from .jobs import consumer_counts, req
+
+pytestmark = [pytest.mark.anyio, pytest.mark.vllm]
+
+
+async def test_queued_jobs_wait_for_a_worker_and_sigterm_drains_without_losing_any(nats_url, namespace, start_worker):
+    """Jobs published before any worker exists are served once one starts; SIGTERM with 8 requests
+    in flight lets them finish, the job it had not started goes to a second worker, exit code 0."""
+    async with Client(nats_url, namespace=namespace, heartbeat_timeout=60) as c:
+        results: dict[int, object] = {}
+
+        async def one(i: int, tokens: int) -> None:
+            results[i] = await c.complete(req(TINY, [10 + i, 20, 30], stop=StopConditions(
+                max_tokens=tokens, ignore_eos=True)))
+
+        async def queued() -> int:
+            return (await c.nc.jetstream().stream_info(c.names.jobs_stream)).state.messages
+
+        async with anyio.create_task_group() as tg:
+            for i in range(8):
+                tg.start_soon(one, i, 300)
+            with anyio.fail_after(10):
+                while await queued() < 8:
+                    await anyio.sleep(0.02)
+            tg.start_soon(one, 8, 20)
+            with anyio.fail_after(10):
+                while await queued() < 9:
+                    await anyio.sleep(0.02)
+            await anyio.sleep(0.5)
+            assert results == {}  # nobody serves them yet; they wait in JetStream
+
+            first = start_worker(namespace, "--slots", "8", "--grace-period", "120")
+            await first.wait_ready(nats_url)
+            counts = None
+            try:
+                with anyio.fail_after(60):
+                    while (counts := await consumer_counts(c.nc, c.names, TINY))[1] != 8:
+                        await anyio.sleep(0.02)
+            except TimeoutError:
+                pytest.fail(f"worker never held 8 jobs: (waiting, held)={counts}, "
+                            f"done={sorted(results)}\n{first.log_tail()}")
+            first.signal(signal.SIGTERM)
+            second = start_worker(namespace, "--slots", "8")
+            await second.wait_ready(nats_url)
+            code = await anyio.to_thread.run_sync(first.wait, 180)
+    assert code == 0, first.log_tail()
+    assert sorted(results) == list(range(9))
+    assert [len(results[i].token_ids) for i in range(8)] == [300] * 8
+    assert {results[i].worker for i in range(8)} == {first.instance}
+    assert results[8].worker == second.instance and len(results[8].token_ids) == 20
+
+
+async def test_dead_engine_hands_jobs_back_and_the_worker_exits_nonzero(nats_url, namespace, start_worker):
+    async with Client(nats_url, namespace=namespace, heartbeat_timeout=60) as c:
+        worker = start_worker(namespace, "--health-interval", "0.5", "--ack-wait", "300")
+        await worker.wait_ready(nats_url)
+        await c.submit(req(TINY, [5, 6, 7], stop=StopConditions(max_tokens=480, ignore_eos=True)))
+        with anyio.fail_after(30):
+            while (await consumer_counts(c.nc, c.names, TINY))[1] != 1:
+                await anyio.sleep(0.02)
+        for pid in worker.engine_pids():  # the EngineCore process (and with it the model worker)
+            os.kill(pid, signal.SIGKILL)
+        code = await anyio.to_thread.run_sync(worker.wait, 60)
+        assert code == EXIT_ENGINE_DEAD, worker.log_tail()
+        assert "engine is dead" in worker.log_tail(200)
+        # ack_wait is 300 s: only an explicit hand-back lets a new worker run the job now
+        survivor = start_worker(namespace)
+        await survivor.wait_ready(nats_url)
+        with anyio.fail_after(120):
+            while (await c.nc.jetstream().stream_info(c.names.jobs_stream)).state.messages:
+                await anyio.sleep(0.1)
