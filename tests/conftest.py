@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import signal
 import subprocess
@@ -208,7 +209,9 @@ def shared_vllm(nats_url, tiny_model, tmp_path_factory) -> Iterator[WorkerProces
         pytest.skip("vLLM is not installed")
     w = WorkerProcess(nats_url, "shared", tiny_model, tmp_path_factory.mktemp("shared") / "worker.log", "--slots", "16")
     try:
-        anyio.run(w.wait_ready, nats_url)
+        # this fixture may be first requested from inside a running event loop
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pool.submit(anyio.run, w.wait_ready, nats_url).result()
         yield w
     finally:
         w.stop()

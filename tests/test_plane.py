@@ -12,7 +12,7 @@ import anyio
 import msgspec
 import pytest
 
-from jetllm.errors import AcceptTimeout, PayloadTooLarge, RequestFailed, WorkerSilent
+from jetllm.errors import AcceptTimeout, DuplicateRequest, PayloadTooLarge, RequestFailed, WorkerSilent
 from jetllm.schemas import (
     AcceptedFrame,
     ChatMessage,
@@ -304,3 +304,11 @@ async def test_context_limits_name_the_limit(nats_url, client):
     assert long_prompt.value.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED and "64" in str(long_prompt.value)
     assert too_many.value.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED and too_many.value.field == "$.stop.max_tokens"
     assert len(fits.token_ids) == 64 - 3  # max_tokens defaults to the room left
+
+
+async def test_the_same_request_id_twice_is_refused_not_left_hanging(nats_url, client, fake_engine):
+    async with inproc_worker(nats_url, fake_engine, namespace=client.names.namespace):
+        first = req("fake", max_tokens=2)
+        assert len((await client.complete(first)).token_ids) == 2
+        with pytest.raises(DuplicateRequest, match="already submitted"):
+            await client.complete(first)

@@ -31,6 +31,15 @@ def json_schemas() -> dict[str, dict]:
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
+    if args.markdown:
+        from .reference import messages_reference, splice
+
+        text = messages_reference()
+        if args.write:
+            Path(args.write).write_text(splice(Path(args.write), text))
+        else:
+            sys.stdout.write(text)
+        return 0
     schemas = json_schemas()
     if args.output:
         out = Path(args.output)
@@ -41,6 +50,18 @@ def cmd_schema(args: argparse.Namespace) -> int:
     else:
         json.dump(schemas, sys.stdout, indent=2, sort_keys=True)
         sys.stdout.write("\n")
+    return 0
+
+
+def cmd_flags(args: argparse.Namespace) -> int:
+    from . import parser
+    from .reference import flags_reference, splice
+
+    text = flags_reference(parser())
+    if args.write:
+        Path(args.write).write_text(splice(Path(args.write), text))
+    else:
+        sys.stdout.write(text)
     return 0
 
 
@@ -56,7 +77,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("schema", help="write the JSON Schema of every message",
                        description="Write the JSON Schema of every wire message (one file each with -o).")
     p.add_argument("-o", "--output", default=None, help="directory for NAME.schema.json files (default: stdout)")
+    p.add_argument("--markdown", action="store_true", help="the message reference as markdown tables instead")
+    p.add_argument("--write", default=None, metavar="FILE",
+                   help="with --markdown: replace the generated section of FILE (docs/messages.md)")
     p.set_defaults(func=cmd_schema)
+
+    p = sub.add_parser("flags", help="print the reference of every command and flag (markdown)",
+                       description="Print every command and flag as markdown, as in docs/operations.md.")
+    p.add_argument("--write", default=None, metavar="FILE",
+                   help="replace the generated section of FILE (docs/operations.md)")
+    p.set_defaults(func=cmd_flags)
 
     p = sub.add_parser("make-tiny-model", help="build the deterministic tiny test model",
                        description="Build a tiny random Llama with tokenizer and chat template, offline.")

@@ -19,6 +19,7 @@ class Message(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """
 
     v: int = SCHEMA_VERSION
+    """Schema version; a worker refuses versions it does not speak."""
 
 
 class ErrorCode(enum.StrEnum):

@@ -15,10 +15,12 @@ class CancelRequest(Message):
 
 
 class StatusRequest(Message):
-    pass
+    """Sent to `jetllm.<ns>.ctl.status` (every worker answers) or to one instance's status subject."""
 
 
 class WorkerStatus(Message):
+    """A worker's answer to a StatusRequest."""
+
     instance: str
     role: str
     model: str
@@ -26,6 +28,7 @@ class WorkerStatus(Message):
     """starting | serving | draining | stopped | engine_dead"""
     slots: int
     in_flight: int
+    """Jobs it holds (pulled and not yet settled)."""
     request_ids: list[str] = []
     engine_unfinished: int = 0
     """Requests the engine itself still holds (vLLM's own count)."""
@@ -34,3 +37,4 @@ class WorkerStatus(Message):
     host: str = ""
     pid: int = 0
     extra: dict[str, str] = msgspec.field(default_factory=dict)
+    """Engine facts and counters (jobs pulled, acked, handed back, dead-lettered, cancelled)."""

@@ -18,10 +18,14 @@ FinishReason = Literal["stop", "length", "cancelled", "error", "repetition"]
 
 class _Frame(msgspec.Struct, kw_only=True, tag_field="kind", forbid_unknown_fields=True):
     v: int = SCHEMA_VERSION
+    """Schema version."""
     seq: int
+    """1, 2, 3, ... over the content frames of a request; a gap means a frame was lost."""
 
 
 class AcceptedFrame(_Frame, tag="accepted"):
+    """First frame: a worker has taken the job."""
+
     request_id: str
     worker: str
     """Instance id of the worker that runs the job."""
@@ -31,21 +35,28 @@ class AcceptedFrame(_Frame, tag="accepted"):
 
 
 class TokensFrame(_Frame, tag="tokens"):
+    """New tokens since the previous frame (deltas: concatenating them gives the output)."""
+
     token_ids: list[int]
     index: int = 0
     """Choice index, for n > 1."""
     text: str | None = None
+    """Text delta, when text was asked for; held back while it may still become a stop string."""
     logprobs: list[float] | None = None
+    """Log-probability of each token in token_ids (when output.logprobs is set)."""
     top_logprobs: list[dict[int, float]] | None = None
+    """Per token: the most likely token ids and their log-probabilities."""
 
 
 class HeartbeatFrame(_Frame, tag="heartbeat"):
-    pass
+    """Sent while a request is quiet (queued in the engine, long prefill); seq is the last seq sent."""
 
 
 class Usage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     prompt_tokens: int
+    """Tokens of the rendered prompt (after the chat template)."""
     completion_tokens: int
+    """Generated tokens, all choices together."""
     cached_tokens: int = 0
     """Prompt tokens served from the prefix cache."""
 
@@ -59,18 +70,24 @@ class Choice(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class FinalFrame(_Frame, tag="final"):
+    """Last frame of a request that finished: one entry per choice, and the usage."""
+
     request_id: str
     choices: list[Choice]
     usage: Usage
 
 
 class ErrorFrame(_Frame, tag="error"):
+    """Last frame of a request that failed."""
+
     request_id: str | None
     code: ErrorCode
     message: str
+    """What went wrong, for a human; names the limit or the field where there is one."""
     field: str | None = None
     """The offending field, as a path such as `$.stop.max_tokens`, when there is one."""
     retryable: bool = False
+    """Whether submitting the same job again may succeed."""
 
 
 Frame = AcceptedFrame | TokensFrame | HeartbeatFrame | FinalFrame | ErrorFrame

@@ -21,6 +21,7 @@ TokenId = Annotated[int, Meta(ge=0)]
 
 class ChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     role: Annotated[str, Meta(min_length=1, max_length=64)]
+    """system, user, assistant, ... whatever the model's template knows."""
     content: str
 
 
@@ -35,8 +36,11 @@ class ChatPrompt(msgspec.Struct, tag="chat", tag_field="type", forbid_unknown_fi
 
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     add_generation_prompt: bool = True
+    """End the rendered prompt with the assistant's turn opener (what chat completions do)."""
     continue_final_message: bool = False
+    """Let the model continue the last message instead of starting a new one."""
     template_kwargs: dict[str, Any] | None = None
+    """Extra variables for the chat template (e.g. `enable_thinking`)."""
 
 
 class TextPrompt(msgspec.Struct, tag="text", tag_field="type", forbid_unknown_fields=True):
@@ -56,19 +60,25 @@ class SamplingOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, 
     top_k: Annotated[int, Meta(ge=-1)] | None = None
     min_p: Annotated[float, Meta(ge=0.0, le=1.0)] | None = None
     seed: int | None = None
+    """Per-request seed: the same seed, prompt and parameters give the same tokens."""
     presence_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
     frequency_penalty: Annotated[float, Meta(ge=-2.0, le=2.0)] | None = None
     repetition_penalty: Annotated[float, Meta(gt=0.0, le=2.0)] | None = None
     n: Annotated[int, Meta(ge=1, le=64)] = 1
+    """Independent choices for the prompt; needs temperature > 0."""
 
 
 class StopConditions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
     """None: the room left in the context after the prompt."""
     min_tokens: Annotated[int, Meta(ge=0)] = 0
+    """EOS and stop conditions are ignored until this many tokens were generated."""
     stop: list[Annotated[str, Meta(min_length=1)]] = []
+    """Stop strings; the matched string is cut from the text unless include_stop_str_in_output."""
     stop_token_ids: list[TokenId] = []
+    """Token ids that end the choice (the id itself is part of the output)."""
     ignore_eos: bool = False
+    """Keep generating past the end-of-sequence token."""
     include_stop_str_in_output: bool = False
 
 
@@ -78,6 +88,7 @@ class OutputOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, om
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     """Log-probability of each sampled token, plus this many top alternatives."""
     skip_special_tokens: bool = True
+    """Leave special tokens (BOS, EOS, ...) out of the text."""
 
 
 class GenerateRequest(Message):
@@ -85,6 +96,7 @@ class GenerateRequest(Message):
 
     request_id: RequestId
     model: Annotated[str, Meta(min_length=1, max_length=256)]
+    """The served model name (or, later, a LoRA adapter name); must match the job subject's model."""
     prompt: Prompt
     sampling: SamplingOptions = msgspec.field(default_factory=SamplingOptions)
     stop: StopConditions = msgspec.field(default_factory=StopConditions)

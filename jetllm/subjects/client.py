@@ -28,6 +28,7 @@ from nats.js.api import PubAck
 
 from ..errors import (
     AcceptTimeout,
+    DuplicateRequest,
     FrameGap,
     PayloadTooLarge,
     RequestFailed,
@@ -231,7 +232,12 @@ class Client:
             raise ValueError("generate() sets reply_to itself; leave it None (or use submit())")
         finished = False
         try:
-            await self.submit(req, role=role)
+            ack = await self.submit(req, role=role)
+            if ack.duplicate:
+                raise DuplicateRequest(
+                    f"request id {req.request_id!r} was already submitted (JetStream dropped this copy "
+                    "as a duplicate); use a new request id for a new request"
+                )
             last_seq = 0
             accepted = False
             inbox.wait_for(accept_timeout)
