@@ -6,8 +6,10 @@ import argparse
 import datetime as dt
 import os
 import platform
+import statistics
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 
 import msgspec
@@ -55,33 +57,52 @@ def report(work: Workload, opts: EngineOptions, rows: list[Summary], command: st
         f"model `{opts.name}`, engine arguments identical for all targets "
         f"(max_model_len={opts.max_model_len}, dtype={opts.dtype or 'auto'}, max_num_seqs={opts.max_num_seqs}, "
         f"block_size={opts.block_size or 'default'}, enforce_eager={opts.enforce_eager}).\n\n"
-        f"Command: `{command}`\n\n" + table(rows) + "\n" + ratios(rows) + "\n"
+        f"Command: `{command}`\n\n" + table(rows) + "\n" + ratios(rows) + "\n\n"
+        + "".join(f"- {r.target}: {r.note}\n" for r in rows if r.note)
+    )
+
+
+def combine(runs: list[Summary]) -> Summary:
+    """The median of each figure over the rounds of one target."""
+    def med(attr: str) -> float:
+        return statistics.median(getattr(r, attr) for r in runs)
+
+    first = runs[0]
+    return Summary(
+        target=first.target, requests=first.requests, output_tokens=first.output_tokens,
+        seconds=med("seconds"), tokens_per_s=med("tokens_per_s"), ttft_p50_ms=med("ttft_p50_ms"),
+        ttft_p99_ms=med("ttft_p99_ms"), itl_p50_ms=med("itl_p50_ms"), itl_p99_ms=med("itl_p99_ms"),
+        errors=sum(r.errors for r in runs),
+        note=f"median of {len(runs)} rounds; tok/s per round: " + ", ".join(f"{r.tokens_per_s:,.0f}" for r in runs),
     )
 
 
 async def _run(args: argparse.Namespace, work: Workload, opts: EngineOptions, log_dir: Path) -> list[Summary]:
+    targets = args.targets.split(",")
+    per_target: dict[str, list[Summary]] = {t: [] for t in targets}
+    for round_no in range(args.rounds):
+        order = targets[round_no % len(targets):] + targets[:round_no % len(targets)]
+        for target in order:
+            print(f"bench: round {round_no + 1}/{args.rounds}: {target} ...", file=sys.stderr, flush=True)
+            row = await _one(args, work, opts, log_dir, target)
+            per_target[target].append(row)
+            print(table([row]), file=sys.stderr, flush=True)
+    return [combine(per_target[t]) for t in targets]
+
+
+async def _one(args: argparse.Namespace, work: Workload, opts: EngineOptions, log_dir: Path, target: str) -> Summary:
     from ..natsserver import NatsServer
 
-    rows: list[Summary] = []
-    vocab = None
-    for target in args.targets.split(","):
-        print(f"bench: {target} ...", file=sys.stderr, flush=True)
-        if target == "direct":
-            rows.append(await run_direct(opts, work))
-        elif target == "jetllm":
-            vocab = vocab or _vocab(opts)
-            if args.nats:
-                rows.append(await run_jetllm(opts, work, args.nats, log_dir, vocab))
-            else:
-                with NatsServer(log_dir / "nats") as server:
-                    rows.append(await run_jetllm(opts, work, server.url, log_dir, vocab))
-        elif target == "openai":
-            vocab = vocab or _vocab(opts)
-            rows.append(await run_openai(opts, work, log_dir, vocab))
-        else:
-            raise SystemExit(f"unknown target {target!r}; choose from {', '.join(TARGETS)}")
-        print(table(rows[-1:]), file=sys.stderr, flush=True)
-    return rows
+    if target == "direct":
+        return await run_direct(opts, work)
+    if target == "jetllm":
+        if args.nats:
+            return await run_jetllm(opts, work, args.nats, log_dir, _vocab(opts))
+        with NatsServer(log_dir / f"nats-{uuid.uuid4().hex[:6]}") as server:
+            return await run_jetllm(opts, work, server.url, log_dir, _vocab(opts))
+    if target == "openai":
+        return await run_openai(opts, work, log_dir, _vocab(opts))
+    raise SystemExit(f"unknown target {target!r}; choose from {', '.join(TARGETS)}")
 
 
 def _vocab(opts: EngineOptions) -> int:
@@ -152,6 +173,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-len", type=int, default=30)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--warmup", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3,
+                   help="repeat every target this many times (rotating the order) and report medians")
     p.add_argument("--model", default=None, help="default: the tiny model")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--max-model-len", type=int, default=1024)
