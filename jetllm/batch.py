@@ -30,6 +30,7 @@ from .schemas import (
     TokensPrompt,
 )
 from .subjects import Client
+from .subjects.codec import field_path
 
 _line_decoder = msgspec.json.Decoder(BatchLine)
 
@@ -174,7 +175,7 @@ async def run_batch(
                         summary.completion_tokens += done.usage.completion_tokens
                     except msgspec.ValidationError as exc:
                         line_id = line_id or _salvage_id(raw)
-                        result = _error(n, line_id, rid, ErrorCode.INVALID_REQUEST, str(exc))
+                        result = _error(n, line_id, rid, ErrorCode.INVALID_REQUEST, str(exc), field_path(str(exc)))
                     except msgspec.DecodeError as exc:
                         result = _error(n, line_id, rid, ErrorCode.MALFORMED, f"line is not JSON: {exc}")
                     except JetllmError as exc:

@@ -13,9 +13,10 @@ from jetllm.cli.misc import json_schemas, wire_types
 from jetllm.errors import ServerTooOld
 from jetllm.schemas import ErrorCode, ErrorFrame, Frame, GenerateRequest, TokensFrame, TokensPrompt
 from jetllm.subjects import codec
+from jetllm.subjects.codec import field_path
 from jetllm.subjects.names import Names, decode_token, encode_token, is_safe_reply_subject
 from jetllm.subjects.setup import check_version
-from jetllm.workers.jobs import RejectedJob, decode_request, field_path
+from jetllm.workers.jobs import RejectedJob, decode_request
 
 
 @given(st.text(min_size=1, max_size=80))

@@ -90,6 +90,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("make-tiny-model", help="build the deterministic tiny test model",
                        description="Build a tiny random Llama with tokenizer and chat template, offline.")
-    p.add_argument("directory")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("directory", help="where to write it")
+    p.add_argument("--seed", type=int, default=0, help="weights seed (the same seed gives the same model)")
     p.set_defaults(func=cmd_make_tiny_model)

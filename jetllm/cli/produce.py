@@ -33,14 +33,14 @@ from .common import TINY_MODEL_NAME, add_nats, nats_url
 
 def add_sampling(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling and stopping")
-    g.add_argument("--max-tokens", type=int, default=None)
-    g.add_argument("--min-tokens", type=int, default=0)
-    g.add_argument("--temperature", type=float, default=None)
-    g.add_argument("--top-p", type=float, default=None)
-    g.add_argument("--top-k", type=int, default=None)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--max-tokens", type=int, default=None, help="default: the room left in the context")
+    g.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop before this many tokens")
+    g.add_argument("--temperature", type=float, default=None, help="default: the model's (0 = greedy)")
+    g.add_argument("--top-p", type=float, default=None, help="default: the model's")
+    g.add_argument("--top-k", type=int, default=None, help="default: the model's")
+    g.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
 
 
 def request_from_args(args: argparse.Namespace) -> GenerateRequest:
@@ -168,7 +168,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--system", default=None, help="system message, with --chat")
     p.add_argument("--tokens", default=None, help="send token ids instead of text, e.g. '1,5,7'")
     p.add_argument("--text-out", action="store_true", help="with --tokens: also stream text")
-    p.add_argument("--request-id", default=None)
+    p.add_argument("--request-id", default=None, help="default: a random one (a request id runs once)")
     p.add_argument("--json", action="store_true", help="print every frame as a JSON line")
     p.add_argument("--accept-timeout", type=float, default=None,
                    help="give up if no worker accepts the job within this many seconds (default: wait)")
@@ -186,7 +186,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--concurrency", type=int, default=64, help="requests in flight at once")
     p.add_argument("--max-tokens", type=int, default=None, help="default max_tokens for lines that set none")
     p.add_argument("--batch-id", default=None, help="default: a hash of the input file and model")
-    p.add_argument("--heartbeat-timeout", type=float, default=30.0)
+    p.add_argument("--heartbeat-timeout", type=float, default=30.0,
+                   help="give up on a request whose worker sends nothing for this many seconds")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--progress", action="store_true", help="progress bar even when stderr is not a terminal")
     p.add_argument("--print", action="store_true", help="print the results file when done")

@@ -28,7 +28,7 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=None, help="engine batch limit")
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                    help="skip graph compilation (default on CPU: on)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="engine seed (requests without their own seed)")
     g.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="any other vLLM AsyncEngineArgs field, VALUE as JSON (repeatable)")
     w = p.add_argument_group("worker")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 import msgspec
@@ -67,3 +68,17 @@ class Decoder:
 frame_decoder = Decoder(Frame)
 request_decoder = Decoder(GenerateRequest)
 envelope_decoder = Decoder(JobEnvelope)
+
+
+_AT = re.compile(r" - at `(\$[^`]*)`$")
+_MISSING = re.compile(r"missing required field `([^`]+)`")
+
+
+def field_path(message: str) -> str | None:
+    """The field a msgspec validation message is about, as `$.a.b`."""
+    at = _AT.search(message)
+    path = at.group(1) if at else "$"
+    missing = _MISSING.search(message)
+    if missing:
+        return f"{path}.{missing.group(1)}"
+    return path if at else None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import re
 import time
 
 import anyio
@@ -13,23 +12,10 @@ from nats.aio.msg import Msg
 from ..errors import RequestRejected
 from ..schemas import SUPPORTED_VERSIONS, DeadLetter, ErrorCode, GenerateRequest
 from ..subjects import codec
+from ..subjects.codec import field_path
 from ..subjects.names import is_safe_reply_subject
 
 log = logging.getLogger(__name__)
-_AT = re.compile(r" - at `(\$[^`]*)`$")
-_MISSING = re.compile(r"missing required field `([^`]+)`")
-
-
-def field_path(message: str) -> str | None:
-    """The field a msgspec validation message is about, as `$.a.b`."""
-    at = _AT.search(message)
-    path = at.group(1) if at else "$"
-    missing = _MISSING.search(message)
-    if missing:
-        return f"{path}.{missing.group(1)}"
-    return path if at else None
-
-
 class RejectedJob(RequestRejected):
     """A job that failed to decode, with whatever could be salvaged to report it."""
 
