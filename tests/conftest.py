@@ -187,6 +187,37 @@ class WorkerProcess:
         return [int(p) for p in out.split()]
 
 
+class FakeWorkerProcess(WorkerProcess):
+    """A worker process on the light test engine (tests/helpers/fake_worker.py)."""
+
+    def __init__(self, url: str, namespace: str, log_path: Path, *args: str) -> None:
+        self.namespace = namespace
+        self.served = "fake"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.helpers.fake_worker", url, namespace, *args],
+            stdout=self._log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
+        )
+        self.instance = None
+
+
+@pytest.fixture
+def start_fake_worker(nats_url, tmp_path):
+    """Factory: fake-engine worker processes (cheap to start and SIGKILL); stopped after the test."""
+    started: list[FakeWorkerProcess] = []
+
+    def start(namespace: str, *args: str) -> FakeWorkerProcess:
+        w = FakeWorkerProcess(nats_url, namespace, tmp_path / f"fake{len(started)}.log", *args)
+        started.append(w)
+        return w
+
+    yield start
+    for w in started:
+        w.stop()
+
+
 @pytest.fixture
 def start_worker(nats_url, tiny_model, tmp_path):
     """Factory: start `jetllm worker` processes on the tiny model; all are stopped after the test."""
