@@ -138,7 +138,7 @@ async def run_openai(opts: EngineOptions, work: Workload, log_dir: Path, vocab: 
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *engine_cli_args(opts),
            "--kv-cache-memory-bytes", str(opts.kv_cache_bytes or (1 << 30)),
-           "--host", "127.0.0.1", "--port", str(port), "--disable-log-requests"]
+           "--host", "127.0.0.1", "--port", str(port)]
     if opts.enforce_eager is not False:
         cmd.append("--enforce-eager")
     for key, value in opts.extra.items():
