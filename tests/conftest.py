@@ -128,6 +128,8 @@ class WorkerProcess:
         self.namespace = namespace
         self.served = served
         self.log_path = log_path
+        self._params = (url, namespace, model, args, served)
+        self.restarts = 0
         cmd = [
             sys.executable, "-m", "jetllm", "worker", "--nats", url, "--namespace", namespace,
             "--model", str(model), "--served-model-name", served, "--max-model-len", "512",
@@ -180,6 +182,15 @@ class WorkerProcess:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         self._log.close()
+
+    def restart(self) -> WorkerProcess:
+        """A new process with the same arguments (after this one died), logging beside it."""
+        url, namespace, model, args, served = self._params
+        self._log.close()
+        w = WorkerProcess(url, namespace, model, self.log_path.with_name(f"{self.log_path.stem}.r{self.restarts + 1}.log"),
+                          *args, served=served)
+        w.restarts = self.restarts + 1
+        return w
 
     def engine_pids(self) -> list[int]:
         """The engine's child processes (EngineCore and its model worker)."""
@@ -270,6 +281,16 @@ class DirectVllm:
 
         with self._lock:
             self.proc.stdin.write(json.dumps({"prompt": prompt, "params": params}) + "\n")
+            self.proc.stdin.flush()
+            return json.loads(self.proc.stdout.readline())
+
+    def run_many(self, specs: list[tuple[dict, dict]]) -> list[dict]:
+        """Several requests at once (the engine batches them); results in the same order."""
+        import json
+
+        with self._lock:
+            body = {"batch": [{"prompt": p, "params": kw} for p, kw in specs]}
+            self.proc.stdin.write(json.dumps(body) + "\n")
             self.proc.stdin.flush()
             return json.loads(self.proc.stdout.readline())
 

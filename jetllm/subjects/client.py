@@ -353,6 +353,7 @@ class Client:
             attempt = 0
             accepted = False
             worker = job_ack = None
+            seen_reconnects = self.nc.stats.get("reconnects", 0)
             inbox.wait_for(accept_timeout)
             decode = codec.frame_decoder.decode
             encoding = self.encoding
@@ -368,6 +369,13 @@ class Client:
                             f"request {req.request_id}: no frame for {self.heartbeat_timeout:.1f}s "
                             "after the worker accepted it"
                         )
+                    reconnects = self.nc.stats.get("reconnects", 0)
+                    if not self.nc.is_connected or reconnects != seen_reconnects:
+                        # We were cut off ourselves: the worker is probably fine; frames we
+                        # missed meanwhile are recovered from the request log.
+                        seen_reconnects = reconnects
+                        inbox.wait_for(self.heartbeat_timeout)
+                        continue
                     if worker is not None and await self._alive(worker):
                         inbox.wait_for(self.heartbeat_timeout)
                         continue

@@ -1,0 +1,275 @@
+"""Nothing accepted is lost, whatever dies: real vLLM workers SIGKILLed, drained, restarted."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+import anyio
+import pytest
+
+from jetllm.natsserver import NatsServer
+from jetllm.schemas import AcceptedFrame, ErrorFrame, FinalFrame, SamplingOptions, StopConditions, TokensFrame
+from jetllm.subjects import Client
+from jetllm.subjects.fleet import worker_statuses
+
+from .conftest import TINY, WorkerProcess
+from .jobs import req
+
+pytestmark = [pytest.mark.anyio, pytest.mark.vllm]
+
+
+class Tracker:
+    """One request's frames, with arrival times, for checking and for resume latency."""
+
+    def __init__(self) -> None:
+        self.frames: list = []
+        self.times: list[float] = []
+
+    @property
+    def tokens(self) -> list[int]:
+        return [t for f in self.frames if isinstance(f, TokensFrame) for t in f.token_ids]
+
+    def tokens_before(self, moment: float) -> list[int]:
+        return [t for f, at in zip(self.frames, self.times, strict=True) if at < moment
+                and isinstance(f, TokensFrame) for t in f.token_ids]
+
+    def first_token_after(self, moment: float) -> float | None:
+        return next((at for f, at in zip(self.frames, self.times, strict=True)
+                     if at > moment and isinstance(f, TokensFrame)), None)
+
+
+async def follow(c: Client, request, tracker: Tracker) -> None:
+    async for frame in c.generate(request):
+        tracker.frames.append(frame)
+        tracker.times.append(time.monotonic())
+
+
+async def chaos_run(c, url, workers, requests, kills: int, pause: float):
+    """Run `requests`; SIGKILL a random busy worker `kills` times (restarting it); return trackers
+    and the kill moments."""
+    trackers = {r.request_id: Tracker() for r in requests}
+    kill_times: list[float] = []
+    rng = random.Random(7)
+
+    async def killer() -> None:
+        for _ in range(kills):
+            await anyio.sleep(pause)
+            statuses = [s for s in await worker_statuses(c.nc, c.names) if s.in_flight]
+            victims = [w for w in workers if w.proc.poll() is None and any(s.pid == w.proc.pid for s in statuses)]
+            if not victims:
+                continue
+            victim = rng.choice(victims)
+            victim.signal(signal.SIGKILL)
+            kill_times.append(time.monotonic())
+            victim.proc.wait()
+            workers[workers.index(victim)] = replacement = victim.restart()
+            await replacement.wait_ready(url)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(killer)
+        async with anyio.create_task_group() as reqs:
+            for r in requests:
+                reqs.start_soon(follow, c, r, trackers[r.request_id])
+        tg.cancel_scope.cancel()
+    return trackers, kill_times
+
+
+def resume_latencies(trackers, kill_times) -> list[float]:
+    out = []
+    for t in trackers.values():
+        attempts = [f.attempt for f in t.frames if isinstance(f, AcceptedFrame)]
+        if len(attempts) < 2:
+            continue
+        for k in kill_times:
+            before = t.tokens_before(k)
+            after = t.first_token_after(k)
+            if before and after is not None and len(before) < len(t.tokens):
+                out.append(after - k)
+                break
+    return out
+
+
+@pytest.fixture
+def workers3(nats_url, namespace, tiny_model, tmp_path):
+    ws = []
+    for i in range(3):
+        ws.append(WorkerProcess(nats_url, namespace, tiny_model, tmp_path / f"w{i}.log", "--slots", "16",
+                                "--ack-wait", "5"))
+    yield ws
+    for w in ws:
+        w.stop()
+
+
+async def start_all(nats_url, workers):
+    for w in workers:
+        await w.wait_ready(nats_url)
+
+
+async def test_chaos_greedy_outputs_equal_the_uninterrupted_run(nats_url, namespace, workers3, direct, record_property):
+    await start_all(nats_url, workers3)
+    rng = random.Random(1)
+    requests = [req(TINY, [rng.randrange(4, 500) for _ in range(rng.randrange(4, 20))],
+                    stop=StopConditions(max_tokens=rng.randrange(120, 300), ignore_eos=True))
+                for _ in range(42)]
+    async with Client(nats_url, namespace=namespace, heartbeat_timeout=1.0) as c:
+        trackers, kills = await chaos_run(c, nats_url, workers3, requests, kills=3, pause=2.5)
+    expected = await anyio.to_thread.run_sync(lambda: direct.run_many(
+        [({"token_ids": r.prompt.token_ids}, dict(temperature=0, max_tokens=r.stop.max_tokens, ignore_eos=True))
+         for r in requests]))
+    migrated = 0
+    for r, want in zip(requests, expected, strict=True):
+        t = trackers[r.request_id]
+        assert isinstance(t.frames[-1], FinalFrame), t.frames[-1]
+        seqs = [f.seq for f in t.frames if not isinstance(f, AcceptedFrame)]
+        assert seqs == list(range(1, len(seqs) + 1))
+        assert t.tokens == want["token_ids"], r.request_id
+        migrated += len([f for f in t.frames if isinstance(f, AcceptedFrame)]) > 1
+    latencies = resume_latencies(trackers, kills)
+    assert len(kills) == 3 and migrated >= 1
+    record_property("migrated_requests", migrated)
+    if latencies:
+        record_property("resume_latency_p50_s", statistics.median(latencies))
+        record_property("resume_latency_max_s", max(latencies))
+    print(f"\nchaos: {len(kills)} kills, {migrated} requests migrated, resume latency "
+          f"p50 {statistics.median(latencies):.2f}s max {max(latencies):.2f}s" if latencies else "")
+
+
+async def test_chaos_seeded_sampling_keeps_every_delivered_token(nats_url, namespace, workers3):
+    await start_all(nats_url, workers3)
+    requests = [req(TINY, [5 + i, 6, 7], sampling=SamplingOptions(temperature=1.0, seed=100 + i),
+                    stop=StopConditions(max_tokens=250, ignore_eos=True)) for i in range(24)]
+    async with Client(nats_url, namespace=namespace, heartbeat_timeout=1.0) as c:
+        trackers, kills = await chaos_run(c, nats_url, workers3, requests, kills=2, pause=2.0)
+    assert kills
+    for r in requests:
+        t = trackers[r.request_id]
+        assert isinstance(t.frames[-1], FinalFrame)
+        tokens = t.tokens
+        assert len(tokens) == 250  # nothing duplicated, nothing missing
+        for k in kills:
+            before = t.tokens_before(k)
+            assert tokens[: len(before)] == before  # delivered tokens were never changed
+
+
+async def test_cancel_reaches_the_engine_and_is_not_migrated(nats_url, namespace, start_worker):
+    w = start_worker(namespace)
+    await w.wait_ready(nats_url)
+    async with Client(nats_url, namespace=namespace) as c:
+        r = req(TINY, [7, 8, 9], stop=StopConditions(max_tokens=480, ignore_eos=True))
+        async for frame in c.generate(r):
+            if isinstance(frame, TokensFrame):
+                break
+        with anyio.fail_after(10):
+            while True:
+                (s,) = await worker_statuses(c.nc, c.names)
+                if s.extra["engine_running"] == "0" and not s.request_ids:
+                    break
+                await anyio.sleep(0.05)
+        result = await c.wait_result(r.request_id, timeout=10)
+        assert result.error.code.value == "cancelled" and result.attempt == 1
+        queued = req(TINY, [1, 2, 3], max_tokens=5)
+        w.signal(signal.SIGSTOP)  # nobody pulls while we queue and cancel
+        try:
+            await c.submit(queued)
+            await c.cancel(queued.request_id)
+        finally:
+            w.signal(signal.SIGCONT)
+        result = await c.wait_result(queued.request_id, timeout=30)
+        (s,) = await worker_statuses(c.nc, c.names)
+    assert result.error.code.value == "cancelled"
+    assert s.extra["completed"] == "0"  # neither request ran to completion
+
+
+async def test_sigterm_with_long_requests_moves_them_without_an_error(nats_url, namespace, start_worker):
+    first = start_worker(namespace, "--grace-period", "1")
+    await first.wait_ready(nats_url)
+    async with Client(nats_url, namespace=namespace) as c:
+        trackers = {}
+        requests = [req(TINY, [20 + i, 3], stop=StopConditions(max_tokens=480, ignore_eos=True)) for i in range(6)]
+        async with anyio.create_task_group() as tg:
+            for r in requests:
+                trackers[r.request_id] = Tracker()
+                tg.start_soon(follow, c, r, trackers[r.request_id])
+            with anyio.fail_after(60):
+                while sum(len(t.tokens) for t in trackers.values()) < 60:
+                    await anyio.sleep(0.05)
+            second = start_worker(namespace)
+            await second.wait_ready(nats_url)
+            first.signal(signal.SIGTERM)
+        assert await anyio.to_thread.run_sync(first.wait, 60) == 0
+    for t in trackers.values():
+        assert not any(isinstance(f, ErrorFrame) for f in t.frames)
+        assert isinstance(t.frames[-1], FinalFrame) and len(t.tokens) == 480
+        assert t.frames[-1].attempt >= 2  # finished on the second worker
+
+
+def run_batch(url: str, namespace: str, src, out) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "jetllm", "batch", "--nats", url, "--namespace", namespace, "--model", TINY,
+         str(src), "-o", str(out), "--concurrency", "8", "--batch-id", "resumable"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+async def test_batch_killed_halfway_resumes_with_exactly_one_result_per_line(nats_url, namespace, start_worker, tmp_path):
+    w = start_worker(namespace, "--slots", "8")
+    await w.wait_ready(nats_url)
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"id": f"l{i}", "token_ids": [4 + i, 9], "max_tokens": 60 + i,
+                                       "stop": {"ignore_eos": True}}) + "\n" for i in range(40)))
+    first = run_batch(nats_url, namespace, src, out)
+    async with Client(nats_url, namespace=namespace) as c:
+        with anyio.fail_after(120):
+            while True:
+                (s,) = await worker_statuses(c.nc, c.names)
+                if int(s.extra["completed"]) >= 12:
+                    break
+                await anyio.sleep(0.05)
+    first.kill()
+    first.wait()
+    second = run_batch(nats_url, namespace, src, out)
+    _, err = await anyio.to_thread.run_sync(second.communicate)
+    assert second.returncode == 0, err
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["line"] for x in lines] == list(range(1, 41))
+    assert [len(x["token_ids"]) for x in lines] == [60 + i for i in range(40)]
+    async with Client(nats_url, namespace=namespace) as c:
+        (s,) = await worker_statuses(c.nc, c.names)
+    assert int(s.extra["completed"]) == 40  # every line ran to completion exactly once
+
+
+async def test_broker_restart_during_a_batch_loses_nothing_and_runs_nothing_twice(tiny_model, tmp_path, namespace):
+    data = tmp_path / "nats"
+    server = NatsServer(data).start()
+    url = server.url
+    workers = [WorkerProcess(url, namespace, tiny_model, tmp_path / f"w{i}.log", "--slots", "8") for i in range(2)]
+    try:
+        for w in workers:
+            await w.wait_ready(url)
+        src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+        src.write_text("".join(json.dumps({"token_ids": [4 + i, 5], "max_tokens": 120, "stop": {"ignore_eos": True}})
+                               + "\n" for i in range(32)))
+        batch = run_batch(url, namespace, src, out)
+        await anyio.sleep(4)
+        server.kill()
+        await anyio.sleep(2)
+        server = NatsServer(data, port=server.port).start()
+        _, err = await anyio.to_thread.run_sync(lambda: batch.communicate(timeout=300))
+        assert batch.returncode == 0, err
+        lines = [json.loads(x) for x in out.read_text().splitlines()]
+        assert len(lines) == 32 and all(len(x["token_ids"]) == 120 for x in lines)
+        async with Client(url, namespace=namespace) as c:
+            with anyio.fail_after(30):
+                while len(statuses := await worker_statuses(c.nc, c.names)) < 2:
+                    await anyio.sleep(0.2)
+        assert sum(int(s.extra["completed"]) for s in statuses) == 32
+    finally:
+        for w in workers:
+            w.stop()
+        server.stop()
