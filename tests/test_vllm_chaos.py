@@ -188,25 +188,32 @@ async def test_cancel_reaches_the_engine_and_is_not_migrated(nats_url, namespace
 
 async def test_sigterm_with_long_requests_moves_them_without_an_error(nats_url, namespace, start_worker):
     first = start_worker(namespace, "--grace-period", "1")
+    second = start_worker(namespace)
     await first.wait_ready(nats_url)
+    await second.wait_ready(nats_url)
+    second.signal(signal.SIGSTOP)  # ready, but frozen until the first one drains
+    await anyio.sleep(5)  # its outstanding pull requests expire on the server
     async with Client(nats_url, namespace=namespace) as c:
         trackers = {}
         requests = [req(TINY, [20 + i, 3], stop=StopConditions(max_tokens=480, ignore_eos=True)) for i in range(6)]
-        async with anyio.create_task_group() as tg:
-            for r in requests:
-                trackers[r.request_id] = Tracker()
-                tg.start_soon(follow, c, r, trackers[r.request_id])
-            with anyio.fail_after(60):
-                while sum(len(t.tokens) for t in trackers.values()) < 60:
-                    await anyio.sleep(0.05)
-            second = start_worker(namespace)
-            await second.wait_ready(nats_url)
-            first.signal(signal.SIGTERM)
+        try:
+            async with anyio.create_task_group() as tg:
+                for r in requests:
+                    trackers[r.request_id] = Tracker()
+                    tg.start_soon(follow, c, r, trackers[r.request_id])
+                with anyio.fail_after(60):
+                    while sum(len(t.tokens) for t in trackers.values()) < 60:
+                        await anyio.sleep(0.05)
+                second.signal(signal.SIGCONT)
+                first.signal(signal.SIGTERM)
+        finally:
+            second.signal(signal.SIGCONT)
         assert await anyio.to_thread.run_sync(first.wait, 60) == 0
     for t in trackers.values():
         assert not any(isinstance(f, ErrorFrame) for f in t.frames)
         assert isinstance(t.frames[-1], FinalFrame) and len(t.tokens) == 480
         assert t.frames[-1].attempt >= 2  # finished on the second worker
+    assert "handing back 6 running jobs" in first.log_tail(100) or "handing back" in first.log_tail(100)
 
 
 def run_batch(url: str, namespace: str, src, out) -> subprocess.Popen:

@@ -214,6 +214,7 @@ class Client:
             now = time.monotonic()
             for inbox in list(self._inboxes.values()):
                 if inbox.deadline is not None and now > inbox.deadline:
+                    inbox.deadline = None  # one wake-up per deadline; the request re-arms it
                     inbox.put(None)
 
     # submitting
@@ -270,7 +271,30 @@ class Client:
         if not raw.data:
             return None
         record = _record_decoder.decode(raw.data)
+        if isinstance(record, Cancelled):  # a cancel that came after the end changes nothing
+            return await self._result_before_cancel(request_id)
         return record if isinstance(record, Result) else None
+
+    async def _result_before_cancel(self, request_id: str) -> Result | None:
+        sub = await self.js.subscribe(self.names.request_log(request_id), stream=self.names.requests_stream,
+                                      ordered_consumer=True)
+        found = None
+        try:
+            while True:
+                msg = await sub.next_msg(timeout=2)
+                record = _record_decoder.decode(msg.data)
+                if isinstance(record, Result):
+                    found = record
+                if msg.metadata.num_pending == 0:
+                    return found
+        except Exception:
+            return found
+        finally:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await sub.unsubscribe()
+                except Exception:
+                    pass
 
     async def attach(self, request_id: str) -> AsyncIterator[Frame]:
         """The frames of a request someone else submitted (or an earlier run of this program),
@@ -344,10 +368,10 @@ class Client:
             ack = await self.submit(req, role=role)
             if ack.duplicate:
                 # The job exists already (submitted before, maybe by a run that died): follow it.
+                finished = True  # nothing of ours to cancel: the request belongs to its first submitter
                 async with aclosing(self.attach(req.request_id)) as frames:
                     async for frame in frames:
                         yield frame
-                finished = True
                 return
             last_seq = 0
             attempt = 0
@@ -419,10 +443,11 @@ class Client:
                 last_seq = frame.seq
                 if accepted:
                     inbox.wait_for(self.heartbeat_timeout)
-                yield frame
                 if isinstance(frame, (FinalFrame, ErrorFrame)):
-                    finished = True
+                    finished = True  # before the yield: the caller may stop iterating right here
+                    yield frame
                     return
+                yield frame
         finally:
             self._inboxes.pop(token, None)
             if not finished and self._nc is not None and self._nc.is_connected:

@@ -64,8 +64,12 @@ def analyze(records: list[Record]) -> History:
     handed_back: set[int] = set()
     by_seq: dict[int, TokensFrame] = {}
     for r in records:
-        if isinstance(r, Cancelled):  # the producer's word counts whoever owns the request
-            h.cancelled = r
+        if isinstance(r, Cancelled):  # the producer's word counts whoever owns the request...
+            if h.result is None:  # ...unless the request had already ended
+                h.cancelled = r
+        elif isinstance(r, Result):  # so does the end, whoever wrote it
+            h.result = r
+            h.cancelled = None
         elif isinstance(r, Claim):
             if r.attempt > owner:
                 owner = r.attempt
@@ -76,8 +80,6 @@ def analyze(records: list[Record]) -> History:
             by_seq.setdefault(r.frame.seq, r.frame)
         elif isinstance(r, Handoff):
             handed_back.add(r.attempt)
-        elif isinstance(r, Result):
-            h.result = r
     h.claimed = bool(claims)
     h.handoffs = len(handed_back)
     h.deaths = sum(1 for a in claims if a not in handed_back)

@@ -23,7 +23,6 @@ from nats.aio.msg import Msg
 from .. import __version__
 from ..errors import EngineDead, EngineRequestError, RequestRejected
 from ..schemas import (
-    Cancelled,
     CancelRequest,
     Claim,
     DeadLetter,
@@ -353,7 +352,7 @@ class Worker:
         last = found[0]
         if last is None:
             history = History()
-        elif isinstance(last, (Result, Cancelled)):
+        elif isinstance(last, Result):
             history = analyze([last])
         else:
             history = await self.log.history(req.request_id)
@@ -383,7 +382,8 @@ class Worker:
             return
         if run.hand_back:
             await self._pulling_stopped()
-            await self.log.write(rid, Handoff(attempt=job.attempt, reason="worker stopping"))
+            if not self._engine_dead:  # a planned move; an engine death counts against the budget
+                await self.log.write(rid, Handoff(attempt=job.attempt, reason="worker draining"))
             await job.nak()
             self.counters["handed_back"] += 1
         elif run.cancel_reason is not None:
