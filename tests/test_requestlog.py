@@ -44,3 +44,16 @@ def test_a_result_ends_the_story_even_if_a_cancel_came_later():
 def test_choices_are_kept_apart():
     h = analyze([Claim(attempt=1, worker="a", at=0), step(1, 1, 1, index=0), step(1, 2, 2, index=1)])
     assert h.tokens(2) == [[1], [2]]
+
+
+def test_the_next_attempt_numbers_itself_above_every_claim():
+    """A broker restored from disk may deliver a running job again as delivery 1; the log keeps count."""
+    h = analyze([Claim(attempt=1, worker="a", at=0), Claim(attempt=3, worker="b", at=1), step(3, 1, 7)])
+    assert h.last_attempt == 3
+    assert analyze([]).last_attempt == 0
+
+
+def test_the_owner_is_the_newest_claim_until_it_ends_or_hands_back():
+    assert analyze([Claim(attempt=1, worker="a", at=0), Claim(attempt=2, worker="b", at=1)]).owner == "b"
+    assert analyze([Claim(attempt=1, worker="a", at=0), Handoff(attempt=1, reason="draining")]).owner is None
+    assert analyze([Claim(attempt=1, worker="a", at=0), Result(attempt=1)]).owner is None

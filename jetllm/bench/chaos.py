@@ -34,10 +34,10 @@ from ..schemas import (
 )
 from ..subjects import Client
 from ..subjects.fleet import wait_for_workers, worker_statuses
-from .run import _vocab
+from .run import _vocab, write_section
 from .workload import percentile
 
-MARK = ("<!-- chaos:begin -->", "<!-- chaos:end -->")
+MARKS = ("<!-- chaos:begin -->", "<!-- chaos:end -->")
 
 
 class Run(msgspec.Struct, kw_only=True):
@@ -116,9 +116,12 @@ async def _workload(client: Client, fleet: Fleet, served: str, args: argparse.Na
     async def killer() -> None:
         for _ in range(kills):
             await anyio.sleep(args.kill_every)
-            busy = [s for s in await worker_statuses(client.nc, client.names) if s.in_flight]
-            if not busy:
-                continue
+            while True:  # another worker must be serving: this measures resume, not a full outage
+                statuses = await worker_statuses(client.nc, client.names)
+                busy = [s for s in statuses if s.in_flight]
+                if busy and sum(s.state == "serving" for s in statuses) >= 2:
+                    break
+                await anyio.sleep(0.2)
             victim = random.Random(len(kill_times)).choice(busy)
             fleet.kill(victim.pid)
             kill_times.append((time.monotonic(), set(victim.request_ids)))
@@ -149,7 +152,51 @@ async def _workload(client: Client, fleet: Fleet, served: str, args: argparse.Na
     )
 
 
-async def _main(args: argparse.Namespace, log_dir: Path) -> tuple[Run, Run]:
+class CancelTimes(msgspec.Struct, kw_only=True):
+    """Cancel to `cancelled` error frame (the worker sends it once the engine dropped the request),
+    beside the engine's step time (the inter-token interval) under the same load."""
+
+    cancels: int
+    p50_s: float
+    p99_s: float
+    step_p50_s: float
+
+
+async def _cancel_latency(client: Client, served: str, args: argparse.Namespace) -> CancelTimes:
+    rng = random.Random(5)
+    waits: list[float] = []
+    steps: list[float] = []
+
+    async def one(i: int) -> None:
+        r = GenerateRequest(
+            request_id=f"cancel-{uuid.uuid4().hex}", model=served,
+            prompt=TokensPrompt([rng.randrange(4, args.vocab) for _ in range(args.prompt_len)]),
+            stop=StopConditions(max_tokens=args.output_len * 4, ignore_eos=True),
+        )
+        after = rng.randrange(5, args.output_len)
+        got, last, cancelled_at = 0, None, None
+        async for f in client.generate(r):
+            if isinstance(f, TokensFrame):
+                now = time.monotonic()
+                if last is not None and cancelled_at is None:
+                    steps.append((now - last) / len(f.token_ids))
+                last, got = now, got + len(f.token_ids)
+                if got >= after and cancelled_at is None:
+                    cancelled_at = time.monotonic()
+                    await client.cancel(r.request_id)
+            elif not isinstance(f, AcceptedFrame):
+                if cancelled_at is not None:
+                    waits.append(time.monotonic() - cancelled_at)
+                break
+
+    async with anyio.create_task_group() as tg:
+        for i in range(args.concurrency):
+            tg.start_soon(one, i)
+    return CancelTimes(cancels=len(waits), p50_s=statistics.median(waits), p99_s=percentile(waits, 99),
+                       step_p50_s=statistics.median(steps))
+
+
+async def _main(args: argparse.Namespace, log_dir: Path) -> tuple[Run, Run, CancelTimes]:
     from .. import tinymodel
     from ..natsserver import NatsServer
 
@@ -171,19 +218,23 @@ async def _main(args: argparse.Namespace, log_dir: Path) -> tuple[Run, Run]:
                     print(f"bench-chaos: {args.requests} requests, {f'{kills} kills' if kills else 'no kills'} ...",
                           file=sys.stderr, flush=True)
                     results.append(await _workload(c, fleet, served, args, kills))
+                    if not kills:
+                        print("bench-chaos: cancelling requests mid-decode ...", file=sys.stderr, flush=True)
+                        cancels = await _cancel_latency(c, served, args)
             finally:
                 fleet.stop()
-    return results[0], results[1]
+    return results[0], results[1], cancels
 
 
-def report(base: Run, chaos: Run, args: argparse.Namespace, command: str) -> str:
+def report(base: Run, chaos: Run, cancels: CancelTimes, args: argparse.Namespace, command: str) -> str:
     same = base.outputs == chaos.outputs
     p50 = f"{chaos.resume_p50_s:.2f} s" if chaos.resume_p50_s is not None else "-"
     p99 = f"{chaos.resume_p99_s:.2f} s" if chaos.resume_p99_s is not None else "-"
     return (
         f"Workload: {args.requests} greedy requests, {args.concurrency} concurrent, {args.prompt_len}-token prompts, "
         f"{args.output_len} tokens each, {args.workers} workers ({args.slots} slots each); in the second run a busy "
-        f"worker is SIGKILLed every {args.kill_every:.0f} s and restarted ({args.kills} kills); producers check "
+        f"worker is SIGKILLed every {args.kill_every:.0f} s (while another serves) and restarted ({args.kills} "
+        "kills); producers check "
         f"a silent worker after {args.heartbeat_timeout:.1f} s.\n\n"
         f"Command: `{command}`\n\n"
         "| run | output tok/s | seconds | kills | requests moved | resume p50 | resume p99 |\n"
@@ -192,25 +243,23 @@ def report(base: Run, chaos: Run, args: argparse.Namespace, command: str) -> str
         f"| with kills | {chaos.tokens_per_s:,.0f} | {chaos.seconds:.1f} | {chaos.kills} | {chaos.migrated} | {p50} | {p99} |\n\n"
         f"- every output of the run with kills equals the run without: **{'yes' if same else 'NO'}**\n"
         f"- throughput with kills / without: {chaos.tokens_per_s / base.tokens_per_s:.2f}x (restarted workers "
-        "spend ~15-30 s loading the engine, during which the others carry the load)\n"
+        "spend ~15-30 s loading the engine, during which the others carry the load)\n\n"
+        f"Cancellation ({cancels.cancels} requests, {args.concurrency} concurrent, each cancelled mid-decode): "
+        f"from `Client.cancel` to the `cancelled` error frame, which the worker sends once the engine has "
+        f"dropped the request: p50 {cancels.p50_s * 1000:.0f} ms, p99 {cancels.p99_s * 1000:.0f} ms; one engine "
+        f"step (inter-token interval) under the same load: {cancels.step_p50_s * 1000:.0f} ms.\n"
     )
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     log_dir = Path(tempfile.mkdtemp(prefix="jetllm-chaos-"))
-    base, chaos = run(_main, args, log_dir)
+    base, chaos, cancels = run(_main, args, log_dir)
     command = "jetllm bench-chaos " + " ".join(sys.argv[2:])
-    text = report(base, chaos, args, command.strip())
+    text = report(base, chaos, cancels, args, command.strip())
     print("\n" + text)
     if args.write:
-        path = Path(args.write)
-        old = path.read_text() if path.exists() else ""
-        if MARK[0] not in old:
-            old += f"\n{MARK[0]}\n{MARK[1]}\n"
-        head, _, rest = old.partition(MARK[0])
-        _, _, tail = rest.partition(MARK[1])
-        path.write_text(f"{head}{MARK[0]}\n{text}{MARK[1]}{tail}")
+        write_section(Path(args.write), text, MARKS)
     print(f"(logs in {log_dir})", file=sys.stderr)
     return 0 if base.outputs == chaos.outputs else 1
 

@@ -129,7 +129,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     url = args.nats
     if url is None:
         data_dir = Path(args.data_dir or Path(tempfile.gettempdir()) / "jetllm-up")
-        server = NatsServer(data_dir, port=args.port).start()
+        server = NatsServer(data_dir, port=args.port, sync_always=args.sync_always).start()
         url = server.url
     try:
         opts = engine_options(args)
@@ -164,5 +164,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_nats(p)
     p.add_argument("--data-dir", default=None, help="where the embedded server keeps its JetStream data")
     p.add_argument("--port", type=int, default=4222, help="port of the embedded server")
+    p.add_argument("--sync-always", action="store_true",
+                   help="embedded server fsyncs every write before acknowledging it: a crash (not only a "
+                        "restart) then loses nothing acknowledged, at a cost in throughput")
     add_worker_options(p)
     p.set_defaults(func=cmd_up)

@@ -374,6 +374,7 @@ class Client:
                         yield frame
                 return
             last_seq = 0
+            seen: list[TokensFrame] = []
             attempt = 0
             accepted = False
             worker = job_ack = None
@@ -393,6 +394,13 @@ class Client:
                             f"request {req.request_id}: no frame for {self.heartbeat_timeout:.1f}s "
                             "after the worker accepted it"
                         )
+                    ended = await self._result_quietly(req.request_id)
+                    if ended is not None:  # it finished while its last frames were lost (a reconnect)
+                        for missed in _rest_of(ended, seen, last_seq):
+                            last_seq = missed.seq
+                            finished = finished or isinstance(missed, (FinalFrame, ErrorFrame))
+                            yield missed
+                        return
                     reconnects = self.nc.stats.get("reconnects", 0)
                     if not self.nc.is_connected or reconnects != seen_reconnects:
                         # We were cut off ourselves: the worker is probably fine; frames we
@@ -426,16 +434,26 @@ class Client:
                     if accepted:
                         inbox.wait_for(self.heartbeat_timeout)
                     if frame.seq > last_seq:
-                        for missed in await self._fill(req.request_id, last_seq, frame.seq + 1):
+                        for missed in await self._fill(req.request_id, seen, last_seq, frame.seq + 1):
                             last_seq = missed.seq
+                            if isinstance(missed, TokensFrame):
+                                seen.append(missed)
+                            finished = finished or isinstance(missed, (FinalFrame, ErrorFrame))
                             yield missed
+                        if finished:
+                            return
                     continue
                 if frame.seq <= last_seq:
                     continue  # a duplicate (replayed by a worker that took the job over)
                 if frame.seq != last_seq + 1:
-                    for missed in await self._fill(req.request_id, last_seq, frame.seq):
+                    for missed in await self._fill(req.request_id, seen, last_seq, frame.seq):
                         last_seq = missed.seq
+                        if isinstance(missed, TokensFrame):
+                            seen.append(missed)
+                        finished = finished or isinstance(missed, (FinalFrame, ErrorFrame))
                         yield missed
+                    if finished:
+                        return
                     if frame.seq != last_seq + 1:
                         raise FrameGap(
                             f"request {req.request_id}: expected frame {last_seq + 1}, got {frame.seq}"
@@ -447,6 +465,8 @@ class Client:
                     finished = True  # before the yield: the caller may stop iterating right here
                     yield frame
                     return
+                if isinstance(frame, TokensFrame):
+                    seen.append(frame)
                 yield frame
         finally:
             self._inboxes.pop(token, None)
@@ -465,16 +485,27 @@ class Client:
         except Exception:
             return False
 
-    async def _fill(self, request_id: str, after: int, before: int) -> list[Frame]:
-        """Frames lost on the way (seq in (after, before)), recovered from the request log."""
-        found: list[Frame] = []
-        with anyio.move_on_after(5):
-            async with aclosing(self.attach(request_id)) as frames:
-                async for frame in frames:
-                    if after < frame.seq < before:
-                        found.append(frame)
-                    if frame.seq >= before - 1 or isinstance(frame, (FinalFrame, ErrorFrame)):
-                        break
+    async def _result_quietly(self, request_id: str) -> Result | None:
+        try:
+            return await self.result(request_id)
+        except Exception:  # the log is unreachable for now; the watchdog asks again
+            return None
+
+    async def _fill(self, request_id: str, seen: list[TokensFrame], after: int, before: int) -> list[Frame]:
+        """Frames lost on the way (seq in (after, before)), recovered from the request log; if the
+        request has ended, everything after `after` up to its final frame."""
+        ended = await self._result_quietly(request_id)
+        if ended is not None:
+            found = _rest_of(ended, seen, after)
+        else:
+            found = []
+            with anyio.move_on_after(5):
+                async with aclosing(self.attach(request_id)) as frames:
+                    async for frame in frames:
+                        if after < frame.seq < before:
+                            found.append(frame)
+                        if frame.seq >= before - 1 or isinstance(frame, (FinalFrame, ErrorFrame)):
+                            break
         log.warning("request %s: recovered %d lost frames from the request log", request_id, len(found))
         return found
 

@@ -42,6 +42,8 @@ class FrameSink:
         self.log_subject = log_subject
         """Where token frames are recorded before they are sent (the request log)."""
         self.seq = 0
+        self.logged: list[TokensFrame] = []
+        """This attempt's token frames, kept to rewrite any the log lost in a broker restart."""
         self.last_sent = time.monotonic()
         self.frames_sent = 0
 
@@ -87,6 +89,7 @@ class FrameSink:
         )
         if self.log_subject is not None:
             # Recorded first, on the same connection: the log never holds less than was sent.
+            self.logged.append(frame)
             try:
                 await self._nc.publish(self.log_subject, codec.encode(Step(attempt=self.attempt, frame=frame)))
             except Exception as exc:

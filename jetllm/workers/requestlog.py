@@ -18,6 +18,11 @@ log = logging.getLogger(__name__)
 _decoder = codec.Decoder(Record)
 
 
+class LogUnavailable(Exception):
+    """The request log could not be read (JetStream restarting or unreachable): the job must wait,
+    as running it blind could run a finished or running request again."""
+
+
 class History(msgspec.Struct, kw_only=True):
     """A request's log, as the attempt about to run it sees it."""
 
@@ -30,6 +35,11 @@ class History(msgspec.Struct, kw_only=True):
     handoffs: int = 0
     last_seq: int = 0
     claimed: bool = False
+    last_attempt: int = 0
+    owner: str | None = None
+    """The worker of the newest claim, while the request has not ended nor been handed back by it."""
+    """The highest attempt that claimed the request; a broker restored from disk may count deliveries
+    from 1 again, so the next attempt numbers itself above this."""
 
     @property
     def fresh(self) -> bool:
@@ -74,6 +84,7 @@ def analyze(records: list[Record]) -> History:
             if r.attempt > owner:
                 owner = r.attempt
                 claims.append(r.attempt)
+                h.owner = r.worker
         elif r.attempt < owner:
             continue
         elif isinstance(r, Step):
@@ -81,6 +92,9 @@ def analyze(records: list[Record]) -> History:
         elif isinstance(r, Handoff):
             handed_back.add(r.attempt)
     h.claimed = bool(claims)
+    if h.result is not None or h.cancelled is not None or owner in handed_back:
+        h.owner = None
+    h.last_attempt = owner
     h.handoffs = len(handed_back)
     h.deaths = sum(1 for a in claims if a not in handed_back)
     h.frames = [by_seq[s] for s in sorted(by_seq)]
@@ -99,15 +113,36 @@ class RequestLog:
         frame published after it reaches the producer; no round trip on the token path."""
         await self.nc.publish(self.names.request_log(request_id), codec.encode(record))
 
+    async def write_stored(self, request_id: str, record: Record, *, within: float = 60.0) -> None:
+        """Append a record and wait until the stream has stored it, retrying across a broker restart.
+
+        For records that decide whether a job runs again (results, and steps rewritten after a
+        reconnect): a plain publish that reaches a server still recovering its streams is dropped.
+        """
+        delay = 0.2
+        with anyio.move_on_after(within):
+            while True:
+                try:
+                    await self.js.publish(self.names.request_log(request_id), codec.encode(record), timeout=5)
+                    return
+                except (nats.errors.Error, TimeoutError) as exc:
+                    log.debug("request %s: storing a %s record failed (%s); retrying", request_id,
+                              type(record).__name__, exc)
+                await anyio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+        raise LogUnavailable(f"request log: could not store a {type(record).__name__} record in {within:.0f}s")
+
     async def last(self, request_id: str) -> Record | None:
         try:
             raw = await self.js.get_last_msg(self.names.requests_stream, self.names.request_log(request_id), direct=True)
-        except (nats.js.errors.NotFoundError, nats.errors.NoRespondersError):
+        except nats.js.errors.NotFoundError:
             return None
         except nats.js.errors.APIError as exc:
             if getattr(exc, "code", None) == 404:
                 return None
-            raise
+            raise LogUnavailable(f"request log: {exc}") from exc
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError, nats.errors.ConnectionClosedError) as exc:
+            raise LogUnavailable(f"request log: {type(exc).__name__}") from exc
         if not raw.data:  # a direct get of a missing subject answers with an empty 404 message
             return None
         return _decoder.decode(raw.data)
@@ -119,10 +154,15 @@ class RequestLog:
             last = await self.js.get_last_msg(self.names.requests_stream, subject, direct=True)
         except nats.js.errors.NotFoundError:
             return History()
+        except (nats.errors.Error, nats.js.errors.Error) as exc:
+            raise LogUnavailable(f"request log: {type(exc).__name__}") from exc
         if not last.data:
             return History()
         records: list[Record] = []
-        sub = await self.js.subscribe(subject, stream=self.names.requests_stream, ordered_consumer=True)
+        try:
+            sub = await self.js.subscribe(subject, stream=self.names.requests_stream, ordered_consumer=True)
+        except (nats.errors.Error, nats.js.errors.Error) as exc:
+            raise LogUnavailable(f"request log: {type(exc).__name__}") from exc
         try:
             with anyio.fail_after(30):
                 while True:
@@ -133,6 +173,8 @@ class RequestLog:
                         log.warning("request %s: skipping an unreadable log record", request_id)
                     if msg.metadata.sequence.stream >= last.seq:
                         break
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise LogUnavailable(f"request log: reading it stopped: {type(exc).__name__}") from exc
         finally:
             with anyio.CancelScope(shield=True):
                 await sub.unsubscribe()

@@ -30,6 +30,7 @@ from ..schemas import (
     GenerateRequest,
     Handoff,
     Result,
+    Step,
     WorkerStatus,
 )
 from ..subjects import codec
@@ -39,7 +40,7 @@ from .engine import Engine
 from .frames import FrameSink
 from .jobs import Job, RejectedJob, dead_letter_record, decode_request
 from .puller import Puller
-from .requestlog import History, RequestLog, analyze
+from .requestlog import History, LogUnavailable, RequestLog, analyze
 from .roles import GenerateRole
 
 log = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ class Worker:
         self.exit_code = EXIT_OK
         self.log = RequestLog(nc, self.names)
         self.counters = {
-            "pulled": 0, "acked": 0, "completed": 0, "resumed": 0, "handed_back": 0,
+            "pulled": 0, "acked": 0, "completed": 0, "deferred": 0, "resumed": 0, "handed_back": 0,
             "dead_lettered": 0, "cancelled": 0, "superseded": 0, "duplicates": 0,
         }
 
@@ -143,6 +144,7 @@ class Worker:
                     tg.start_soon(self._watch_signals)
                 tg.start_soon(self._monitor_engine)
                 tg.start_soon(self._tick)
+                tg.start_soon(self._resync_after_reconnects)
                 async with anyio.create_task_group() as jobs:
                     self._jobs_tg = jobs
                     jobs.start_soon(self._puller.run)
@@ -280,6 +282,13 @@ class Worker:
                 if history.cancelled is not None:
                     run.cancel_reason = history.cancelled.reason or "cancelled before it started"
                     return
+                if history.owner not in (None, self.instance) and await self._runs_it(history.owner, rid):
+                    # Redelivered while its worker still runs it (a restored broker does this):
+                    # leave it there; that worker's ack settles this delivery too.
+                    log.info("request %s still runs on %s; leaving it there", rid, history.owner)
+                    self.counters["deferred"] += 1
+                    await job.nak(delay=self.config.policy.ack_wait)
+                    return
                 budget = self.config.max_migrations if req.max_migrations is None else req.max_migrations
                 if history.deaths > budget:
                     raise RequestRejected(
@@ -287,6 +296,8 @@ class Worker:
                         f"workers died under this request {history.deaths} times; its migration budget is "
                         f"{budget} (delivery {job.attempt})",
                     )
+                if history.last_attempt >= job.attempt:
+                    job.attempt = frames.attempt = history.last_attempt + 1
                 if history.claimed:
                     # An older attempt may still be alive (stalled, partitioned): it must stop.
                     await self.nc.publish(
@@ -306,7 +317,7 @@ class Worker:
                 )
                 outcome = await self.role.run(req, frames, prompt_ids, history)
                 final = frames.final_frame(outcome.choices, outcome.usage)
-                await self.log.write(rid, Result(
+                await self._store_result(rid, Result(
                     attempt=job.attempt, final=final, token_ids=outcome.token_ids, text=outcome.text,
                     worker=self.instance, migrations=history.deaths + history.handoffs,
                 ))
@@ -315,6 +326,11 @@ class Worker:
                 self.counters["acked"] += 1
                 self.counters["completed"] += 1
                 self._spawn(self.log.compact, rid)
+        except LogUnavailable as exc:
+            log.warning("request %s waits: %s", rid, exc)
+            self.counters["deferred"] += 1
+            with anyio.CancelScope(shield=True):
+                await job.nak(delay=1.0)
         except RequestRejected as exc:
             await self._reject(job, frames, exc, rid)
         except EngineRequestError as exc:
@@ -388,10 +404,57 @@ class Worker:
             self.counters["handed_back"] += 1
         elif run.cancel_reason is not None:
             err = run.frames.error_frame(ErrorCode.CANCELLED, run.cancel_reason)
-            await self.log.write(rid, Result(attempt=job.attempt, error=err, worker=self.instance))
+            await self._store_result(rid, Result(attempt=job.attempt, error=err, worker=self.instance))
             await run.frames.send(err)
             await job.term()
             self.counters["cancelled"] += 1
+
+    async def _store_result(self, rid: str, result: Result) -> None:
+        """Store a request's end before acking its job, so a redelivery answers from it, not reruns."""
+        try:
+            await self.log.write_stored(rid, result)
+        except LogUnavailable as exc:
+            log.warning("request %s: its result is not in the log (%s); a redelivery would run it again", rid, exc)
+
+    async def _resync_after_reconnects(self) -> None:
+        """After a reconnect, put back the log records a recovering server may have dropped.
+
+        Token frames are logged with plain publishes for speed; while a restarted server is still
+        loading its streams those are dropped, and a later attempt would regenerate tokens the
+        producer already has.
+        """
+        seen = self.nc.stats["reconnects"]
+        while True:
+            await anyio.sleep(0.5)
+            if self.nc.stats["reconnects"] == seen or not self.nc.is_connected:
+                continue
+            seen = self.nc.stats["reconnects"]
+            for rid, run in list(self._running.items()):
+                for delay in (0.5, 1, 2, 4, 8, None):
+                    try:
+                        await self._resync(rid, run)
+                        break
+                    except LogUnavailable as exc:
+                        if delay is None:
+                            log.warning("request %s: log not resynchronised after a reconnect: %s", rid, exc)
+                        else:
+                            await anyio.sleep(delay)
+
+    async def _resync(self, rid: str, run: _Running) -> None:
+        frames = run.frames
+        if frames.log_subject is None or run.job.settled:
+            return
+        history = await self.log.history(rid)
+        if history.last_attempt > run.job.attempt:
+            return  # superseded; the newer attempt owns the log
+        stored = {f.seq for f in history.frames}
+        missing = [f for f in list(frames.logged) if f.seq not in stored]
+        if history.last_attempt < run.job.attempt:
+            await self.log.write_stored(rid, Claim(attempt=run.job.attempt, worker=self.instance, at=time.time()))
+        for frame in missing:
+            await self.log.write_stored(rid, Step(attempt=run.job.attempt, frame=frame))
+        if missing:
+            log.info("request %s: rewrote %d token records the server lost", rid, len(missing))
 
     def _spawn(self, fn, *args) -> None:
         if self._jobs_tg is not None:
@@ -413,7 +476,7 @@ class Worker:
         with anyio.CancelScope(shield=True):
             err = frames.error_frame(code, exc.message, field=exc.field)
             if request_id:
-                await self.log.write(request_id, Result(attempt=job.attempt, error=err, worker=self.instance))
+                await self._store_result(request_id, Result(attempt=job.attempt, error=err, worker=self.instance))
             await frames.send(err)
             record = dead_letter_record(job.msg, code, exc.message, self.instance, job.attempt, request_id)
             try:
@@ -475,8 +538,21 @@ class Worker:
         )
 
     async def _on_ping(self, msg: Msg) -> None:
-        if msg.reply:
+        """Empty: "alive". With a request id: whether this worker runs it ("running" or "idle")."""
+        if not msg.reply:
+            return
+        if not msg.data:
             await self.nc.publish(msg.reply, b"")
+            return
+        run = self._running.get(msg.data.decode(errors="replace"))
+        await self.nc.publish(msg.reply, b"running" if run is not None and not run.job.settled else b"idle")
+
+    async def _runs_it(self, worker: str, request_id: str) -> bool:
+        try:
+            reply = await self.nc.request(self.names.instance_control(worker, "ping"), request_id.encode(), timeout=1.0)
+        except Exception:  # no responders (dead), or no answer in time (stalled): take it over
+            return False
+        return reply.data == b"running"
 
     async def _on_max_deliveries(self, msg: Msg) -> None:
         """JetStream gave up on a job: dead-letter it and tell its producer (every worker of the
@@ -508,7 +584,7 @@ class Worker:
                 headers={"Nats-Msg-Id": f"dlq-{self.names.jobs_stream}-{seq}"},
             )
             if request_id:
-                await self.log.write(request_id, Result(attempt=0, error=err, worker=self.instance))
+                await self._store_result(request_id, Result(attempt=0, error=err, worker=self.instance))
             await frames.send(err)
             await self.js.delete_msg(self.names.jobs_stream, seq)
         except Exception as exc:
