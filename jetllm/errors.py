@@ -34,12 +34,6 @@ class AcceptTimeout(JetllmError):
     code = ErrorCode.TIMEOUT
 
 
-class DuplicateRequest(JetllmError):
-    """JetStream already holds a job with this request id (within the duplicate window)."""
-
-    code = ErrorCode.INVALID_REQUEST
-
-
 class FrameGap(JetllmError):
     """Frames were lost between worker and producer (for example a slow consumer)."""
 

@@ -128,6 +128,8 @@ class WorkerProcess:
         self.namespace = namespace
         self.served = served
         self.log_path = log_path
+        self._params = (url, namespace, model, args, served)
+        self.restarts = 0
         cmd = [
             sys.executable, "-m", "jetllm", "worker", "--nats", url, "--namespace", namespace,
             "--model", str(model), "--served-model-name", served, "--max-model-len", "512",
@@ -181,10 +183,50 @@ class WorkerProcess:
             self.proc.wait()
         self._log.close()
 
+    def restart(self) -> WorkerProcess:
+        """A new process with the same arguments (after this one died), logging beside it."""
+        url, namespace, model, args, served = self._params
+        self._log.close()
+        w = WorkerProcess(url, namespace, model, self.log_path.with_name(f"{self.log_path.stem}.r{self.restarts + 1}.log"),
+                          *args, served=served)
+        w.restarts = self.restarts + 1
+        return w
+
     def engine_pids(self) -> list[int]:
         """The engine's child processes (EngineCore and its model worker)."""
         out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
         return [int(p) for p in out.split()]
+
+
+class FakeWorkerProcess(WorkerProcess):
+    """A worker process on the light test engine (tests/helpers/fake_worker.py)."""
+
+    def __init__(self, url: str, namespace: str, log_path: Path, *args: str) -> None:
+        self.namespace = namespace
+        self.served = "fake"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.helpers.fake_worker", url, namespace, *args],
+            stdout=self._log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
+        )
+        self.instance = None
+
+
+@pytest.fixture
+def start_fake_worker(nats_url, tmp_path):
+    """Factory: fake-engine worker processes (cheap to start and SIGKILL); stopped after the test."""
+    started: list[FakeWorkerProcess] = []
+
+    def start(namespace: str, *args: str) -> FakeWorkerProcess:
+        w = FakeWorkerProcess(nats_url, namespace, tmp_path / f"fake{len(started)}.log", *args)
+        started.append(w)
+        return w
+
+    yield start
+    for w in started:
+        w.stop()
 
 
 @pytest.fixture
@@ -239,6 +281,16 @@ class DirectVllm:
 
         with self._lock:
             self.proc.stdin.write(json.dumps({"prompt": prompt, "params": params}) + "\n")
+            self.proc.stdin.flush()
+            return json.loads(self.proc.stdout.readline())
+
+    def run_many(self, specs: list[tuple[dict, dict]]) -> list[dict]:
+        """Several requests at once (the engine batches them); results in the same order."""
+        import json
+
+        with self._lock:
+            body = {"batch": [{"prompt": p, "params": kw} for p, kw in specs]}
+            self.proc.stdin.write(json.dumps(body) + "\n")
             self.proc.stdin.flush()
             return json.loads(self.proc.stdout.readline())
 

@@ -56,7 +56,7 @@ def test_generate_refuses_an_invalid_request_before_sending(nats_url):
 def test_batch_writes_one_result_per_line_in_input_order(shared_vllm, nats_url, tmp_path):
     lines = [
         {"id": "a", "prompt": "Hello", "max_tokens": 5, "temperature": 0},
-        {"id": "b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 30},
+        {"id": "b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 30, "stop": {"ignore_eos": True}},
         "not json at all",
         {"id": "c", "token_ids": [5, 6, 7], "max_tokens": 3},
         {"id": "d", "prompt": "x", "max_tokens": 0},

@@ -143,23 +143,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_bytes(msgspec.json.encode(rows))
     if args.write:
-        _write_section(Path(args.write), text)
+        write_section(Path(args.write), text)
     print(f"(logs in {log_dir})", file=sys.stderr)
     return 0
 
 
-MARK_BEGIN = "<!-- bench:begin -->"
-MARK_END = "<!-- bench:end -->"
+MARKS = ("<!-- bench:begin -->", "<!-- bench:end -->")
 
 
-def _write_section(path: Path, text: str) -> None:
-    """Replace the marked section of a markdown file with the new figures."""
-    old = path.read_text() if path.exists() else f"# Benchmarks\n\n{MARK_BEGIN}\n{MARK_END}\n"
-    if MARK_BEGIN not in old:
-        old += f"\n{MARK_BEGIN}\n{MARK_END}\n"
-    head, _, rest = old.partition(MARK_BEGIN)
-    _, _, tail = rest.partition(MARK_END)
-    path.write_text(f"{head}{MARK_BEGIN}\n{text}{MARK_END}{tail}")
+def write_section(path: Path, text: str, marks: tuple[str, str] = MARKS) -> None:
+    """Replace the marked section of a markdown file with new figures, keeping the prose around it."""
+    begin, end = marks
+    old = path.read_text() if path.exists() else "# Benchmarks\n"
+    if begin not in old:
+        old += f"\n{begin}\n{end}\n"
+    head, _, rest = old.partition(begin)
+    _, _, tail = rest.partition(end)
+    path.write_text(f"{head}{begin}\n{text}{end}{tail}")
 
 
 def register(sub: argparse._SubParsersAction) -> None:

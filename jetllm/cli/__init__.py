@@ -6,8 +6,9 @@ import argparse
 import sys
 
 from .. import __version__
+from ..bench import chaos as bench_chaos
 from ..bench import run as bench
-from . import demo, misc, produce, worker_cmd
+from . import demo, dlq, misc, produce, worker_cmd
 from .common import setup_logging
 
 
@@ -22,8 +23,10 @@ def parser() -> argparse.ArgumentParser:
     demo.register(sub)
     worker_cmd.register(sub)
     produce.register(sub)
+    dlq.register(sub)
     misc.register(sub)
     bench.register(sub)
+    bench_chaos.register(sub)
     return p
 
 

@@ -137,8 +137,15 @@ def _enum_docs(enum_cls: type) -> dict[str, str]:
 def flags_reference(parser: argparse.ArgumentParser) -> str:
     """Every command and flag of the CLI, with its help text."""
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    parts = []
+    commands: list[tuple[str, argparse.ArgumentParser]] = []
     for name, p in sub.choices.items():
+        nested = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+        if nested:
+            commands.extend((f"{name} {verb}", vp) for verb, vp in nested[0].choices.items())
+        else:
+            commands.append((name, p))
+    parts = []
+    for name, p in commands:
         parts.append(f"### `jetllm {name}`\n\n{p.description or ''}\n")
         parts.append("| flag | default | meaning |\n|---|---|---|")
         for a in p._actions:

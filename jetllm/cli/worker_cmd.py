@@ -36,8 +36,11 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
                    help="jobs run at once; never more un-acked jobs than this (default: the engine's max_num_seqs)")
     w.add_argument("--grace-period", type=float, default=30.0,
                    help="seconds running requests get to finish on SIGTERM before they are handed back")
-    w.add_argument("--heartbeat-interval", type=float, default=1.0,
+    w.add_argument("--heartbeat-interval", type=float, default=0.5,
                    help="seconds between heartbeat frames of a quiet request")
+    w.add_argument("--max-migrations", type=int, default=3,
+                   help="default migration budget: how often workers may die under one request before it fails "
+                   "(a request's max_migrations overrides it; planned hand-backs do not count)")
     w.add_argument("--health-interval", type=float, default=5.0, help="seconds between engine health checks")
     w.add_argument("--instance-id", default=None, help="default: <host>-<pid>-<random>")
     w.add_argument("--nats-wait", type=float, default=60.0,
@@ -45,7 +48,9 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
     q = p.add_argument_group("queue policy (applied when creating or updating streams and consumers)")
     q.add_argument("--ack-wait", type=float, default=10.0,
                    help="seconds before an un-acked job is redelivered (running jobs refresh it)")
-    q.add_argument("--max-deliver", type=int, default=5, help="deliveries of a job before it is dead-lettered")
+    q.add_argument("--max-deliver", type=int, default=10,
+                   help="deliveries of a job before JetStream gives up and it is dead-lettered (a backstop "
+                   "behind the migration budget)")
     q.add_argument("--max-age", type=float, default=86400.0, help="seconds a queued job may wait for a worker")
     q.add_argument("--replicas", type=int, default=1, help="stream replicas (3 on a JetStream cluster)")
 
@@ -81,6 +86,7 @@ def worker_config(args: argparse.Namespace, slots: int | None = None):
         namespace=args.namespace,
         slots=slots or args.slots or 0,
         heartbeat_interval=args.heartbeat_interval,
+        max_migrations=args.max_migrations,
         grace_period=args.grace_period,
         health_interval=args.health_interval,
         instance=args.instance_id,
@@ -123,7 +129,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     url = args.nats
     if url is None:
         data_dir = Path(args.data_dir or Path(tempfile.gettempdir()) / "jetllm-up")
-        server = NatsServer(data_dir, port=args.port).start()
+        server = NatsServer(data_dir, port=args.port, sync_always=args.sync_always).start()
         url = server.url
     try:
         opts = engine_options(args)
@@ -158,5 +164,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_nats(p)
     p.add_argument("--data-dir", default=None, help="where the embedded server keeps its JetStream data")
     p.add_argument("--port", type=int, default=4222, help="port of the embedded server")
+    p.add_argument("--sync-always", action="store_true",
+                   help="embedded server fsyncs every write before acknowledging it: a crash (not only a "
+                        "restart) then loses nothing acknowledged, at a cost in throughput")
     add_worker_options(p)
     p.set_defaults(func=cmd_up)

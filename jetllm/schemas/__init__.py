@@ -27,6 +27,7 @@ from .generate import (
     TextPrompt,
     TokensPrompt,
 )
+from .progress import Cancelled, Claim, Handoff, Record, Result, Step
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -36,6 +37,8 @@ __all__ = [
     "BatchLine",
     "BatchResult",
     "CancelRequest",
+    "Cancelled",
+    "Claim",
     "ChatMessage",
     "ChatPrompt",
     "Choice",
@@ -46,13 +49,17 @@ __all__ = [
     "FinishReason",
     "Frame",
     "GenerateRequest",
+    "Handoff",
     "HeartbeatFrame",
     "JobEnvelope",
     "Message",
     "OutputOptions",
     "Prompt",
+    "Record",
+    "Result",
     "SamplingOptions",
     "StatusRequest",
+    "Step",
     "StopConditions",
     "TextPrompt",
     "TokensFrame",

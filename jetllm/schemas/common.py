@@ -39,6 +39,13 @@ class ErrorCode(enum.StrEnum):
     """The engine failed this one request; the worker goes on serving."""
     CANCELLED = "cancelled"
     """The request was cancelled before it finished."""
+    MIGRATION_BUDGET_EXHAUSTED = "migration_budget_exhausted"
+    """Workers died under this request more often than its migration budget allows."""
+    NOT_MIGRATABLE = "not_migratable"
+    """A worker died after tokens were delivered, and the request cannot continue elsewhere
+    without changing them (n > 1); the message says why."""
+    DELIVERIES_EXHAUSTED = "deliveries_exhausted"
+    """JetStream delivered the job max_deliver times without any worker finishing it."""
     INTERNAL = "internal"
     """A bug in jetllm; the message says where."""
     WORKER_SILENT = "worker_silent"

@@ -12,6 +12,8 @@ class CancelRequest(Message):
 
     request_id: str
     reason: str | None = None
+    below_attempt: int | None = None
+    """Stop only attempts older than this one (a newer attempt took the job over); None: all."""
 
 
 class StatusRequest(Message):

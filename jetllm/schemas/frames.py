@@ -1,8 +1,8 @@
 """Reply frames, streamed on the job's reply subject; `kind` tells them apart.
 
-`seq` counts the frames that carry content (accepted, tokens, final, error) from 1 with no
-gaps; a heartbeat repeats the last seq sent so that a producer notices a lost frame even
-while the request is quiet.
+`seq` counts the frames that carry output (tokens, final, error) from 1 with no gaps, across
+every worker a request runs on. Accepted and heartbeat frames repeat the last seq sent, so a
+producer notices a lost frame even while the request is quiet.
 """
 
 from __future__ import annotations
@@ -20,18 +20,23 @@ class _Frame(msgspec.Struct, kw_only=True, tag_field="kind", forbid_unknown_fiel
     v: int = SCHEMA_VERSION
     """Schema version."""
     seq: int
-    """1, 2, 3, ... over the content frames of a request; a gap means a frame was lost."""
+    """1, 2, 3, ... over the output frames of a request; a gap means a frame was lost."""
+    attempt: int = 1
+    """Which delivery of the job sent the frame; a migrated request continues with a higher one."""
 
 
 class AcceptedFrame(_Frame, tag="accepted"):
-    """First frame: a worker has taken the job."""
+    """A worker has taken the job: first frame, and again (higher attempt) after a migration."""
 
     request_id: str
     worker: str
     """Instance id of the worker that runs the job."""
     model: str
-    attempt: int = 1
-    """JetStream delivery count of the job."""
+    resumed_tokens: int = 0
+    """Tokens of choice 0 delivered by earlier attempts; this attempt continues after them."""
+    job_ack: str | None = None
+    """The job's JetStream ack subject: a producer that finds the worker dead publishes `-NAK`
+    to it, so the job moves on at once instead of after ack_wait."""
 
 
 class TokensFrame(_Frame, tag="tokens"):

@@ -102,7 +102,10 @@ class GenerateRequest(Message):
     stop: StopConditions = msgspec.field(default_factory=StopConditions)
     output: OutputOptions = msgspec.field(default_factory=OutputOptions)
     reply_to: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
-    """Subject for the reply frames; None for a detached job."""
+    """Subject for the reply frames; None for a detached job (its result is still stored)."""
+    max_migrations: Annotated[int, Meta(ge=0, le=100)] | None = None
+    """How often the request may move to another worker after a worker died under it;
+    None: the worker's default (--max-migrations). Planned moves (a draining worker) are free."""
 
 
 class JobEnvelope(msgspec.Struct, kw_only=True):

@@ -17,10 +17,13 @@ import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 import anyio
 import msgspec
+import nats.errors
+import nats.js.errors
 from anyio.abc import TaskGroup
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -28,7 +31,6 @@ from nats.js.api import PubAck
 
 from ..errors import (
     AcceptTimeout,
-    DuplicateRequest,
     FrameGap,
     PayloadTooLarge,
     RequestFailed,
@@ -36,6 +38,7 @@ from ..errors import (
 )
 from ..schemas import (
     AcceptedFrame,
+    Cancelled,
     CancelRequest,
     ErrorCode,
     ErrorFrame,
@@ -43,6 +46,9 @@ from ..schemas import (
     Frame,
     GenerateRequest,
     HeartbeatFrame,
+    Record,
+    Result,
+    Step,
     TokensFrame,
     Usage,
 )
@@ -70,6 +76,28 @@ class Completion(msgspec.Struct, kw_only=True):
     worker: str
     choices: list[Completion] = []
     """For n > 1: one entry per choice (index order); the top-level fields are choice 0's."""
+
+
+_record_decoder = codec.Decoder(Record)
+
+
+def _rest_of(result: Result, seen: list[TokensFrame], last_seq: int) -> list[Frame]:
+    """The part of a finished request's output that `seen` lacks, as frames after `last_seq`."""
+    frames: list[Frame] = []
+    seq = last_seq
+    for index, ids in enumerate(result.token_ids):
+        have = [f for f in seen if f.index == index]
+        n_ids = sum(len(f.token_ids) for f in have)
+        text = None
+        if result.text:
+            text = result.text[index][len("".join(f.text or "" for f in have)):]
+        if ids[n_ids:] or text:
+            seq += 1
+            frames.append(TokensFrame(seq=seq, attempt=result.attempt, index=index, token_ids=ids[n_ids:], text=text))
+    end = result.final or result.error
+    if end is not None:
+        frames.append(msgspec.structs.replace(end, seq=seq + 1))
+    return frames
 
 
 class _Inbox:
@@ -110,7 +138,9 @@ class Client:
         *,
         namespace: str = "default",
         nc: NATS | None = None,
-        heartbeat_timeout: float = 10.0,
+        heartbeat_timeout: float = 2.0,
+        migrate: bool = True,
+        publish_timeout: float = 30.0,
         encoding: codec.Encoding = "msgpack",
         policy: QueuePolicy | None = None,
         name: str = "jetllm-producer",
@@ -121,6 +151,9 @@ class Client:
         self._own_nc = nc is None
         self._name = name
         self.heartbeat_timeout = heartbeat_timeout
+        """Silence after which the worker is checked: alive, keep waiting; gone, move the job on."""
+        self.migrate = migrate
+        self.publish_timeout = publish_timeout
         self.encoding = encoding
         self._policy = policy or QueuePolicy()
         self._inbox_root = ""
@@ -181,6 +214,7 @@ class Client:
             now = time.monotonic()
             for inbox in list(self._inboxes.values()):
                 if inbox.deadline is not None and now > inbox.deadline:
+                    inbox.deadline = None  # one wake-up per deadline; the request re-arms it
                     inbox.put(None)
 
     # submitting
@@ -196,16 +230,114 @@ class Client:
         return data
 
     async def submit(self, req: GenerateRequest, *, role: str = "generate") -> PubAck:
-        """Publish a job durably; the PubAck says it is stored (or was a duplicate)."""
+        """Publish a job durably; the PubAck says it is stored (or was a duplicate).
+
+        Retried across reconnects and JetStream leader changes for up to `publish_timeout`
+        seconds; the request id as `Nats-Msg-Id` makes the retries safe.
+        """
         data = self.encode_job(req)
         headers = {"Nats-Msg-Id": req.request_id, codec.CONTENT_TYPE: codec.content_type(self.encoding)}
-        return await self.js.publish(self.names.jobs(role, req.model), data, headers=headers)
+        subject = self.names.jobs(role, req.model)
+        deadline = time.monotonic() + self.publish_timeout
+        delay = 0.1
+        while True:
+            try:
+                return await self.js.publish(subject, data, headers=headers, timeout=2.0)
+            except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionClosedError,
+                    nats.errors.OutboundBufferLimitError, nats.js.errors.ServiceUnavailableError) as exc:
+                if time.monotonic() + delay > deadline:
+                    raise
+                log.info("publishing %s failed (%s); retrying", req.request_id, type(exc).__name__)
+                await anyio.sleep(delay)
+                delay = min(delay * 2, 1.0)
 
     async def cancel(self, request_id: str, reason: str | None = None) -> None:
+        """Stop a request wherever it is: running (live notice) or still queued (durable record)."""
         await self.nc.publish(
-            self.names.cancel(request_id),
-            codec.encode(CancelRequest(request_id=request_id, reason=reason)),
+            self.names.cancel(request_id), codec.encode(CancelRequest(request_id=request_id, reason=reason))
         )
+        await self.nc.publish(
+            self.names.request_log(request_id), codec.encode(Cancelled(attempt=0, reason=reason))
+        )
+
+    # results of requests, whoever was listening
+
+    async def result(self, request_id: str) -> Result | None:
+        """How the request ended, if it has (stored for `results_max_age`)."""
+        try:
+            raw = await self.js.get_last_msg(self.names.requests_stream, self.names.request_log(request_id), direct=True)
+        except nats.js.errors.NotFoundError:
+            return None
+        if not raw.data:
+            return None
+        record = _record_decoder.decode(raw.data)
+        if isinstance(record, Cancelled):  # a cancel that came after the end changes nothing
+            return await self._result_before_cancel(request_id)
+        return record if isinstance(record, Result) else None
+
+    async def _result_before_cancel(self, request_id: str) -> Result | None:
+        sub = await self.js.subscribe(self.names.request_log(request_id), stream=self.names.requests_stream,
+                                      ordered_consumer=True)
+        found = None
+        try:
+            while True:
+                msg = await sub.next_msg(timeout=2)
+                record = _record_decoder.decode(msg.data)
+                if isinstance(record, Result):
+                    found = record
+                if msg.metadata.num_pending == 0:
+                    return found
+        except Exception:
+            return found
+        finally:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await sub.unsubscribe()
+                except Exception:
+                    pass
+
+    async def attach(self, request_id: str) -> AsyncIterator[Frame]:
+        """The frames of a request someone else submitted (or an earlier run of this program),
+        read from the request log: everything delivered so far, then live until it ends."""
+        done = await self.result(request_id)
+        if done is not None:
+            for frame in _rest_of(done, [], 0):
+                yield frame
+            return
+        subject = self.names.request_log(request_id)
+        sub = await self.js.subscribe(subject, stream=self.names.requests_stream, ordered_consumer=True)
+        try:
+            seen: list[TokensFrame] = []
+            contiguous = True
+            async for msg in sub.messages:
+                record = _record_decoder.decode(msg.data)
+                if isinstance(record, Step) and contiguous:
+                    if record.frame.seq == len(seen) + 1:
+                        seen.append(record.frame)
+                        yield record.frame
+                    elif record.frame.seq > len(seen) + 1:
+                        contiguous = False  # compacted under us: the result has the rest
+                elif isinstance(record, Result):
+                    for frame in _rest_of(record, seen, len(seen)):
+                        yield frame
+                    return
+        finally:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await sub.unsubscribe()
+                except Exception:  # the connection is closing anyway
+                    pass
+
+    async def wait_result(self, request_id: str, timeout: float | None = None) -> Result:
+        with anyio.fail_after(timeout):
+            async with aclosing(self.attach(request_id)) as frames:
+                async for frame in frames:
+                    if isinstance(frame, (FinalFrame, ErrorFrame)):
+                        break
+        result = await self.result(request_id)
+        if result is None:  # pragma: no cover - the log ended with a result
+            raise RequestFailed(ErrorCode.INTERNAL, f"{request_id} ended without a stored result")
+        return result
 
     # streaming
 
@@ -218,10 +350,11 @@ class Client:
     ) -> AsyncIterator[Frame]:
         """Submit `req` and yield its frames up to and including the final or error frame.
 
-        Leaving the loop early (break, exception, task cancellation) cancels the request on the
-        worker. Errors reported by the worker arrive as an ErrorFrame, not as an exception.
-        Raises WorkerSilent when an accepted request goes quiet for `heartbeat_timeout`, and
-        AcceptTimeout when no worker picks the job up within `accept_timeout` (None: wait).
+        If the worker dies, the request continues on another one and the stream goes on with
+        the next frame (an AcceptedFrame with a higher attempt marks the move). Leaving the loop
+        early cancels the request. Errors from the worker arrive as an ErrorFrame. Raises
+        AcceptTimeout when no worker takes the job (again) within `accept_timeout` (None: wait),
+        and WorkerSilent when the worker goes silent and `migrate` is off.
         """
         token = uuid.uuid4().hex
         inbox = _Inbox()
@@ -234,50 +367,107 @@ class Client:
         try:
             ack = await self.submit(req, role=role)
             if ack.duplicate:
-                raise DuplicateRequest(
-                    f"request id {req.request_id!r} was already submitted (JetStream dropped this copy "
-                    "as a duplicate); use a new request id for a new request"
-                )
+                # The job exists already (submitted before, maybe by a run that died): follow it.
+                finished = True  # nothing of ours to cancel: the request belongs to its first submitter
+                async with aclosing(self.attach(req.request_id)) as frames:
+                    async for frame in frames:
+                        yield frame
+                return
             last_seq = 0
+            seen: list[TokensFrame] = []
+            attempt = 0
             accepted = False
+            worker = job_ack = None
+            seen_reconnects = self.nc.stats.get("reconnects", 0)
             inbox.wait_for(accept_timeout)
             decode = codec.frame_decoder.decode
             encoding = self.encoding
             while True:
                 data = await inbox.get()
                 if data is None:
-                    if accepted:
+                    if not accepted:
+                        raise AcceptTimeout(
+                            f"request {req.request_id}: no worker accepted it within {accept_timeout}s"
+                        )
+                    if not self.migrate:
                         raise WorkerSilent(
                             f"request {req.request_id}: no frame for {self.heartbeat_timeout:.1f}s "
                             "after the worker accepted it"
                         )
-                    raise AcceptTimeout(
-                        f"request {req.request_id}: no worker accepted it within {accept_timeout}s"
-                    )
+                    ended = await self._result_quietly(req.request_id)
+                    if ended is not None:  # it finished while its last frames were lost (a reconnect)
+                        for missed in _rest_of(ended, seen, last_seq):
+                            last_seq = missed.seq
+                            finished = finished or isinstance(missed, (FinalFrame, ErrorFrame))
+                            yield missed
+                        return
+                    reconnects = self.nc.stats.get("reconnects", 0)
+                    if not self.nc.is_connected or reconnects != seen_reconnects:
+                        # We were cut off ourselves: the worker is probably fine; frames we
+                        # missed meanwhile are recovered from the request log.
+                        seen_reconnects = reconnects
+                        inbox.wait_for(self.heartbeat_timeout)
+                        continue
+                    if worker is not None and await self._alive(worker):
+                        inbox.wait_for(self.heartbeat_timeout)
+                        continue
+                    log.info("request %s: worker %s is gone; moving the job on", req.request_id, worker)
+                    if job_ack:
+                        with anyio.CancelScope(shield=True):
+                            await self.nc.publish(job_ack, b"-NAK")
+                    accepted = False
+                    inbox.wait_for(accept_timeout)
+                    continue
                 frame = decode(data, encoding)
+                if frame.attempt < attempt:
+                    continue  # from a worker that lost the job to a newer delivery
+                if isinstance(frame, AcceptedFrame):
+                    if accepted and frame.attempt <= attempt:
+                        continue  # a repeat
+                    accepted = True
+                    attempt = frame.attempt
+                    worker, job_ack = frame.worker, frame.job_ack
+                    inbox.wait_for(self.heartbeat_timeout)
+                    yield frame
+                    continue
                 if isinstance(frame, HeartbeatFrame):
                     if accepted:
                         inbox.wait_for(self.heartbeat_timeout)
                     if frame.seq > last_seq:
-                        raise FrameGap(
-                            f"request {req.request_id}: frames {last_seq + 1}..{frame.seq} were lost"
-                        )
+                        for missed in await self._fill(req.request_id, seen, last_seq, frame.seq + 1):
+                            last_seq = missed.seq
+                            if isinstance(missed, TokensFrame):
+                                seen.append(missed)
+                            finished = finished or isinstance(missed, (FinalFrame, ErrorFrame))
+                            yield missed
+                        if finished:
+                            return
                     continue
                 if frame.seq <= last_seq:
-                    continue  # a duplicate
+                    continue  # a duplicate (replayed by a worker that took the job over)
                 if frame.seq != last_seq + 1:
-                    raise FrameGap(
-                        f"request {req.request_id}: expected frame {last_seq + 1}, got {frame.seq}"
-                    )
+                    for missed in await self._fill(req.request_id, seen, last_seq, frame.seq):
+                        last_seq = missed.seq
+                        if isinstance(missed, TokensFrame):
+                            seen.append(missed)
+                        finished = finished or isinstance(missed, (FinalFrame, ErrorFrame))
+                        yield missed
+                    if finished:
+                        return
+                    if frame.seq != last_seq + 1:
+                        raise FrameGap(
+                            f"request {req.request_id}: expected frame {last_seq + 1}, got {frame.seq}"
+                        )
                 last_seq = frame.seq
-                if isinstance(frame, AcceptedFrame):
-                    accepted = True
                 if accepted:
                     inbox.wait_for(self.heartbeat_timeout)
-                yield frame
                 if isinstance(frame, (FinalFrame, ErrorFrame)):
-                    finished = True
+                    finished = True  # before the yield: the caller may stop iterating right here
+                    yield frame
                     return
+                if isinstance(frame, TokensFrame):
+                    seen.append(frame)
+                yield frame
         finally:
             self._inboxes.pop(token, None)
             if not finished and self._nc is not None and self._nc.is_connected:
@@ -287,15 +477,50 @@ class Client:
                     except Exception as exc:  # the request still ends: its worker stops on close
                         log.warning("could not send cancel for %s: %s", req.request_id, exc)
 
+    async def _alive(self, worker: str) -> bool:
+        """Whether a worker answers its ping (a dead one's subject has no responders at once)."""
+        try:
+            await self.nc.request(self.names.instance_control(worker, "ping"), b"", timeout=1.0)
+            return True
+        except Exception:
+            return False
+
+    async def _result_quietly(self, request_id: str) -> Result | None:
+        try:
+            return await self.result(request_id)
+        except Exception:  # the log is unreachable for now; the watchdog asks again
+            return None
+
+    async def _fill(self, request_id: str, seen: list[TokensFrame], after: int, before: int) -> list[Frame]:
+        """Frames lost on the way (seq in (after, before)), recovered from the request log; if the
+        request has ended, everything after `after` up to its final frame."""
+        ended = await self._result_quietly(request_id)
+        if ended is not None:
+            found = _rest_of(ended, seen, after)
+        else:
+            found = []
+            with anyio.move_on_after(5):
+                async with aclosing(self.attach(request_id)) as frames:
+                    async for frame in frames:
+                        if after < frame.seq < before:
+                            found.append(frame)
+                        if frame.seq >= before - 1 or isinstance(frame, (FinalFrame, ErrorFrame)):
+                            break
+        log.warning("request %s: recovered %d lost frames from the request log", request_id, len(found))
+        return found
+
     async def complete(self, req: GenerateRequest, **kwargs: Any) -> Completion:
         """Run `req` to the end and return the assembled result; error frames raise RequestFailed."""
-        n = req.sampling.n
+        async with aclosing(self.generate(req, **kwargs)) as frames:
+            return await self._assemble(req, frames, req.sampling.n)
+
+    async def _assemble(self, req: GenerateRequest, frames: AsyncIterator[Frame], n: int) -> Completion:
         tokens: list[list[int]] = [[] for _ in range(n)]
         texts: list[list[str]] = [[] for _ in range(n)]
         any_text = False
         worker = ""
         started = time.monotonic()
-        async for frame in self.generate(req, **kwargs):
+        async for frame in frames:
             if isinstance(frame, TokensFrame):
                 tokens[frame.index].extend(frame.token_ids)
                 if frame.text is not None:

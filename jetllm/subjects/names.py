@@ -5,6 +5,7 @@ Subject tree (one namespace `<ns>` per deployment):
     jetllm.<ns>.jobs.<role>.<model>          work-queue stream, one shared consumer per (role, model)
     jetllm.<ns>.jobs.<role>.<model>.<more>   reserved: directed jobs and lanes (do not overlap the above)
     jetllm.<ns>.dlq.<role>.<model>           dead letters (limits stream)
+    jetllm.<ns>.req.<request>                the request log: progress and result (limits stream)
     jetllm.<ns>.cancel.<request>             cancel a request, wherever it runs (core NATS)
     jetllm.<ns>.ctl.<verb>                   fleet-wide control, every worker answers (core NATS)
     jetllm.<ns>.ctl.i.<instance>.<verb>      one instance's control subjects (core NATS)
@@ -84,6 +85,7 @@ class Names:
         upper = namespace.upper().replace("-", "_")
         self.jobs_stream = f"JETLLM_{upper}_JOBS"
         self.dlq_stream = f"JETLLM_{upper}_DLQ"
+        self.requests_stream = f"JETLLM_{upper}_REQUESTS"
 
     # jobs
     def jobs(self, role: str, model: str) -> str:
@@ -111,6 +113,14 @@ class Names:
     def dlq_all(self) -> str:
         return f"{self._root}.dlq.>"
 
+    # request log
+    def request_log(self, request_id: str) -> str:
+        return f"{self._root}.req.{encode_token(request_id)}"
+
+    @property
+    def request_log_all(self) -> str:
+        return f"{self._root}.req.*"
+
     # control
     def cancel(self, request_id: str) -> str:
         return f"{self._root}.cancel.{encode_token(request_id)}"
@@ -124,3 +134,7 @@ class Names:
 
     def instance_control(self, instance: str, verb: str) -> str:
         return f"{self._root}.ctl.i.{encode_token(instance)}.{check_name('verb', verb)}"
+
+    def max_deliveries_advisory(self, role: str, model: str) -> str:
+        """Where JetStream announces that a job of (role, model) ran out of deliveries."""
+        return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self.jobs_stream}.{self.consumer(role, model)}"

@@ -36,8 +36,9 @@ class QueuePolicy(msgspec.Struct, kw_only=True, frozen=True):
 
     ack_wait: float = 10.0
     """Seconds before an un-acked job is redelivered; workers heartbeat every ack_wait/3."""
-    max_deliver: int = 5
-    """Deliveries of one job before it is dead-lettered."""
+    max_deliver: int = 10
+    """Deliveries of one job before JetStream gives up on it (then it is dead-lettered). A backstop:
+    workers enforce each request's migration budget first, and planned hand-backs are free."""
     max_age: float = 24 * 3600.0
     """A job nobody serves within this time is dropped by the server."""
     max_ack_pending: int = 10_000
@@ -47,6 +48,8 @@ class QueuePolicy(msgspec.Struct, kw_only=True, frozen=True):
     replicas: int = 1
     memory: bool = False
     dlq_max_age: float = 14 * 24 * 3600.0
+    results_max_age: float = 24 * 3600.0
+    """How long a finished request's result stays readable (batch resume, late producers)."""
 
 
 def parse_version(text: str) -> tuple[int, int, int]:
@@ -121,6 +124,25 @@ async def ensure_streams(js: JetStreamContext, names: Names, policy: QueuePolicy
             num_replicas=policy.replicas,
             max_age=policy.dlq_max_age,
             duplicate_window=policy.duplicate_window,
+        ),
+    )
+    await _ensure_requests_stream(js, names, policy)
+
+
+async def _ensure_requests_stream(js: JetStreamContext, names: Names, policy: QueuePolicy) -> None:
+    await _ensure_stream(
+        js,
+        StreamConfig(
+            name=names.requests_stream,
+            description="jetllm request log: delivered tokens (for migration) and results",
+            subjects=[names.request_log_all],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.MEMORY if policy.memory else StorageType.FILE,
+            num_replicas=policy.replicas,
+            max_age=max(policy.results_max_age, policy.max_age),
+            duplicate_window=min(policy.duplicate_window, 120.0),
+            discard=DiscardPolicy.OLD,
+            allow_direct=True,
         ),
     )
 

@@ -15,6 +15,7 @@ from ..schemas import (
     ErrorFrame,
     FinalFrame,
     HeartbeatFrame,
+    Step,
     TokensFrame,
     Usage,
 )
@@ -29,12 +30,20 @@ class FrameSink:
     A detached job (no reply subject) still gets its frames counted, just not sent.
     """
 
-    def __init__(self, nc: NATS, reply_to: str | None, encoding: codec.Encoding, request_id: str) -> None:
+    def __init__(
+        self, nc: NATS, reply_to: str | None, encoding: codec.Encoding, request_id: str,
+        *, attempt: int = 1, log_subject: str | None = None,
+    ) -> None:
         self._nc = nc
         self.reply_to = reply_to
         self.encoding = encoding
         self.request_id = request_id
+        self.attempt = attempt
+        self.log_subject = log_subject
+        """Where token frames are recorded before they are sent (the request log)."""
         self.seq = 0
+        self.logged: list[TokensFrame] = []
+        """This attempt's token frames, kept to rewrite any the log lost in a broker restart."""
         self.last_sent = time.monotonic()
         self.frames_sent = 0
 
@@ -52,10 +61,19 @@ class FrameSink:
         self.seq += 1
         return self.seq
 
-    async def accepted(self, worker: str, model: str, attempt: int) -> None:
+    async def accepted(self, worker: str, model: str, *, resumed_tokens: int = 0, job_ack: str | None = None) -> None:
         await self._send(
-            AcceptedFrame(seq=self._next(), request_id=self.request_id, worker=worker, model=model, attempt=attempt)
+            AcceptedFrame(
+                seq=self.seq, attempt=self.attempt, request_id=self.request_id, worker=worker, model=model,
+                resumed_tokens=resumed_tokens, job_ack=job_ack,
+            )
         )
+
+    async def replay(self, frames: list[TokensFrame]) -> None:
+        """Send token frames an earlier attempt recorded; the producer drops those it has."""
+        for frame in frames:
+            await self._send(frame)
+        self.seq = max(self.seq, frames[-1].seq if frames else 0)
 
     async def tokens(
         self,
@@ -65,24 +83,34 @@ class FrameSink:
         logprobs: list[float] | None = None,
         top_logprobs: list[dict[int, float]] | None = None,
     ) -> None:
-        await self._send(
-            TokensFrame(
-                seq=self._next(), index=index, token_ids=token_ids, text=text,
-                logprobs=logprobs, top_logprobs=top_logprobs,
-            )
+        frame = TokensFrame(
+            seq=self._next(), attempt=self.attempt, index=index, token_ids=token_ids, text=text,
+            logprobs=logprobs, top_logprobs=top_logprobs,
+        )
+        if self.log_subject is not None:
+            # Recorded first, on the same connection: the log never holds less than was sent.
+            self.logged.append(frame)
+            try:
+                await self._nc.publish(self.log_subject, codec.encode(Step(attempt=self.attempt, frame=frame)))
+            except Exception as exc:
+                log.warning("request %s: step %d not logged: %s", self.request_id, frame.seq, exc)
+        await self._send(frame)
+
+    def final_frame(self, choices: list[Choice], usage: Usage) -> FinalFrame:
+        return FinalFrame(seq=self._next(), attempt=self.attempt, request_id=self.request_id, choices=choices, usage=usage)
+
+    def error_frame(self, code: ErrorCode, message: str, field: str | None = None, retryable: bool = False) -> ErrorFrame:
+        return ErrorFrame(
+            seq=self._next(), attempt=self.attempt, request_id=self.request_id, code=code, message=message,
+            field=field, retryable=retryable,
         )
 
-    async def final(self, choices: list[Choice], usage: Usage) -> None:
-        await self._send(FinalFrame(seq=self._next(), request_id=self.request_id, choices=choices, usage=usage))
+    async def send(self, frame: FinalFrame | ErrorFrame) -> None:
+        await self._send(frame)
 
     async def error(self, code: ErrorCode, message: str, field: str | None = None, retryable: bool = False) -> None:
-        await self._send(
-            ErrorFrame(
-                seq=self._next(), request_id=self.request_id, code=code, message=message,
-                field=field, retryable=retryable,
-            )
-        )
+        await self._send(self.error_frame(code, message, field, retryable))
 
     async def heartbeat_if_idle(self, now: float, interval: float) -> None:
         if now - self.last_sent >= interval:
-            await self._send(HeartbeatFrame(seq=self.seq))
+            await self._send(HeartbeatFrame(seq=self.seq, attempt=self.attempt))

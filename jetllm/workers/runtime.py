@@ -22,7 +22,17 @@ from nats.aio.msg import Msg
 
 from .. import __version__
 from ..errors import EngineDead, EngineRequestError, RequestRejected
-from ..schemas import CancelRequest, ErrorCode, GenerateRequest, WorkerStatus
+from ..schemas import (
+    CancelRequest,
+    Claim,
+    DeadLetter,
+    ErrorCode,
+    GenerateRequest,
+    Handoff,
+    Result,
+    Step,
+    WorkerStatus,
+)
 from ..subjects import codec
 from ..subjects.names import Names
 from ..subjects.setup import QueuePolicy, ensure_consumer, ensure_streams
@@ -30,6 +40,7 @@ from .engine import Engine
 from .frames import FrameSink
 from .jobs import Job, RejectedJob, dead_letter_record, decode_request
 from .puller import Puller
+from .requestlog import History, LogUnavailable, RequestLog, analyze
 from .roles import GenerateRole
 
 log = logging.getLogger(__name__)
@@ -43,8 +54,10 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     slots: int = 0
     """Jobs this worker runs at once; it never holds more un-acked jobs than this.
     0: the engine's batch limit (max_num_seqs)."""
-    heartbeat_interval: float = 1.0
+    heartbeat_interval: float = 0.5
     """A quiet request gets a heartbeat frame this often."""
+    max_migrations: int = 3
+    """Default migration budget of a request: how often workers may die under it."""
     grace_period: float = 30.0
     """On SIGTERM, how long running requests may take to finish before they are handed back."""
     health_interval: float = 5.0
@@ -60,7 +73,7 @@ def new_instance_id() -> str:
 
 
 class _Running:
-    __slots__ = ("job", "frames", "scope", "hand_back", "cancel_reason")
+    __slots__ = ("job", "frames", "scope", "hand_back", "cancel_reason", "superseded")
 
     def __init__(self, job: Job, frames: FrameSink) -> None:
         self.job = job
@@ -68,6 +81,7 @@ class _Running:
         self.scope = anyio.CancelScope()
         self.hand_back = False
         self.cancel_reason: str | None = None
+        self.superseded = False
 
 
 class Worker:
@@ -91,7 +105,11 @@ class Worker:
         self._engine_dead = False
         self._puller: Puller | None = None
         self.exit_code = EXIT_OK
-        self.counters = {"pulled": 0, "acked": 0, "handed_back": 0, "dead_lettered": 0, "cancelled": 0}
+        self.log = RequestLog(nc, self.names)
+        self.counters = {
+            "pulled": 0, "acked": 0, "completed": 0, "deferred": 0, "resumed": 0, "handed_back": 0,
+            "dead_lettered": 0, "cancelled": 0, "superseded": 0, "duplicates": 0,
+        }
 
     # lifecycle
 
@@ -103,6 +121,10 @@ class Worker:
             await self.nc.subscribe(self.names.cancel_all, cb=self._on_cancel),
             await self.nc.subscribe(self.names.control("status"), cb=self._on_status),
             await self.nc.subscribe(self.names.instance_control(self.instance, "status"), cb=self._on_status),
+            await self.nc.subscribe(self.names.instance_control(self.instance, "ping"), cb=self._on_ping),
+            await self.nc.subscribe(
+                self.names.max_deliveries_advisory(self.role.role, self.model), cb=self._on_max_deliveries
+            ),
         ]
         self._puller = Puller(
             self.nc,
@@ -122,6 +144,7 @@ class Worker:
                     tg.start_soon(self._watch_signals)
                 tg.start_soon(self._monitor_engine)
                 tg.start_soon(self._tick)
+                tg.start_soon(self._resync_after_reconnects)
                 async with anyio.create_task_group() as jobs:
                     self._jobs_tg = jobs
                     jobs.start_soon(self._puller.run)
@@ -225,16 +248,20 @@ class Worker:
             try:
                 req, encoding = decode_request(msg.data, msg.headers)
             except RejectedJob as exc:
-                frames = FrameSink(self.nc, exc.reply_to, exc.encoding, exc.request_id or "")
+                frames = FrameSink(self.nc, exc.reply_to, exc.encoding, exc.request_id or "", attempt=job.attempt)
                 await self._reject(job, frames, exc, exc.request_id)
                 return
             if req.request_id in self._running:
-                # The same request is already running here (a redelivery that overtook a slow
-                # ack); let that one finish and drop this copy.
-                log.warning("request %s delivered again while running here; dropping the copy", req.request_id)
+                # A second job with this id while the first runs here: let the first finish.
+                log.warning("request %s delivered again while running here; holding the copy", req.request_id)
+                self.counters["duplicates"] += 1
                 await job.nak(delay=self.config.policy.ack_wait)
                 return
-            await self._serve(job, req, FrameSink(self.nc, req.reply_to, encoding, req.request_id))
+            frames = FrameSink(
+                self.nc, req.reply_to, encoding, req.request_id,
+                attempt=job.attempt, log_subject=self.names.request_log(req.request_id),
+            )
+            await self._serve(job, req, frames)
         finally:
             self._busy -= 1
             if self._busy == 0:
@@ -243,46 +270,195 @@ class Worker:
                 self._puller.wake()
 
     async def _serve(self, job: Job, req: GenerateRequest, frames: FrameSink) -> None:
+        rid = req.request_id
         run = _Running(job, frames)
-        self._running[req.request_id] = run
+        self._running[rid] = run
         try:
             with run.scope:
-                await frames.accepted(self.instance, self.model, job.attempt)
-                try:
-                    await self.role.run(req, frames)
-                except RequestRejected as exc:
-                    await self._reject(job, frames, exc, req.request_id)
+                history, prompt_ids = await self._prepare(req)
+                if history.result is not None:
+                    await self._replay_result(job, frames, history.result)
                     return
-                except EngineRequestError as exc:
-                    await self._reject(job, frames, exc, req.request_id, code=ErrorCode.ENGINE_ERROR)
+                if history.cancelled is not None:
+                    run.cancel_reason = history.cancelled.reason or "cancelled before it started"
                     return
-                except EngineDead as exc:
-                    run.hand_back = True
-                    self._on_engine_dead(str(exc))
-                    raise
-                except Exception as exc:  # a bug: tell the producer, keep the job for inspection
-                    log.exception("request %s failed inside jetllm", req.request_id)
-                    await self._reject(
-                        job, frames,
-                        RequestRejected(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"),
-                        req.request_id,
+                if history.owner not in (None, self.instance) and await self._runs_it(history.owner, rid):
+                    # Redelivered while its worker still runs it (a restored broker does this):
+                    # leave it there; that worker's ack settles this delivery too.
+                    log.info("request %s still runs on %s; leaving it there", rid, history.owner)
+                    self.counters["deferred"] += 1
+                    await job.nak(delay=self.config.policy.ack_wait)
+                    return
+                budget = self.config.max_migrations if req.max_migrations is None else req.max_migrations
+                if history.deaths > budget:
+                    raise RequestRejected(
+                        ErrorCode.MIGRATION_BUDGET_EXHAUSTED,
+                        f"workers died under this request {history.deaths} times; its migration budget is "
+                        f"{budget} (delivery {job.attempt})",
                     )
-                    return
+                if history.last_attempt >= job.attempt:
+                    job.attempt = frames.attempt = history.last_attempt + 1
+                if history.claimed:
+                    # An older attempt may still be alive (stalled, partitioned): it must stop.
+                    await self.nc.publish(
+                        self.names.cancel(rid),
+                        codec.encode(CancelRequest(request_id=rid, reason="superseded", below_attempt=job.attempt)),
+                    )
+                await self.log.write(rid, Claim(attempt=job.attempt, worker=self.instance, at=time.time()))
+                if history.frames:
+                    self.counters["resumed"] += 1
+                    log.info("request %s: continuing after %d delivered tokens (delivery %d)",
+                             rid, sum(len(f.token_ids) for f in history.frames), job.attempt)
+                    await frames.replay(history.frames)
+                frames.seq = history.last_seq
+                await frames.accepted(
+                    self.instance, self.model, job_ack=job.msg.reply,
+                    resumed_tokens=sum(len(f.token_ids) for f in history.frames if f.index == 0),
+                )
+                outcome = await self.role.run(req, frames, prompt_ids, history)
+                final = frames.final_frame(outcome.choices, outcome.usage)
+                await self._store_result(rid, Result(
+                    attempt=job.attempt, final=final, token_ids=outcome.token_ids, text=outcome.text,
+                    worker=self.instance, migrations=history.deaths + history.handoffs,
+                ))
+                await frames.send(final)
                 await job.ack()
                 self.counters["acked"] += 1
-        except EngineDead:
-            pass
-        finally:
-            self._running.pop(req.request_id, None)
+                self.counters["completed"] += 1
+                self._spawn(self.log.compact, rid)
+        except LogUnavailable as exc:
+            log.warning("request %s waits: %s", rid, exc)
+            self.counters["deferred"] += 1
             with anyio.CancelScope(shield=True):
-                if run.hand_back:
-                    await self._pulling_stopped()
-                    await job.nak()
-                    self.counters["handed_back"] += 1
-                elif run.cancel_reason is not None and not job.settled:
-                    await frames.error(ErrorCode.CANCELLED, run.cancel_reason)
-                    await job.term()
-                    self.counters["cancelled"] += 1
+                await job.nak(delay=1.0)
+        except RequestRejected as exc:
+            await self._reject(job, frames, exc, rid)
+        except EngineRequestError as exc:
+            await self._reject(job, frames, exc, rid, code=ErrorCode.ENGINE_ERROR)
+        except EngineDead as exc:
+            run.hand_back = True
+            self._on_engine_dead(str(exc))
+        except Exception as exc:  # a bug: tell the producer, keep the job for inspection
+            log.exception("request %s failed inside jetllm", rid)
+            await self._reject(job, frames, RequestRejected(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"), rid)
+        finally:
+            self._running.pop(rid, None)
+            with anyio.CancelScope(shield=True):
+                await self._settle_interrupted(job, run, rid)
+
+    async def _prepare(self, req: GenerateRequest) -> tuple[History, list[int]]:
+        """The request's history and its rendered prompt, looked up side by side."""
+        self.role.check_model(req)
+        got: dict[str, Any] = {}
+
+        async def fetch(name: str, fn: Any) -> None:
+            try:
+                got[name] = await fn()
+            except Exception as exc:  # re-raised below, unwrapped
+                got[name] = exc
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(fetch, "last", lambda: self.log.last(req.request_id))
+            tg.start_soon(fetch, "prompt", lambda: self.engine.render(req.prompt))
+        for name in ("prompt", "last"):
+            if isinstance(got[name], Exception):
+                raise got[name]
+        found = [got["last"]]
+        rendered = [got["prompt"]]
+        last = found[0]
+        if last is None:
+            history = History()
+        elif isinstance(last, Result):
+            history = analyze([last])
+        else:
+            history = await self.log.history(req.request_id)
+        return history, rendered[0]
+
+    async def _replay_result(self, job: Job, frames: FrameSink, result: Result) -> None:
+        """The request already finished (this is a redelivery or a resubmission): answer from its result."""
+        log.info("request %s already finished; answering from its stored result", frames.request_id)
+        end = result.final or result.error
+        frames.log_subject = None  # the log already ends with this result
+        frames.seq = 0
+        await frames.accepted(self.instance, self.model, job_ack=job.msg.reply)
+        if result.final is not None:
+            for index, ids in enumerate(result.token_ids):
+                text = result.text[index] if result.text else None
+                if ids or text:
+                    await frames.tokens(index, ids, text)
+        if end is not None:
+            await frames.send(msgspec.structs.replace(end, seq=frames.seq + 1, attempt=frames.attempt))
+        await job.ack()
+        self.counters["acked"] += 1
+
+    async def _settle_interrupted(self, job: Job, run: _Running, rid: str) -> None:
+        if job.settled or run.superseded:
+            if run.superseded:
+                self.counters["superseded"] += 1  # the job belongs to a newer delivery now
+            return
+        if run.hand_back:
+            await self._pulling_stopped()
+            if not self._engine_dead:  # a planned move; an engine death counts against the budget
+                await self.log.write(rid, Handoff(attempt=job.attempt, reason="worker draining"))
+            await job.nak()
+            self.counters["handed_back"] += 1
+        elif run.cancel_reason is not None:
+            err = run.frames.error_frame(ErrorCode.CANCELLED, run.cancel_reason)
+            await self._store_result(rid, Result(attempt=job.attempt, error=err, worker=self.instance))
+            await run.frames.send(err)
+            await job.term()
+            self.counters["cancelled"] += 1
+
+    async def _store_result(self, rid: str, result: Result) -> None:
+        """Store a request's end before acking its job, so a redelivery answers from it, not reruns."""
+        try:
+            await self.log.write_stored(rid, result)
+        except LogUnavailable as exc:
+            log.warning("request %s: its result is not in the log (%s); a redelivery would run it again", rid, exc)
+
+    async def _resync_after_reconnects(self) -> None:
+        """After a reconnect, put back the log records a recovering server may have dropped.
+
+        Token frames are logged with plain publishes for speed; while a restarted server is still
+        loading its streams those are dropped, and a later attempt would regenerate tokens the
+        producer already has.
+        """
+        seen = self.nc.stats["reconnects"]
+        while True:
+            await anyio.sleep(0.5)
+            if self.nc.stats["reconnects"] == seen or not self.nc.is_connected:
+                continue
+            seen = self.nc.stats["reconnects"]
+            for rid, run in list(self._running.items()):
+                for delay in (0.5, 1, 2, 4, 8, None):
+                    try:
+                        await self._resync(rid, run)
+                        break
+                    except LogUnavailable as exc:
+                        if delay is None:
+                            log.warning("request %s: log not resynchronised after a reconnect: %s", rid, exc)
+                        else:
+                            await anyio.sleep(delay)
+
+    async def _resync(self, rid: str, run: _Running) -> None:
+        frames = run.frames
+        if frames.log_subject is None or run.job.settled:
+            return
+        history = await self.log.history(rid)
+        if history.last_attempt > run.job.attempt:
+            return  # superseded; the newer attempt owns the log
+        stored = {f.seq for f in history.frames}
+        missing = [f for f in list(frames.logged) if f.seq not in stored]
+        if history.last_attempt < run.job.attempt:
+            await self.log.write_stored(rid, Claim(attempt=run.job.attempt, worker=self.instance, at=time.time()))
+        for frame in missing:
+            await self.log.write_stored(rid, Step(attempt=run.job.attempt, frame=frame))
+        if missing:
+            log.info("request %s: rewrote %d token records the server lost", rid, len(missing))
+
+    def _spawn(self, fn, *args) -> None:
+        if self._jobs_tg is not None:
+            self._jobs_tg.start_soon(fn, *args)
 
     async def _pulling_stopped(self) -> None:
         """Wait (briefly) until this worker can receive no more jobs, so a handed-back job goes elsewhere."""
@@ -298,7 +474,10 @@ class Worker:
         code = code or exc.code
         log.info("request %s rejected: %s: %s", request_id or f"seq {job.stream_seq}", code.value, exc.message)
         with anyio.CancelScope(shield=True):
-            await frames.error(code, exc.message, field=exc.field)
+            err = frames.error_frame(code, exc.message, field=exc.field)
+            if request_id:
+                await self._store_result(request_id, Result(attempt=job.attempt, error=err, worker=self.instance))
+            await frames.send(err)
             record = dead_letter_record(job.msg, code, exc.message, self.instance, job.attempt, request_id)
             try:
                 await self.js.publish(
@@ -321,10 +500,18 @@ class Worker:
         except Exception:
             return
         run = self._running.get(cancel.request_id)
-        if run is not None and run.cancel_reason is None:
-            log.info("request %s cancelled by its producer", cancel.request_id)
-            run.cancel_reason = cancel.reason or "cancelled by the producer"
-            run.scope.cancel()
+        if run is None or run.cancel_reason is not None or run.superseded:
+            return
+        if cancel.below_attempt is not None:
+            if run.job.attempt < cancel.below_attempt:
+                log.warning("request %s: delivery %d took it over; stopping here", cancel.request_id,
+                            cancel.below_attempt)
+                run.superseded = True
+                run.scope.cancel()
+            return
+        log.info("request %s cancelled by its producer", cancel.request_id)
+        run.cancel_reason = cancel.reason or "cancelled by the producer"
+        run.scope.cancel()
 
     def status(self) -> WorkerStatus:
         load = self.engine.load()
@@ -349,6 +536,62 @@ class Worker:
                 **{k: str(v) for k, v in self.counters.items()},
             },
         )
+
+    async def _on_ping(self, msg: Msg) -> None:
+        """Empty: "alive". With a request id: whether this worker runs it ("running" or "idle")."""
+        if not msg.reply:
+            return
+        if not msg.data:
+            await self.nc.publish(msg.reply, b"")
+            return
+        run = self._running.get(msg.data.decode(errors="replace"))
+        await self.nc.publish(msg.reply, b"running" if run is not None and not run.job.settled else b"idle")
+
+    async def _runs_it(self, worker: str, request_id: str) -> bool:
+        try:
+            reply = await self.nc.request(self.names.instance_control(worker, "ping"), request_id.encode(), timeout=1.0)
+        except Exception:  # no responders (dead), or no answer in time (stalled): take it over
+            return False
+        return reply.data == b"running"
+
+    async def _on_max_deliveries(self, msg: Msg) -> None:
+        """JetStream gave up on a job: dead-letter it and tell its producer (every worker of the
+        model hears this; the dead letter's message id makes the copies collapse into one)."""
+        try:
+            seq = int(msgspec.json.decode(msg.data)["stream_seq"])
+            raw = await self.js.get_msg(self.names.jobs_stream, seq)
+        except Exception:
+            return
+        reason = f"JetStream delivered the job {self.config.policy.max_deliver} times and no worker finished it"
+        request_id = reply_to = None
+        encoding: Any = "msgpack"
+        try:
+            req, encoding = decode_request(raw.data, raw.headers)
+            request_id, reply_to = req.request_id, req.reply_to
+        except RejectedJob as exc:
+            request_id, reply_to, encoding = exc.request_id, exc.reply_to, exc.encoding
+        frames = FrameSink(self.nc, reply_to, encoding, request_id or "")
+        frames.seq = 1_000_000  # after anything the producer saw
+        err = frames.error_frame(ErrorCode.DELIVERIES_EXHAUSTED, reason)
+        record = DeadLetter(
+            code=ErrorCode.DELIVERIES_EXHAUSTED, reason=reason, subject=raw.subject,
+            deliveries=self.config.policy.max_deliver, worker=self.instance, failed_at=time.time(),
+            request_id=request_id, headers=dict(raw.headers or {}), payload=bytes(raw.data),
+        )
+        try:
+            await self.js.publish(
+                self.names.dlq(self.role.role, self.model), codec.encode(record),
+                headers={"Nats-Msg-Id": f"dlq-{self.names.jobs_stream}-{seq}"},
+            )
+            if request_id:
+                await self._store_result(request_id, Result(attempt=0, error=err, worker=self.instance))
+            await frames.send(err)
+            await self.js.delete_msg(self.names.jobs_stream, seq)
+        except Exception as exc:
+            log.warning("dead-lettering exhausted job seq %d failed: %s", seq, exc)
+            return
+        self.counters["dead_lettered"] += 1
+        log.warning("job seq %d (request %s) ran out of deliveries: dead-lettered", seq, request_id)
 
     async def _on_status(self, msg: Msg) -> None:
         if msg.reply:

@@ -23,6 +23,8 @@ class EngineFacts(msgspec.Struct, kw_only=True):
     num_kv_blocks: int | None = None
     max_num_seqs: int | None = None
     vocab_size: int | None = None
+    eos_token_ids: list[int] = []
+    """Token ids that end a sequence unless ignore_eos (from the tokenizer and generation config)."""
     engine: str = ""
     """Which engine and version, for status reports."""
 

@@ -100,6 +100,20 @@ class VllmEngine:
             vocab = None
         import vllm
 
+        eos: set[int] = set()
+        try:
+            tok = llm.get_tokenizer()
+            if tok.eos_token_id is not None:
+                eos.add(int(tok.eos_token_id))
+        except Exception:
+            pass
+        gen_eos = llm.model_config.get_diff_sampling_param().get("stop_token_ids") or []
+        eos.update(int(t) for t in gen_eos)
+        hf_eos = getattr(llm.model_config.hf_config, "eos_token_id", None)
+        if isinstance(hf_eos, int):
+            eos.add(hf_eos)
+        elif isinstance(hf_eos, list):
+            eos.update(int(t) for t in hf_eos)
         self.facts = EngineFacts(
             model=opts.name,
             max_model_len=llm.model_config.max_model_len,
@@ -107,6 +121,7 @@ class VllmEngine:
             num_kv_blocks=cfg.cache_config.num_gpu_blocks,
             max_num_seqs=cfg.scheduler_config.max_num_seqs,
             vocab_size=vocab,
+            eos_token_ids=sorted(eos),
             engine=f"vllm {vllm.__version__}",
         )
         self._defaults = llm.model_config.get_diff_sampling_param()

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from ...errors import RequestRejected
 from ...schemas import Choice, ErrorCode, GenerateRequest, Usage
 from ..engine import Engine
 from ..frames import FrameSink
+from ..requestlog import History
+
+
+class Outcome(msgspec.Struct, kw_only=True):
+    choices: list[Choice]
+    usage: Usage
+    token_ids: list[list[int]]
+    text: list[str] | None
 
 
 class GenerateRole:
@@ -45,30 +55,79 @@ class GenerateRole:
             )
         return asked
 
-    async def run(self, req: GenerateRequest, frames: FrameSink) -> None:
-        """Stream the request's tokens and its final frame; raises on rejection or engine failure."""
+    def _already_done(self, req: GenerateRequest, delivered: list[int], text: str | None, max_tokens: int) -> Choice | None:
+        """Whether the delivered tokens already ended the request (the worker died before the final)."""
+        n = len(delivered)
+        if n >= max_tokens:
+            return Choice(index=0, finish_reason="length", completion_tokens=n)
+        if n < req.stop.min_tokens or not delivered:
+            return None
+        last = delivered[-1]
+        if last in req.stop.stop_token_ids:
+            return Choice(index=0, finish_reason="stop", stop_reason=last, completion_tokens=n)
+        if last in self.engine.facts.eos_token_ids and not req.stop.ignore_eos:
+            return Choice(index=0, finish_reason="stop", completion_tokens=n)
+        for s in req.stop.stop:
+            if text is not None and s in text:
+                return Choice(index=0, finish_reason="stop", stop_reason=s, completion_tokens=n)
+        return None
+
+    async def run(self, req: GenerateRequest, frames: FrameSink, prompt_ids: list[int], history: History) -> Outcome:
+        """Generate (or continue) the request, streaming token frames; the caller sends the final.
+
+        A continuation runs the prompt plus the tokens already delivered as the new prompt, with
+        the budget reduced by what was delivered, so the producer's stream goes on seamlessly.
+        """
         self.check_model(req)
-        prompt_ids = await self.engine.render(req.prompt)
+        n = req.sampling.n
         max_tokens = self.max_tokens(req, len(prompt_ids))
-        counts = [0] * req.sampling.n
+        tokens = history.tokens(n)
+        texts = history.texts(n)
+        counts = [len(t) for t in tokens]
         ends: dict[int, Choice] = {}
         cached = 0
-        async for step in self.engine.generate(req, prompt_ids, max_tokens):
-            cached = step.cached_tokens or cached
-            for c in step.choices:
-                if c.token_ids or c.text:
-                    counts[c.index] += len(c.token_ids)
-                    await frames.tokens(c.index, c.token_ids, c.text, c.logprobs, c.top_logprobs)
-                if c.finish_reason is not None:
-                    ends[c.index] = Choice(
-                        index=c.index,
-                        finish_reason=c.finish_reason,
-                        stop_reason=c.stop_reason,
-                        completion_tokens=counts[c.index],
-                    )
+        delivered = sum(counts)
+        if delivered and n > 1:
+            raise RequestRejected(
+                ErrorCode.NOT_MIGRATABLE,
+                f"a worker died after delivering {delivered} tokens of an n={n} request; its choices "
+                "cannot continue on another worker without changing delivered tokens",
+                field="$.sampling.n",
+            )
+        engine_req, engine_prompt, engine_max = req, prompt_ids, max_tokens
+        if delivered:
+            done = self._already_done(req, tokens[0], texts[0] if texts else None, max_tokens)
+            if done is not None:
+                ends[0] = done
+            else:
+                engine_prompt = prompt_ids + tokens[0]
+                engine_max = max_tokens - delivered
+                engine_req = msgspec.structs.replace(
+                    req, stop=msgspec.structs.replace(
+                        req.stop, max_tokens=engine_max, min_tokens=max(0, req.stop.min_tokens - delivered)
+                    ),
+                )
+        if not ends:
+            async for step in self.engine.generate(engine_req, engine_prompt, engine_max):
+                cached = step.cached_tokens or cached
+                for c in step.choices:
+                    if c.token_ids or c.text:
+                        counts[c.index] += len(c.token_ids)
+                        tokens[c.index].extend(c.token_ids)
+                        if c.text is not None:
+                            if texts is None:
+                                texts = ["" for _ in range(n)]
+                            texts[c.index] += c.text
+                        await frames.tokens(c.index, c.token_ids, c.text, c.logprobs, c.top_logprobs)
+                    if c.finish_reason is not None:
+                        ends[c.index] = Choice(
+                            index=c.index,
+                            finish_reason=c.finish_reason,
+                            stop_reason=c.stop_reason,
+                            completion_tokens=counts[c.index],
+                        )
         choices = [
-            ends.get(i) or Choice(index=i, finish_reason="stop", completion_tokens=counts[i])
-            for i in range(req.sampling.n)
+            ends.get(i) or Choice(index=i, finish_reason="stop", completion_tokens=counts[i]) for i in range(n)
         ]
         usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=sum(counts), cached_tokens=cached)
-        await frames.final(choices, usage)
+        return Outcome(choices=choices, usage=usage, token_ids=tokens, text=texts)

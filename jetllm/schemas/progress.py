@@ -1,0 +1,63 @@
+"""The request log: what a request has delivered, so another worker can continue it.
+
+Records go to `jetllm.<ns>.req.<request>` (stream JETLLM_<NS>_REQUESTS). A worker writes each
+token record before the matching frame leaves on the same connection, so the log always holds
+at least what the producer has seen. When the request ends, everything but the Result is
+purged: the Result stays for producers that were not listening (batch jobs) and for
+redeliveries of a finished job.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from .common import SCHEMA_VERSION
+from .frames import ErrorFrame, FinalFrame, TokensFrame
+
+
+class _Record(msgspec.Struct, kw_only=True, tag_field="kind", forbid_unknown_fields=True):
+    v: int = SCHEMA_VERSION
+    attempt: int
+    """Delivery count of the job when the record was written."""
+
+
+class Claim(_Record, tag="claim"):
+    """An attempt starts running the request."""
+
+    worker: str
+    at: float
+
+
+class Step(_Record, tag="step"):
+    """A token frame as it was sent to the producer."""
+
+    frame: TokensFrame
+
+
+class Handoff(_Record, tag="handoff"):
+    """A draining worker handed the request back on purpose (not counted as a migration)."""
+
+    reason: str
+
+
+class Cancelled(_Record, tag="cancelled"):
+    """The producer cancelled the request: whoever pulls the job later drops it unrun."""
+
+    reason: str | None = None
+
+
+class Result(_Record, tag="result"):
+    """How the request ended: its final frame (with the whole output) or its error frame."""
+
+    final: FinalFrame | None = None
+    error: ErrorFrame | None = None
+    token_ids: list[list[int]] = []
+    """All generated tokens, per choice."""
+    text: list[str] | None = None
+    """All generated text, per choice, when text was produced."""
+    worker: str = ""
+    migrations: int = 0
+    """Times a worker died under the request and another continued it."""
+
+
+Record = Claim | Step | Handoff | Cancelled | Result

@@ -1,0 +1,63 @@
+"""Reading and replaying the dead-letter stream of a namespace."""
+
+from __future__ import annotations
+
+import msgspec
+import nats.js.errors
+from nats.aio.client import Client as NATS
+
+from ..schemas import DeadLetter
+from . import codec
+from .names import Names
+
+_decoder = codec.Decoder(DeadLetter)
+
+
+class Entry(msgspec.Struct, kw_only=True):
+    seq: int
+    """Sequence of the record in the dead-letter stream: what `show` and `replay` take."""
+    record: DeadLetter
+
+
+async def entries(nc: NATS, names: Names, *, limit: int | None = None) -> list[Entry]:
+    js = nc.jetstream()
+    try:
+        info = await js.stream_info(names.dlq_stream)
+    except nats.js.errors.NotFoundError:
+        return []
+    first, last = info.state.first_seq, info.state.last_seq
+    if limit is not None:
+        first = max(first, last - limit + 1)
+    out = []
+    seq = first
+    while seq <= last:
+        try:
+            raw = await js.get_msg(names.dlq_stream, seq, next=True)
+        except nats.js.errors.NotFoundError:
+            break
+        out.append(Entry(seq=raw.seq, record=_decoder.decode(raw.data)))
+        seq = raw.seq + 1
+    return out
+
+
+async def get(nc: NATS, names: Names, seq: int) -> Entry:
+    raw = await nc.jetstream().get_msg(names.dlq_stream, seq)
+    return Entry(seq=raw.seq, record=_decoder.decode(raw.data))
+
+
+async def replay(nc: NATS, names: Names, entry: Entry, *, keep: bool = False) -> str:
+    """Publish the job again as it was, so it runs afresh; returns the job subject.
+
+    The request's stored result (its error) is cleared first, or the worker would answer the
+    replay from it; a new message id keeps JetStream's duplicate window from dropping it.
+    """
+    js = nc.jetstream()
+    rec = entry.record
+    if rec.request_id:
+        await js.purge_stream(names.requests_stream, subject=names.request_log(rec.request_id))
+    headers = dict(rec.headers)
+    headers["Nats-Msg-Id"] = f"{headers.get('Nats-Msg-Id', rec.request_id or 'job')}~replay{entry.seq}"
+    await js.publish(rec.subject, rec.payload, headers=headers)
+    if not keep:
+        await js.delete_msg(names.dlq_stream, entry.seq)
+    return rec.subject

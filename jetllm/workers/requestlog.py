@@ -1,0 +1,188 @@
+"""Reading and writing the request log (see schemas/progress.py), and what a history means."""
+
+from __future__ import annotations
+
+import logging
+
+import anyio
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client as NATS
+
+from ..schemas import Cancelled, Claim, Handoff, Record, Result, Step, TokensFrame
+from ..subjects import codec
+from ..subjects.names import Names
+
+log = logging.getLogger(__name__)
+_decoder = codec.Decoder(Record)
+
+
+class LogUnavailable(Exception):
+    """The request log could not be read (JetStream restarting or unreachable): the job must wait,
+    as running it blind could run a finished or running request again."""
+
+
+class History(msgspec.Struct, kw_only=True):
+    """A request's log, as the attempt about to run it sees it."""
+
+    result: Result | None = None
+    cancelled: Cancelled | None = None
+    frames: list[TokensFrame] = []
+    """Token frames already sent, by seq, from the attempts that owned the request at the time."""
+    deaths: int = 0
+    """Earlier attempts that started and neither finished nor handed the request back."""
+    handoffs: int = 0
+    last_seq: int = 0
+    claimed: bool = False
+    last_attempt: int = 0
+    owner: str | None = None
+    """The worker of the newest claim, while the request has not ended nor been handed back by it."""
+    """The highest attempt that claimed the request; a broker restored from disk may count deliveries
+    from 1 again, so the next attempt numbers itself above this."""
+
+    @property
+    def fresh(self) -> bool:
+        return self.result is None and self.cancelled is None and not self.claimed
+
+    def tokens(self, n: int) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in range(n)]
+        for f in self.frames:
+            if f.index < n:
+                out[f.index].extend(f.token_ids)
+        return out
+
+    def texts(self, n: int) -> list[str] | None:
+        if not any(f.text is not None for f in self.frames):
+            return None
+        out = ["" for _ in range(n)]
+        for f in self.frames:
+            if f.index < n and f.text is not None:
+                out[f.index] += f.text
+        return out
+
+
+def analyze(records: list[Record]) -> History:
+    """Fold a request's records into what the next attempt must know.
+
+    A record of attempt a counts only while no later attempt has claimed the request: a slow
+    worker that keeps writing after it was superseded cannot change what was delivered.
+    """
+    h = History()
+    owner = 0
+    claims: list[int] = []
+    handed_back: set[int] = set()
+    by_seq: dict[int, TokensFrame] = {}
+    for r in records:
+        if isinstance(r, Cancelled):  # the producer's word counts whoever owns the request...
+            if h.result is None:  # ...unless the request had already ended
+                h.cancelled = r
+        elif isinstance(r, Result):  # so does the end, whoever wrote it
+            h.result = r
+            h.cancelled = None
+        elif isinstance(r, Claim):
+            if r.attempt > owner:
+                owner = r.attempt
+                claims.append(r.attempt)
+                h.owner = r.worker
+        elif r.attempt < owner:
+            continue
+        elif isinstance(r, Step):
+            by_seq.setdefault(r.frame.seq, r.frame)
+        elif isinstance(r, Handoff):
+            handed_back.add(r.attempt)
+    h.claimed = bool(claims)
+    if h.result is not None or h.cancelled is not None or owner in handed_back:
+        h.owner = None
+    h.last_attempt = owner
+    h.handoffs = len(handed_back)
+    h.deaths = sum(1 for a in claims if a not in handed_back)
+    h.frames = [by_seq[s] for s in sorted(by_seq)]
+    h.last_seq = max(by_seq, default=0)
+    return h
+
+
+class RequestLog:
+    def __init__(self, nc: NATS, names: Names) -> None:
+        self.nc = nc
+        self.js = nc.jetstream(timeout=10)
+        self.names = names
+
+    async def write(self, request_id: str, record: Record) -> None:
+        """Append a record. A plain publish: the stream stores it in connection order, before any
+        frame published after it reaches the producer; no round trip on the token path."""
+        await self.nc.publish(self.names.request_log(request_id), codec.encode(record))
+
+    async def write_stored(self, request_id: str, record: Record, *, within: float = 60.0) -> None:
+        """Append a record and wait until the stream has stored it, retrying across a broker restart.
+
+        For records that decide whether a job runs again (results, and steps rewritten after a
+        reconnect): a plain publish that reaches a server still recovering its streams is dropped.
+        """
+        delay = 0.2
+        with anyio.move_on_after(within):
+            while True:
+                try:
+                    await self.js.publish(self.names.request_log(request_id), codec.encode(record), timeout=5)
+                    return
+                except (nats.errors.Error, TimeoutError) as exc:
+                    log.debug("request %s: storing a %s record failed (%s); retrying", request_id,
+                              type(record).__name__, exc)
+                await anyio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+        raise LogUnavailable(f"request log: could not store a {type(record).__name__} record in {within:.0f}s")
+
+    async def last(self, request_id: str) -> Record | None:
+        try:
+            raw = await self.js.get_last_msg(self.names.requests_stream, self.names.request_log(request_id), direct=True)
+        except nats.js.errors.NotFoundError:
+            return None
+        except nats.js.errors.APIError as exc:
+            if getattr(exc, "code", None) == 404:
+                return None
+            raise LogUnavailable(f"request log: {exc}") from exc
+        except (nats.errors.NoRespondersError, nats.errors.TimeoutError, nats.errors.ConnectionClosedError) as exc:
+            raise LogUnavailable(f"request log: {type(exc).__name__}") from exc
+        if not raw.data:  # a direct get of a missing subject answers with an empty 404 message
+            return None
+        return _decoder.decode(raw.data)
+
+    async def history(self, request_id: str) -> History:
+        """Every record of the request, up to the last one stored when this is called."""
+        subject = self.names.request_log(request_id)
+        try:
+            last = await self.js.get_last_msg(self.names.requests_stream, subject, direct=True)
+        except nats.js.errors.NotFoundError:
+            return History()
+        except (nats.errors.Error, nats.js.errors.Error) as exc:
+            raise LogUnavailable(f"request log: {type(exc).__name__}") from exc
+        if not last.data:
+            return History()
+        records: list[Record] = []
+        try:
+            sub = await self.js.subscribe(subject, stream=self.names.requests_stream, ordered_consumer=True)
+        except (nats.errors.Error, nats.js.errors.Error) as exc:
+            raise LogUnavailable(f"request log: {type(exc).__name__}") from exc
+        try:
+            with anyio.fail_after(30):
+                while True:
+                    msg = await sub.next_msg(timeout=30)
+                    try:
+                        records.append(_decoder.decode(msg.data))
+                    except msgspec.DecodeError:
+                        log.warning("request %s: skipping an unreadable log record", request_id)
+                    if msg.metadata.sequence.stream >= last.seq:
+                        break
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise LogUnavailable(f"request log: reading it stopped: {type(exc).__name__}") from exc
+        finally:
+            with anyio.CancelScope(shield=True):
+                await sub.unsubscribe()
+        return analyze(records)
+
+    async def compact(self, request_id: str) -> None:
+        """Keep only the last record (the Result) of a finished request."""
+        try:
+            await self.js.purge_stream(self.names.requests_stream, subject=self.names.request_log(request_id), keep=1)
+        except Exception as exc:  # only costs space until max_age
+            log.debug("request %s: compacting its log failed: %s", request_id, exc)

@@ -1,0 +1,59 @@
+"""How a request's log is read: who owned it, what was delivered, how often workers died."""
+
+from __future__ import annotations
+
+from jetllm.schemas import Cancelled, Claim, ErrorCode, ErrorFrame, Handoff, Result, Step, TokensFrame
+from jetllm.workers.requestlog import analyze
+
+
+def step(attempt: int, seq: int, *tokens: int, index: int = 0) -> Step:
+    return Step(attempt=attempt, frame=TokensFrame(seq=seq, attempt=attempt, index=index, token_ids=list(tokens)))
+
+
+def test_an_empty_log_is_a_fresh_request():
+    h = analyze([])
+    assert h.fresh and h.deaths == 0 and h.frames == []
+
+
+def test_delivered_tokens_are_gathered_in_seq_order_across_attempts():
+    h = analyze([Claim(attempt=1, worker="a", at=0), step(1, 1, 10), step(1, 2, 11),
+                 Claim(attempt=2, worker="b", at=1), step(2, 3, 12)])
+    assert h.tokens(1) == [[10, 11, 12]] and h.last_seq == 3
+    assert h.deaths == 2  # attempt 2 is not the current one: it died too
+
+
+def test_a_superseded_attempt_cannot_change_what_was_delivered():
+    h = analyze([Claim(attempt=1, worker="a", at=0), step(1, 1, 10), Claim(attempt=2, worker="b", at=1),
+                 step(1, 2, 99), step(2, 2, 11)])
+    assert h.tokens(1) == [[10, 11]]
+
+
+def test_planned_handoffs_do_not_count_as_deaths():
+    h = analyze([Claim(attempt=1, worker="a", at=0), step(1, 1, 5), Handoff(attempt=1, reason="draining"),
+                 Claim(attempt=2, worker="b", at=1), step(2, 2, 6)])
+    assert h.handoffs == 1 and h.deaths == 1
+
+
+def test_a_result_ends_the_story_even_if_a_cancel_came_later():
+    err = ErrorFrame(seq=1, request_id="r", code=ErrorCode.CANCELLED, message="x")
+    done = Result(attempt=1, error=err)
+    assert analyze([Claim(attempt=1, worker="a", at=0), done, Cancelled(attempt=0)]).result == done
+    assert analyze([Cancelled(attempt=0)]).cancelled is not None
+
+
+def test_choices_are_kept_apart():
+    h = analyze([Claim(attempt=1, worker="a", at=0), step(1, 1, 1, index=0), step(1, 2, 2, index=1)])
+    assert h.tokens(2) == [[1], [2]]
+
+
+def test_the_next_attempt_numbers_itself_above_every_claim():
+    """A broker restored from disk may deliver a running job again as delivery 1; the log keeps count."""
+    h = analyze([Claim(attempt=1, worker="a", at=0), Claim(attempt=3, worker="b", at=1), step(3, 1, 7)])
+    assert h.last_attempt == 3
+    assert analyze([]).last_attempt == 0
+
+
+def test_the_owner_is_the_newest_claim_until_it_ends_or_hands_back():
+    assert analyze([Claim(attempt=1, worker="a", at=0), Claim(attempt=2, worker="b", at=1)]).owner == "b"
+    assert analyze([Claim(attempt=1, worker="a", at=0), Handoff(attempt=1, reason="draining")]).owner is None
+    assert analyze([Claim(attempt=1, worker="a", at=0), Result(attempt=1)]).owner is None
