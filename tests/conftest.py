@@ -165,8 +165,20 @@ class WorkerProcess:
             return ""
 
     def signal(self, sig: int) -> None:
-        if self.proc.poll() is None:
+        """SIGKILL takes the whole process group, as a dying machine or container would: vLLM's
+        engine processes outlive a worker killed alone (docs/operations.md)."""
+        if self.proc.poll() is not None:
+            return
+        if sig == signal.SIGKILL:
+            self._kill_group()
+        else:
             self.proc.send_signal(sig)
+
+    def _kill_group(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def wait(self, timeout: float = 120.0) -> int:
         return self.proc.wait(timeout)
@@ -178,9 +190,8 @@ class WorkerProcess:
                 self.proc.wait(60)
             except subprocess.TimeoutExpired:
                 pass
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        self._kill_group()  # and whatever it left behind
+        self.proc.wait()
         self._log.close()
 
     def restart(self) -> WorkerProcess:

@@ -73,7 +73,7 @@ def new_instance_id() -> str:
 
 
 class _Running:
-    __slots__ = ("job", "frames", "scope", "hand_back", "cancel_reason", "superseded")
+    __slots__ = ("job", "frames", "scope", "hand_back", "cancel_reason", "superseded", "ended")
 
     def __init__(self, job: Job, frames: FrameSink) -> None:
         self.job = job
@@ -82,6 +82,8 @@ class _Running:
         self.hand_back = False
         self.cancel_reason: str | None = None
         self.superseded = False
+        self.ended = False
+        """Its result is being stored: the log must get no record after it (compaction keeps the last)."""
 
 
 class Worker:
@@ -317,6 +319,7 @@ class Worker:
                 )
                 outcome = await self.role.run(req, frames, prompt_ids, history)
                 final = frames.final_frame(outcome.choices, outcome.usage)
+                run.ended = True
                 await self._store_result(rid, Result(
                     attempt=job.attempt, final=final, token_ids=outcome.token_ids, text=outcome.text,
                     worker=self.instance, migrations=history.deaths + history.handoffs,
@@ -442,16 +445,18 @@ class Worker:
 
     async def _resync(self, rid: str, run: _Running) -> None:
         frames = run.frames
-        if frames.log_subject is None or run.job.settled:
+        if frames.log_subject is None or run.job.settled or run.ended:
             return
         history = await self.log.history(rid)
-        if history.last_attempt > run.job.attempt:
-            return  # superseded; the newer attempt owns the log
+        if history.last_attempt > run.job.attempt or history.result is not None or run.ended:
+            return  # superseded (the newer attempt owns the log), or ended meanwhile
         stored = {f.seq for f in history.frames}
         missing = [f for f in list(frames.logged) if f.seq not in stored]
         if history.last_attempt < run.job.attempt:
             await self.log.write_stored(rid, Claim(attempt=run.job.attempt, worker=self.instance, at=time.time()))
         for frame in missing:
+            if run.ended:
+                return
             await self.log.write_stored(rid, Step(attempt=run.job.attempt, frame=frame))
         if missing:
             log.info("request %s: rewrote %d token records the server lost", rid, len(missing))
