@@ -430,23 +430,15 @@ class Client:
                     inbox.wait_for(self.heartbeat_timeout)
                     yield frame
                     continue
-                if isinstance(frame, HeartbeatFrame):
+                beat = isinstance(frame, HeartbeatFrame)
+                if beat:
                     if accepted:
                         inbox.wait_for(self.heartbeat_timeout)
-                    if frame.seq > last_seq:
-                        for missed in await self._fill(req.request_id, seen, last_seq, frame.seq + 1):
-                            last_seq = missed.seq
-                            if isinstance(missed, TokensFrame):
-                                seen.append(missed)
-                            finished = finished or isinstance(missed, (FinalFrame, ErrorFrame))
-                            yield missed
-                        if finished:
-                            return
-                    continue
-                if frame.seq <= last_seq:
+                elif frame.seq <= last_seq:
                     continue  # a duplicate (replayed by a worker that took the job over)
-                if frame.seq != last_seq + 1:
-                    for missed in await self._fill(req.request_id, seen, last_seq, frame.seq):
+                before = frame.seq + 1 if beat else frame.seq  # a heartbeat carries the last seq sent
+                if before > last_seq + 1:
+                    for missed in await self._fill(req.request_id, seen, last_seq, before):
                         last_seq = missed.seq
                         if isinstance(missed, TokensFrame):
                             seen.append(missed)
@@ -454,10 +446,10 @@ class Client:
                         yield missed
                     if finished:
                         return
-                    if frame.seq != last_seq + 1:
-                        raise FrameGap(
-                            f"request {req.request_id}: expected frame {last_seq + 1}, got {frame.seq}"
-                        )
+                if beat:
+                    continue
+                if frame.seq != last_seq + 1:
+                    raise FrameGap(f"request {req.request_id}: expected frame {last_seq + 1}, got {frame.seq}")
                 last_seq = frame.seq
                 if accepted:
                     inbox.wait_for(self.heartbeat_timeout)
