@@ -304,13 +304,10 @@ class Client:
             for frame in _rest_of(done, [], 0):
                 yield frame
             return
-        subject = self.names.request_log(request_id)
-        sub = await self.js.subscribe(subject, stream=self.names.requests_stream, ordered_consumer=True)
-        try:
-            seen: list[TokensFrame] = []
-            contiguous = True
-            async for msg in sub.messages:
-                record = _record_decoder.decode(msg.data)
+        seen: list[TokensFrame] = []
+        contiguous = True
+        async with aclosing(self._records(request_id)) as records:
+            async for record in records:
                 if isinstance(record, Step) and contiguous:
                     if record.frame.seq == len(seen) + 1:
                         seen.append(record.frame)
@@ -321,6 +318,14 @@ class Client:
                     for frame in _rest_of(record, seen, len(seen)):
                         yield frame
                     return
+
+    async def _records(self, request_id: str) -> AsyncIterator[Record]:
+        """The request log of `request_id` from its start, then live."""
+        sub = await self.js.subscribe(self.names.request_log(request_id), stream=self.names.requests_stream,
+                                      ordered_consumer=True)
+        try:
+            async for msg in sub.messages:
+                yield _record_decoder.decode(msg.data)
         finally:
             with anyio.CancelScope(shield=True):
                 try:
@@ -485,19 +490,35 @@ class Client:
 
     async def _fill(self, request_id: str, seen: list[TokensFrame], after: int, before: int) -> list[Frame]:
         """Frames lost on the way (seq in (after, before)), recovered from the request log; if the
-        request has ended, everything after `after` up to its final frame."""
+        request has ended, everything after `after` up to its final frame. Waits a few seconds
+        for records a worker is still rewriting after a reconnect."""
+        steps: dict[int, TokensFrame] = {}
         ended = await self._result_quietly(request_id)
+        with anyio.move_on_after(5):
+            while ended is None:
+                try:
+                    async with aclosing(self._records(request_id)) as records:
+                        async for record in records:
+                            if isinstance(record, Result):
+                                ended = record
+                                break
+                            if isinstance(record, Step) and after < record.frame.seq < before:
+                                steps[record.frame.seq] = record.frame
+                                if len(steps) == before - after - 1:
+                                    break
+                except Exception as exc:  # the server is still recovering its streams
+                    log.info("request %s: request log not readable yet: %s", request_id, exc)
+                if len(steps) == before - after - 1:
+                    break
+                await anyio.sleep(0.2)
         if ended is not None:
             found = _rest_of(ended, seen, after)
         else:
             found = []
-            with anyio.move_on_after(5):
-                async with aclosing(self.attach(request_id)) as frames:
-                    async for frame in frames:
-                        if after < frame.seq < before:
-                            found.append(frame)
-                        if frame.seq >= before - 1 or isinstance(frame, (FinalFrame, ErrorFrame)):
-                            break
+            for seq in range(after + 1, before):
+                if seq not in steps:
+                    break
+                found.append(steps[seq])
         log.warning("request %s: recovered %d lost frames from the request log", request_id, len(found))
         return found
 
