@@ -119,5 +119,15 @@ class FakeEngine:
     def load(self) -> EngineLoad:
         return EngineLoad(running=len(self.running), waiting=0, unfinished=len(self.running))
 
+    async def reset_prefix_cache(self) -> bool:
+        return True
+
+    async def sleep(self, level: int) -> str:
+        self.sleeping = True
+        return "fake engine paused"
+
+    async def wake(self) -> None:
+        self.sleeping = False
+
     async def close(self) -> None:
         pass

@@ -25,6 +25,8 @@ SECTIONS: list[tuple[str, list[type]]] = [
     ("Reply frames", [s.AcceptedFrame, s.TokensFrame, s.HeartbeatFrame, s.FinalFrame, s.Choice, s.Usage,
                       s.ErrorFrame]),
     ("Control", [s.CancelRequest, s.StatusRequest, s.WorkerStatus]),
+    ("Fleet: registry, load, control replies", [s.InstanceRecord, s.EngineInfo, s.ModelCard, s.LoadReport,
+                                                 s.HealthCheck, s.HealthReport, s.ControlDone, s.ControlFailed]),
     ("Dead letters", [s.DeadLetter]),
     ("Batch files", [s.BatchLine, s.BatchResult, s.BatchError]),
 ]

@@ -4,6 +4,17 @@ from .batch import BatchError, BatchLine, BatchResult
 from .common import SCHEMA_VERSION, SUPPORTED_VERSIONS, ErrorCode, Message
 from .control import CancelRequest, StatusRequest, WorkerStatus
 from .deadletter import DeadLetter
+from .fleet import (
+    ControlDone,
+    ControlFailed,
+    EngineInfo,
+    HealthCheck,
+    HealthReport,
+    InstanceRecord,
+    InstanceState,
+    LoadReport,
+    ModelCard,
+)
 from .frames import (
     AcceptedFrame,
     Choice,
@@ -30,6 +41,15 @@ from .generate import (
 from .progress import Cancelled, Claim, Handoff, Record, Result, Step
 
 __all__ = [
+    "ModelCard",
+    "LoadReport",
+    "InstanceState",
+    "InstanceRecord",
+    "HealthReport",
+    "HealthCheck",
+    "EngineInfo",
+    "ControlFailed",
+    "ControlDone",
     "SCHEMA_VERSION",
     "SUPPORTED_VERSIONS",
     "AcceptedFrame",

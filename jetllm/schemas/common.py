@@ -46,6 +46,8 @@ class ErrorCode(enum.StrEnum):
     without changing them (n > 1); the message says why."""
     DELIVERIES_EXHAUSTED = "deliveries_exhausted"
     """JetStream delivered the job max_deliver times without any worker finishing it."""
+    CONFLICT = "conflict"
+    """A control verb the instance cannot carry out in its current state (the message says which)."""
     INTERNAL = "internal"
     """A bug in jetllm; the message says where."""
     WORKER_SILENT = "worker_silent"

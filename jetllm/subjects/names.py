@@ -9,6 +9,13 @@ Subject tree (one namespace `<ns>` per deployment):
     jetllm.<ns>.cancel.<request>             cancel a request, wherever it runs (core NATS)
     jetllm.<ns>.ctl.<verb>                   fleet-wide control, every worker answers (core NATS)
     jetllm.<ns>.ctl.i.<instance>.<verb>      one instance's control subjects (core NATS)
+    jetllm.<ns>.ctl.m.<model>.<verb>         every instance serving a model answers (core NATS)
+    jetllm.<ns>.load.<model>.<instance>      load reports, about once a second (core NATS)
+    jetllm.<ns>.kv.<model>.<instance>        KV-cache events (limits stream, replayable)
+    jetllm.<ns>.trace.<request>              per-hop timing records of a request (limits stream)
+
+KV buckets and object stores: `<NS>_REGISTRY` (instance records `i.<instance>`, model cards
+`m.<model>`), `<NS>_LORA` (desired adapters per model), `<NS>_ADAPTERS` (adapter files).
 
 Model names and request ids are not subject tokens (`Qwen/Qwen3-0.6B` holds `/` and `.`), so
 they pass through `encode_token`, a reversible escaping into `[A-Za-z0-9-_]`.
@@ -86,6 +93,11 @@ class Names:
         self.jobs_stream = f"JETLLM_{upper}_JOBS"
         self.dlq_stream = f"JETLLM_{upper}_DLQ"
         self.requests_stream = f"JETLLM_{upper}_REQUESTS"
+        self.kv_events_stream = f"JETLLM_{upper}_KV"
+        self.traces_stream = f"JETLLM_{upper}_TRACES"
+        self.registry_bucket = f"JETLLM_{upper}_REGISTRY"
+        self.lora_bucket = f"JETLLM_{upper}_LORA"
+        self.adapters_store = f"JETLLM_{upper}_ADAPTERS"
 
     # jobs
     def jobs(self, role: str, model: str) -> str:
@@ -138,3 +150,40 @@ class Names:
     def max_deliveries_advisory(self, role: str, model: str) -> str:
         """Where JetStream announces that a job of (role, model) ran out of deliveries."""
         return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self.jobs_stream}.{self.consumer(role, model)}"
+
+    def model_control(self, model: str, verb: str) -> str:
+        return f"{self._root}.ctl.m.{encode_token(model)}.{check_name('verb', verb)}"
+
+    # registry (keys of the registry bucket)
+    @staticmethod
+    def instance_key(instance: str) -> str:
+        return f"i.{encode_token(instance)}"
+
+    @staticmethod
+    def model_card_key(model: str) -> str:
+        return f"m.{encode_token(model)}"
+
+    # load reports, KV-cache events, traces
+    def load(self, model: str, instance: str) -> str:
+        return f"{self._root}.load.{encode_token(model)}.{encode_token(instance)}"
+
+    @property
+    def load_all(self) -> str:
+        return f"{self._root}.load.>"
+
+    def kv_events(self, model: str, instance: str) -> str:
+        return f"{self._root}.kv.{encode_token(model)}.{encode_token(instance)}"
+
+    def kv_events_of(self, model: str) -> str:
+        return f"{self._root}.kv.{encode_token(model)}.*"
+
+    @property
+    def kv_events_all(self) -> str:
+        return f"{self._root}.kv.>"
+
+    def trace(self, request_id: str) -> str:
+        return f"{self._root}.trace.{encode_token(request_id)}"
+
+    @property
+    def trace_all(self) -> str:
+        return f"{self._root}.trace.*"

@@ -12,6 +12,7 @@ import signal
 import socket
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -36,10 +37,13 @@ from ..schemas import (
 from ..subjects import codec
 from ..subjects.names import Names
 from ..subjects.setup import QueuePolicy, ensure_consumer, ensure_streams
+from .control import ControlServer, reply_encoding
 from .engine import Engine
+from .enginecontrol import EngineControl
 from .frames import FrameSink
 from .jobs import Job, RejectedJob, dead_letter_record, decode_request
 from .puller import Puller
+from .registry import RegistryKeeper, instance_record, load_report, model_card
 from .requestlog import History, LogUnavailable, RequestLog, analyze
 from .roles import GenerateRole
 
@@ -63,6 +67,10 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     health_interval: float = 5.0
     health_timeout: float = 10.0
     pull_expires: float = 3.0
+    registry_interval: float = 2.0
+    """Seconds between registry heartbeats; a dead worker's record stops counting after 3 of them."""
+    metrics_port: int | None = None
+    """Prometheus endpoint port; 0 picks a free one (written to the registry), None: no endpoint."""
     instance: str | None = None
     policy: QueuePolicy = msgspec.field(default_factory=QueuePolicy)
 
@@ -98,6 +106,9 @@ class Worker:
         self.instance = config.instance or new_instance_id()
         self.slots = config.slots if config.slots > 0 else (engine.facts.max_num_seqs or 64)
         self.state = "starting"
+        self.sleeping = False
+        self.ready = False
+        self._paused = False
         self.started_at = time.time()
         self._busy = 0
         self._running: dict[str, _Running] = {}
@@ -112,6 +123,16 @@ class Worker:
             "pulled": 0, "acked": 0, "completed": 0, "deferred": 0, "resumed": 0, "handed_back": 0,
             "dead_lettered": 0, "cancelled": 0, "superseded": 0, "duplicates": 0,
         }
+        self.metrics_url: str | None = None
+        self.adapters: list[str] = []
+        self.control = ControlServer(nc, self.names, self.instance, self.model)
+        self.registry = RegistryKeeper(
+            nc, self.names, lambda: instance_record(self), lambda: model_card(self), lambda: load_report(self),
+            interval=config.registry_interval,
+        )
+        self.engine_control = EngineControl(self)
+        self.services: list[Callable[[], Awaitable[None]]] = []
+        """Long-running companions (KV-event relay, adapter reconciler); started once ready."""
 
     # lifecycle
 
@@ -132,7 +153,7 @@ class Worker:
             self.nc,
             self.names.jobs_stream,
             consumer,
-            free_slots=lambda: self.slots - self._busy,
+            free_slots=lambda: 0 if self._paused else self.slots - self._busy,
             on_job=self._on_job,
             expires=self.config.pull_expires,
         )
@@ -144,18 +165,28 @@ class Worker:
             async with anyio.create_task_group() as tg:
                 if handle_signals:
                     tg.start_soon(self._watch_signals)
+                with anyio.fail_after(self.config.health_timeout):
+                    await self.engine.check_health()  # ready means the engine answered, too
                 tg.start_soon(self._monitor_engine)
                 tg.start_soon(self._tick)
                 tg.start_soon(self._resync_after_reconnects)
+                await self.control.start(tg)
+                for service in self.services:
+                    tg.start_soon(service)
                 async with anyio.create_task_group() as jobs:
                     self._jobs_tg = jobs
                     jobs.start_soon(self._puller.run)
                     self.state = "serving"
+                    self.ready = True
+                    tg.start_soon(self.registry.run)
                     await self._stop.wait()
+                    self.ready = False
                     await self._wind_down()
                 tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
+                await self.control.stop()
+                await self.registry.remove(self.instance)
                 for sub in subs:
                     try:
                         await sub.unsubscribe()
@@ -180,14 +211,32 @@ class Worker:
             self._hand_back_all()
             return
         self.state = "draining"
+        self.registry.beat_now()
         log.info("draining: %d running, grace %.1fs", len(self._running), self.config.grace_period)
-        with anyio.move_on_after(self.config.grace_period):
+        await self.wait_idle(hand_back_after=self.config.grace_period)
+
+    def public_state(self) -> str:
+        if self.sleeping:
+            return "sleeping"
+        return self.state if self.state in ("starting", "serving") else "draining"
+
+    def pause_pulling(self, paused: bool) -> None:
+        self._paused = paused
+        if self._puller is not None:
+            self._puller.wake()
+
+    async def wait_idle(self, hand_back_after: float) -> None:
+        """Until no job runs here; jobs still running after `hand_back_after` seconds are handed back."""
+        with anyio.move_on_after(hand_back_after):
             while self._busy:
                 self._idle = anyio.Event()
                 await self._idle.wait()
         if self._running:
-            log.info("grace period over: handing back %d running jobs", len(self._running))
+            log.info("handing back %d running jobs", len(self._running))
             self._hand_back_all()
+        while self._busy:
+            self._idle = anyio.Event()
+            await self._idle.wait()
 
     def _hand_back_all(self) -> None:
         for run in self._running.values():
@@ -600,11 +649,4 @@ class Worker:
 
     async def _on_status(self, msg: Msg) -> None:
         if msg.reply:
-            await self.nc.publish(msg.reply, codec.encode(self.status(), _reply_encoding(msg)))
-
-
-def _reply_encoding(msg: Msg) -> Any:
-    try:
-        return codec.encoding_of(msg.headers)
-    except codec.UnknownContentType:
-        return "msgpack"
+            await self.nc.publish(msg.reply, codec.encode(self.status(), reply_encoding(msg)))

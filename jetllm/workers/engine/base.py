@@ -27,6 +27,9 @@ class EngineFacts(msgspec.Struct, kw_only=True):
     """Token ids that end a sequence unless ignore_eos (from the tokenizer and generation config)."""
     engine: str = ""
     """Which engine and version, for status reports."""
+    source: str = ""
+    """Where the weights came from, for the model card: a hub id or a directory's name."""
+    chat_template: bool = False
 
 
 class ChoiceDelta(msgspec.Struct, kw_only=True):
@@ -50,6 +53,8 @@ class EngineStep(msgspec.Struct, kw_only=True):
 class EngineLoad(msgspec.Struct, kw_only=True):
     running: int = 0
     waiting: int = 0
+    kv_usage: float | None = None
+    """Fraction of KV-cache blocks in use, when the engine reports it."""
     unfinished: int = 0
     """Requests the engine's front end still tracks."""
 
@@ -76,5 +81,16 @@ class Engine(Protocol):
         ...
 
     def load(self) -> EngineLoad: ...
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drop cached KV blocks; False when the engine refused (blocks still in use)."""
+        ...
+
+    async def sleep(self, level: int) -> str:
+        """Stop scheduling, free what the platform can; returns what was done, in plain words.
+        Call only with no request running."""
+        ...
+
+    async def wake(self) -> None: ...
 
     async def close(self) -> None: ...

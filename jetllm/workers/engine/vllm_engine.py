@@ -66,6 +66,7 @@ class _LoadRecorder:
     def __init__(self) -> None:
         self.running = 0
         self.waiting = 0
+        self.kv_usage: float | None = None
 
     def factory(self, vllm_config: Any, engine_index: int = 0) -> Any:
         from vllm.v1.metrics.loggers import StatLoggerBase
@@ -80,11 +81,19 @@ class _LoadRecorder:
                 if scheduler_stats is not None:
                     recorder.running = scheduler_stats.num_running_reqs
                     recorder.waiting = scheduler_stats.num_waiting_reqs
+                    recorder.kv_usage = scheduler_stats.kv_cache_usage
 
             def log_engine_initialized(self) -> None:
                 pass
 
         return Logger(vllm_config, engine_index)
+
+
+def _has_chat_template(llm: Any) -> bool:
+    try:
+        return bool(getattr(llm.get_tokenizer(), "chat_template", None))
+    except Exception:
+        return False
 
 
 class VllmEngine:
@@ -123,6 +132,8 @@ class VllmEngine:
             vocab_size=vocab,
             eos_token_ids=sorted(eos),
             engine=f"vllm {vllm.__version__}",
+            source=os.path.basename(os.path.normpath(opts.model)) if os.path.isdir(opts.model) else opts.model,
+            chat_template=_has_chat_template(llm),
         )
         self._defaults = llm.model_config.get_diff_sampling_param()
 
@@ -239,7 +250,26 @@ class VllmEngine:
             running=self._recorder.running,
             waiting=self._recorder.waiting,
             unfinished=self.llm.get_num_unfinished_requests(),
+            kv_usage=self._recorder.kv_usage,
         )
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self.llm.reset_prefix_cache())
+
+    async def sleep(self, level: int) -> str:
+        if self.llm.vllm_config.model_config.enable_sleep_mode:
+            await self.llm.sleep(level, mode="wait")
+            return f"engine asleep at level {level}: weights{' and KV cache' if level >= 1 else ''} released"
+        # Without sleep mode (always the case on CPU, where vLLM refuses it) nothing can be
+        # released: pause the scheduler, keep the cache, and say so.
+        await self.llm.pause_generation(mode="wait", clear_cache=False)
+        return "scheduling paused; no memory freed (this engine runs without sleep mode, e.g. on CPU)"
+
+    async def wake(self) -> None:
+        if self.llm.vllm_config.model_config.enable_sleep_mode:
+            await self.llm.wake_up()
+        else:
+            await self.llm.resume_generation()
 
     async def close(self) -> None:
         await anyio.to_thread.run_sync(self.llm.shutdown)

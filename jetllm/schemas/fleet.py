@@ -1,0 +1,125 @@
+"""The fleet's shared view: instance records and model cards (registry KV bucket), load reports,
+and the replies of control verbs (request/reply on per-instance and per-model subjects)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from .common import ErrorCode, Message
+
+InstanceState = Literal["starting", "serving", "sleeping", "draining"]
+
+
+class EngineInfo(msgspec.Struct, kw_only=True):
+    """Facts of the engine behind an instance that a router or operator plans with."""
+
+    engine: str = ""
+    block_size: int | None = None
+    num_kv_blocks: int | None = None
+    max_num_seqs: int | None = None
+    max_model_len: int = 0
+    dp_size: int = 1
+
+
+class InstanceRecord(Message, kw_only=True):
+    """One live worker, under `i.<instance>` in the registry bucket; rewritten every heartbeat.
+
+    Readers treat a record whose `heartbeat_at` is older than `expires_after` as dead even before
+    the bucket's age limit removes it.
+    """
+
+    instance: str
+    role: str
+    model: str
+    state: InstanceState
+    adapters: list[str] = []
+    """LoRA adapters loaded now; requests may name them as their model."""
+    dp_ranks: list[int] = msgspec.field(default_factory=lambda: [0])
+    """Data-parallel ranks this worker serves (events and metrics are per rank)."""
+    engine: EngineInfo = msgspec.field(default_factory=EngineInfo)
+    slots: int = 0
+    in_flight: int = 0
+    version: str = ""
+    host: str = ""
+    pid: int = 0
+    started_at: float = 0.0
+    heartbeat_at: float = 0.0
+    expires_after: float = 0.0
+    """Seconds after `heartbeat_at` when this record stops counting as alive."""
+    metrics_url: str | None = None
+    ready: bool = False
+    """Consumer bound and engine answered: the worker can take jobs (false while sleeping)."""
+
+
+class ModelCard(Message, kw_only=True):
+    """What a served model is, under `m.<model>` in the registry bucket (written by its workers)."""
+
+    model: str
+    source: str = ""
+    """Where the weights came from (a directory name or hub id, never a full local path)."""
+    max_model_len: int = 0
+    vocab_size: int | None = None
+    eos_token_ids: list[int] = []
+    block_size: int | None = None
+    chat_template: bool = False
+    updated_at: float = 0.0
+
+
+class LoadReport(Message, kw_only=True):
+    """Published about once a second on `jetllm.<ns>.load.<model>.<instance>`: what a router weighs."""
+
+    instance: str
+    model: str
+    dp_rank: int = 0
+    at: float
+    running: int
+    waiting: int
+    in_flight: int
+    slots: int
+    kv_usage: float | None = None
+    """Fraction of KV-cache blocks in use (0..1), when the engine reports it."""
+    num_kv_blocks: int | None = None
+    state: InstanceState = "serving"
+
+
+class ControlFailed(Message, kw_only=True, tag="failed"):
+    """A control verb that could not be carried out on one instance."""
+
+    instance: str
+    code: ErrorCode
+    message: str
+
+
+class ControlDone(Message, kw_only=True, tag="done"):
+    """A control verb carried out; `detail` says what it did, plainly."""
+
+    instance: str
+    verb: str
+    detail: str = ""
+    state: InstanceState | None = None
+
+
+class HealthReport(Message, kw_only=True, tag="health"):
+    """A worker's answer on its health subject."""
+
+    instance: str
+    healthy: bool
+    engine_alive: bool
+    state: InstanceState
+    canary_ok: bool | None = None
+    """None when no canary ran (asked not to, or the worker is sleeping)."""
+    canary_tokens: int = 0
+    canary_latency_ms: float | None = None
+    last_error: str | None = None
+    checked_at: float = 0.0
+
+
+class HealthCheck(Message, kw_only=True):
+    """Asks for a HealthReport; `canary` runs a short greedy generation through the engine."""
+
+    canary: bool = True
+    max_tokens: int = 4
+    stall_timeout: float = 5.0
+    """Fail the canary if no token arrives for this long."""

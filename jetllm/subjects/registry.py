@@ -1,0 +1,114 @@
+"""The registry: a KV bucket of live instances and model cards, written by workers, read by anyone.
+
+A record lives for the bucket's age limit after its last heartbeat (the server removes it and
+leaves a delete marker that watchers see); readers also drop records whose `heartbeat_at` is older
+than `expires_after`, so a dead worker stops counting at the first of the two.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import nats.js.errors
+from nats.js import JetStreamContext
+from nats.js.api import KeyValueConfig, StorageType
+from nats.js.kv import KeyValue
+
+from ..schemas import InstanceRecord, ModelCard
+from . import codec
+from .names import Names
+
+log = logging.getLogger(__name__)
+
+RECORD_TTL = 10.0
+"""Seconds a record outlives its last heartbeat in the bucket (the bound after a SIGKILL)."""
+
+_instance = codec.Decoder(InstanceRecord)
+_card = codec.Decoder(ModelCard)
+
+
+async def ensure_registry(js: JetStreamContext, names: Names, *, replicas: int = 1) -> KeyValue:
+    cfg = KeyValueConfig(
+        bucket=names.registry_bucket,
+        description="jetllm registry: live instances (i.*) and model cards (m.*)",
+        history=1,
+        ttl=RECORD_TTL,
+        storage=StorageType.FILE,
+        replicas=replicas,
+        limit_marker_ttl=RECORD_TTL,
+    )
+    try:
+        return await js.create_key_value(cfg)
+    except nats.js.errors.BadRequestError:
+        return await js.key_value(names.registry_bucket)
+
+
+def alive(record: InstanceRecord, now: float | None = None) -> bool:
+    now = time.time() if now is None else now
+    return record.expires_after <= 0 or now - record.heartbeat_at <= record.expires_after
+
+
+async def instances(js: JetStreamContext, names: Names, *, model: str | None = None) -> list[InstanceRecord]:
+    """Live instances (of `model`, if given), sorted by instance id."""
+    try:
+        kv = await js.key_value(names.registry_bucket)
+        keys = await kv.keys(filters=["i.*"])
+    except (nats.js.errors.BucketNotFoundError, nats.js.errors.NoKeysError):
+        return []
+    found = []
+    for key in keys:
+        try:
+            entry = await kv.get(key)
+        except nats.js.errors.KeyNotFoundError:
+            continue
+        if not entry.value:
+            continue
+        record = _instance.decode(entry.value)
+        if alive(record) and (model is None or record.model == model):
+            found.append(record)
+    return sorted(found, key=lambda r: r.instance)
+
+
+async def model_cards(js: JetStreamContext, names: Names) -> list[ModelCard]:
+    try:
+        kv = await js.key_value(names.registry_bucket)
+        keys = await kv.keys(filters=["m.*"])
+    except (nats.js.errors.BucketNotFoundError, nats.js.errors.NoKeysError):
+        return []
+    cards = []
+    for key in keys:
+        try:
+            entry = await kv.get(key)
+        except nats.js.errors.KeyNotFoundError:
+            continue
+        if entry.value:
+            cards.append(_card.decode(entry.value))
+    return sorted(cards, key=lambda c: c.model)
+
+
+async def watch(js: JetStreamContext, names: Names) -> AsyncIterator[dict[str, InstanceRecord]]:
+    """The live instances after every change (and at least every second, so expiry shows)."""
+    kv = await ensure_registry(js, names)
+    watcher = await kv.watch("i.*")
+    current: dict[str, InstanceRecord] = {}
+    try:
+        while True:
+            try:
+                entry = await watcher.updates(timeout=1.0)
+            except TimeoutError:
+                entry = None
+            except nats.errors.TimeoutError:
+                entry = None
+            if entry is not None:
+                if entry.operation in ("DEL", "PURGE") or not entry.value:
+                    current.pop(entry.key, None)
+                else:
+                    current[entry.key] = _instance.decode(entry.value)
+            yield {k: r for k, r in current.items() if alive(r)}
+    finally:
+        try:
+            await watcher.stop()
+        except Exception:
+            pass

@@ -1,0 +1,100 @@
+"""Control verbs of one worker: request/reply on its instance subject and on its model's subject.
+
+Each verb is a handler that returns a reply Struct or raises ControlError; the reply (or a
+ControlFailed naming this instance) goes back to the asker, so a fan-out over the model subject
+collects one answer per instance. Handlers run in their own task, never in the NATS callback.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+from anyio.abc import TaskGroup
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from ..schemas import ControlFailed, ErrorCode
+from ..subjects import codec
+from ..subjects.names import Names
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[bytes, Any], Awaitable[msgspec.Struct]]
+"""(request body, its encoding) -> reply."""
+
+
+class ControlError(Exception):
+    """A control verb refused or failed; becomes a ControlFailed reply."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def reply_encoding(msg: Msg) -> Any:
+    try:
+        return codec.encoding_of(msg.headers)
+    except codec.UnknownContentType:
+        return "msgpack"
+
+
+class ControlServer:
+    def __init__(self, nc: NATS, names: Names, instance: str, model: str) -> None:
+        self.nc = nc
+        self.names = names
+        self.instance = instance
+        self.model = model
+        self._handlers: dict[str, tuple[Handler, bool]] = {}
+        self._subs: list[Subscription] = []
+        self._tg: TaskGroup | None = None
+
+    def add(self, verb: str, handler: Handler, *, model_wide: bool = True) -> None:
+        """Serve `verb` on this instance's subject and, if `model_wide`, on the model's subject."""
+        self._handlers[verb] = (handler, model_wide)
+
+    async def start(self, tg: TaskGroup) -> None:
+        self._tg = tg
+        for verb, (handler, model_wide) in self._handlers.items():
+            subjects = [self.names.instance_control(self.instance, verb)]
+            if model_wide:
+                subjects.append(self.names.model_control(self.model, verb))
+            for subject in subjects:
+                self._subs.append(await self.nc.subscribe(subject, cb=self._callback(verb, handler)))
+
+    async def stop(self) -> None:
+        """Stop answering (a draining or dead worker must not look available)."""
+        subs, self._subs = self._subs, []
+        for sub in subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:
+                pass
+
+    def _callback(self, verb: str, handler: Handler) -> Callable[[Msg], Awaitable[None]]:
+        async def on_msg(msg: Msg) -> None:
+            if self._tg is not None:
+                self._tg.start_soon(self._answer, verb, handler, msg)
+
+        return on_msg
+
+    async def _answer(self, verb: str, handler: Handler, msg: Msg) -> None:
+        encoding = reply_encoding(msg)
+        try:
+            reply: msgspec.Struct = await handler(msg.data, encoding)
+        except ControlError as exc:
+            reply = ControlFailed(instance=self.instance, code=exc.code, message=exc.message)
+        except (msgspec.ValidationError, msgspec.DecodeError, codec.UnknownContentType) as exc:
+            reply = ControlFailed(instance=self.instance, code=ErrorCode.INVALID_REQUEST, message=f"{verb}: {exc}")
+        except Exception as exc:
+            log.exception("control verb %s failed", verb)
+            reply = ControlFailed(instance=self.instance, code=ErrorCode.INTERNAL, message=f"{verb}: {exc}")
+        if msg.reply:
+            try:
+                await self.nc.publish(msg.reply, codec.encode(reply, encoding))
+            except Exception as exc:
+                log.warning("control verb %s: reply not sent: %s", verb, exc)

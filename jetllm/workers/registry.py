@@ -1,0 +1,131 @@
+"""Keeps one worker visible: its registry record and model card, and its load reports.
+
+The record is rewritten every `interval` seconds whatever happens (the heartbeat); a write that
+fails is retried at the next beat, so a broker restart only delays it. On a clean stop the record
+is deleted at once; after a crash it ages out of the bucket (`RECORD_TTL`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+from nats.aio.client import Client as NATS
+from nats.js.kv import KeyValue
+
+from .. import __version__
+from ..schemas import EngineInfo, InstanceRecord, LoadReport, ModelCard
+from ..subjects import codec
+from ..subjects.names import Names
+from ..subjects.registry import RECORD_TTL, ensure_registry
+
+log = logging.getLogger(__name__)
+
+
+class RegistryKeeper:
+    def __init__(
+        self,
+        nc: NATS,
+        names: Names,
+        record: Callable[[], InstanceRecord],
+        card: Callable[[], ModelCard],
+        load: Callable[[], LoadReport],
+        *,
+        interval: float = 2.0,
+        load_interval: float = 1.0,
+    ) -> None:
+        self.nc = nc
+        self.js = nc.jetstream(timeout=5)
+        self.names = names
+        self._record = record
+        self._card = card
+        self._load = load
+        self.interval = interval
+        self.load_interval = load_interval
+        self._kv: KeyValue | None = None
+        self._wake = anyio.Event()
+
+    def expires_after(self) -> float:
+        return min(RECORD_TTL, 3 * self.interval)
+
+    def beat_now(self) -> None:
+        """Write the record at once (a state change should not wait for the next beat)."""
+        self._wake.set()
+
+    async def run(self) -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._beat)
+            tg.start_soon(self._publish_load)
+
+    async def _beat(self) -> None:
+        card_every = 0.0
+        while True:
+            try:
+                if self._kv is None:
+                    self._kv = await ensure_registry(self.js, self.names)
+                record = self._record()
+                await self._kv.put(self.names.instance_key(record.instance), codec.encode(record))
+                if time.monotonic() >= card_every:
+                    card = self._card()
+                    await self._kv.put(self.names.model_card_key(card.model), codec.encode(card))
+                    card_every = time.monotonic() + RECORD_TTL / 2
+            except Exception as exc:
+                log.warning("registry heartbeat not written: %s", exc)
+                self._kv = None
+            with anyio.move_on_after(self.interval):
+                await self._wake.wait()
+            self._wake = anyio.Event()
+
+    async def _publish_load(self) -> None:
+        while True:
+            await anyio.sleep(self.load_interval)
+            try:
+                report = self._load()
+                await self.nc.publish(self.names.load(report.model, report.instance), codec.encode(report))
+            except Exception as exc:
+                log.debug("load report not sent: %s", exc)
+
+    async def remove(self, instance: str) -> None:
+        """Take the record out now (clean stop): routers must not pick a worker that is leaving."""
+        try:
+            kv = self._kv or await ensure_registry(self.js, self.names)
+            await kv.delete(self.names.instance_key(instance))
+        except Exception as exc:
+            log.warning("registry record not removed (it ages out in %.0fs): %s", RECORD_TTL, exc)
+
+
+def instance_record(w: Any) -> InstanceRecord:
+    facts = w.engine.facts
+    return InstanceRecord(
+        instance=w.instance, role=w.role.role, model=w.model, state=w.public_state(), adapters=list(w.adapters),
+        engine=EngineInfo(
+            engine=facts.engine, block_size=facts.block_size, num_kv_blocks=facts.num_kv_blocks,
+            max_num_seqs=facts.max_num_seqs, max_model_len=facts.max_model_len,
+        ),
+        slots=w.slots, in_flight=w._busy, version=__version__, host=socket.gethostname(), pid=os.getpid(),
+        started_at=w.started_at, heartbeat_at=time.time(), expires_after=w.registry.expires_after(),
+        metrics_url=w.metrics_url, ready=w.ready and not w.sleeping,
+    )
+
+
+def model_card(w: Any) -> ModelCard:
+    facts = w.engine.facts
+    return ModelCard(
+        model=w.model, source=facts.source, max_model_len=facts.max_model_len, vocab_size=facts.vocab_size,
+        eos_token_ids=facts.eos_token_ids, block_size=facts.block_size, chat_template=facts.chat_template,
+        updated_at=time.time(),
+    )
+
+
+def load_report(w: Any) -> LoadReport:
+    load = w.engine.load()
+    return LoadReport(
+        instance=w.instance, model=w.model, at=time.time(), running=load.running, waiting=load.waiting,
+        in_flight=w._busy, slots=w.slots, kv_usage=load.kv_usage, num_kv_blocks=w.engine.facts.num_kv_blocks,
+        state=w.public_state(),
+    )
