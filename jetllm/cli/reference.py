@@ -26,7 +26,7 @@ SECTIONS: list[tuple[str, list[type]]] = [
                       s.ErrorFrame]),
     ("Control", [s.CancelRequest, s.StatusRequest, s.WorkerStatus]),
     ("Fleet: registry, load, control replies", [s.InstanceRecord, s.EngineInfo, s.ModelCard, s.LoadReport,
-                                                 s.HealthCheck, s.HealthReport, s.ControlDone, s.ControlFailed]),
+                                                 s.HealthCheck, s.HealthReport, s.SleepRequest, s.ControlDone, s.ControlFailed]),
     ("Dead letters", [s.DeadLetter]),
     ("Batch files", [s.BatchLine, s.BatchResult, s.BatchError]),
 ]

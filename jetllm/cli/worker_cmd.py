@@ -43,6 +43,12 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
                    "(a request's max_migrations overrides it; planned hand-backs do not count)")
     w.add_argument("--health-interval", type=float, default=5.0, help="seconds between engine health checks")
     w.add_argument("--instance-id", default=None, help="default: <host>-<pid>-<random>")
+    w.add_argument("--metrics-port", type=int, default=0,
+                   help="Prometheus endpoint port; 0 picks a free one and publishes it in the registry "
+                   "(no ports to assign by hand)")
+    w.add_argument("--no-metrics", action="store_true", help="no Prometheus endpoint")
+    w.add_argument("--registry-interval", type=float, default=2.0,
+                   help="seconds between registry heartbeats; a silent worker stops counting after 3")
     w.add_argument("--nats-wait", type=float, default=60.0,
                    help="seconds to keep retrying the first connection to NATS")
     q = p.add_argument_group("queue policy (applied when creating or updating streams and consumers)")
@@ -90,6 +96,8 @@ def worker_config(args: argparse.Namespace, slots: int | None = None):
         grace_period=args.grace_period,
         health_interval=args.health_interval,
         instance=args.instance_id,
+        metrics_port=None if args.no_metrics else args.metrics_port,
+        registry_interval=args.registry_interval,
         policy=QueuePolicy(
             ack_wait=args.ack_wait, max_deliver=args.max_deliver, max_age=args.max_age,
             replicas=args.replicas,

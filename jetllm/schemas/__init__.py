@@ -14,6 +14,7 @@ from .fleet import (
     InstanceState,
     LoadReport,
     ModelCard,
+    SleepRequest,
 )
 from .frames import (
     AcceptedFrame,
@@ -41,6 +42,7 @@ from .generate import (
 from .progress import Cancelled, Claim, Handoff, Record, Result, Step
 
 __all__ = [
+    "SleepRequest",
     "ModelCard",
     "LoadReport",
     "InstanceState",

@@ -123,3 +123,10 @@ class HealthCheck(Message, kw_only=True):
     max_tokens: int = 4
     stall_timeout: float = 5.0
     """Fail the canary if no token arrives for this long."""
+
+
+class SleepRequest(Message, kw_only=True):
+    """Body of the `sleep` verb (an empty body means level 1)."""
+
+    level: int = 1
+    """1: release the KV cache; 2: the weights too (GPU with sleep mode). On CPU either only pauses."""

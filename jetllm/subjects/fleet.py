@@ -5,13 +5,17 @@ from __future__ import annotations
 import time
 
 import anyio
+import nats.errors
 from nats.aio.client import Client as NATS
 
-from ..schemas import StatusRequest, WorkerStatus
+from ..schemas import ControlDone, ControlFailed, HealthReport, StatusRequest, WorkerStatus
 from . import codec
 from .names import Names
+from .registry import instances
 
 _decoder = codec.Decoder(WorkerStatus)
+ControlReply = ControlDone | ControlFailed | HealthReport
+_reply_decoder = codec.Decoder(ControlReply)
 
 
 async def worker_statuses(nc: NATS, names: Names, timeout: float = 0.5) -> list[WorkerStatus]:
@@ -51,3 +55,42 @@ async def wait_for_workers(
         if time.monotonic() > deadline:
             raise TimeoutError(f"{len(found)} of {count} workers serving after {timeout}s")
         await anyio.sleep(0.2)
+
+
+async def ask(
+    nc: NATS, names: Names, verb: str, body: bytes = b"", *, instance: str | None = None,
+    model: str | None = None, timeout: float = 10.0,
+) -> list[ControlReply]:
+    """Send a control verb to one instance, or to every instance of `model`; one reply per instance.
+
+    A fan-out waits for as many replies as the registry lists instances of the model (or until
+    `timeout`), so a missing answer is visible as a missing row rather than a hang.
+    """
+    if (instance is None) == (model is None):
+        raise ValueError("name exactly one of instance or model")
+    if instance is not None:
+        try:
+            msg = await nc.request(names.instance_control(instance, verb), body, timeout=timeout)
+        except nats.errors.NoRespondersError:
+            raise LookupError(f"no instance {instance!r} answers (not running, or not serving yet)") from None
+        return [_reply_decoder.decode(msg.data)]
+    expected = len(await instances(nc.jetstream(), names, model=model))
+    inbox = nc.new_inbox()
+    sub = await nc.subscribe(inbox)
+    replies: list[ControlReply] = []
+    try:
+        await nc.publish(names.model_control(model, verb), body, reply=inbox)
+        # Nothing registered (registry unreachable, or workers just starting): take what comes in 1 s.
+        deadline = time.monotonic() + (timeout if expected else min(timeout, 1.0))
+        while (left := deadline - time.monotonic()) > 0 and (not expected or len(replies) < expected):
+            try:
+                msg = await sub.next_msg(timeout=left)
+            except Exception:
+                break
+            try:
+                replies.append(_reply_decoder.decode(msg.data))
+            except Exception:
+                continue
+    finally:
+        await sub.unsubscribe()
+    return sorted(replies, key=lambda r: r.instance)

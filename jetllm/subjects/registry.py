@@ -50,41 +50,35 @@ def alive(record: InstanceRecord, now: float | None = None) -> bool:
     return record.expires_after <= 0 or now - record.heartbeat_at <= record.expires_after
 
 
-async def instances(js: JetStreamContext, names: Names, *, model: str | None = None) -> list[InstanceRecord]:
-    """Live instances (of `model`, if given), sorted by instance id."""
+async def _latest(js: JetStreamContext, names: Names, pattern: str) -> list[bytes]:
+    """Current values of the keys matching `pattern` (the bucket's initial state, via a watcher:
+    nats-py's filtered `keys()` finds nothing on these servers)."""
     try:
         kv = await js.key_value(names.registry_bucket)
-        keys = await kv.keys(filters=["i.*"])
-    except (nats.js.errors.BucketNotFoundError, nats.js.errors.NoKeysError):
+    except nats.js.errors.BucketNotFoundError:
         return []
-    found = []
-    for key in keys:
-        try:
-            entry = await kv.get(key)
-        except nats.js.errors.KeyNotFoundError:
-            continue
-        if not entry.value:
-            continue
-        record = _instance.decode(entry.value)
-        if alive(record) and (model is None or record.model == model):
-            found.append(record)
+    watcher = await kv.watch(pattern, ignore_deletes=True)
+    values = []
+    try:
+        while True:
+            entry = await watcher.updates(timeout=5.0)
+            if entry is None:  # end of the initial values
+                return values
+            if entry.value:
+                values.append(entry.value)
+    finally:
+        await watcher.stop()
+
+
+async def instances(js: JetStreamContext, names: Names, *, model: str | None = None) -> list[InstanceRecord]:
+    """Live instances (of `model`, if given), sorted by instance id."""
+    records = [_instance.decode(v) for v in await _latest(js, names, "i.*")]
+    found = [r for r in records if alive(r) and (model is None or r.model == model)]
     return sorted(found, key=lambda r: r.instance)
 
 
 async def model_cards(js: JetStreamContext, names: Names) -> list[ModelCard]:
-    try:
-        kv = await js.key_value(names.registry_bucket)
-        keys = await kv.keys(filters=["m.*"])
-    except (nats.js.errors.BucketNotFoundError, nats.js.errors.NoKeysError):
-        return []
-    cards = []
-    for key in keys:
-        try:
-            entry = await kv.get(key)
-        except nats.js.errors.KeyNotFoundError:
-            continue
-        if entry.value:
-            cards.append(_card.decode(entry.value))
+    cards = [_card.decode(v) for v in await _latest(js, names, "m.*")]
     return sorted(cards, key=lambda c: c.model)
 
 

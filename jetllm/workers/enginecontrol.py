@@ -13,7 +13,6 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import anyio
-import msgspec
 
 from ..errors import EngineDead
 from ..schemas import (
@@ -23,6 +22,7 @@ from ..schemas import (
     HealthCheck,
     HealthReport,
     SamplingOptions,
+    SleepRequest,
     StopConditions,
     TokensPrompt,
 )
@@ -37,11 +37,7 @@ log = logging.getLogger(__name__)
 _health_check = codec.Decoder(HealthCheck)
 
 
-class SleepLevel(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    level: int = 1
-
-
-_sleep = codec.Decoder(SleepLevel)
+_sleep = codec.Decoder(SleepRequest)
 
 
 class EngineControl:
@@ -113,7 +109,7 @@ class EngineControl:
                            state=self.w.public_state())
 
     async def sleep(self, body: bytes, encoding: Any) -> ControlDone:
-        level = (_sleep.decode(body, encoding) if body else SleepLevel()).level
+        level = (_sleep.decode(body, encoding) if body else SleepRequest()).level
         if level not in (1, 2):
             raise ControlError(ErrorCode.INVALID_REQUEST, f"sleep level must be 1 or 2, got {level}")
         w = self.w

@@ -6,6 +6,7 @@ that stopping can wait for them, then hand back the ones still running.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import signal
@@ -123,6 +124,8 @@ class Worker:
             "pulled": 0, "acked": 0, "completed": 0, "deferred": 0, "resumed": 0, "handed_back": 0,
             "dead_lettered": 0, "cancelled": 0, "superseded": 0, "duplicates": 0,
         }
+        self.counters["frames_sent"] = 0
+        self.errors: collections.Counter[str] = collections.Counter()
         self.metrics_url: str | None = None
         self.adapters: list[str] = []
         self.control = ControlServer(nc, self.names, self.instance, self.model)
@@ -139,6 +142,10 @@ class Worker:
     async def serve(self, *, handle_signals: bool = True) -> int:
         """Run until stopped (signal, `stop()`, or engine death); returns the process exit code."""
         await ensure_streams(self.js, self.names, self.config.policy)
+        if self.config.metrics_port is not None:
+            from .metrics import serve_metrics
+
+            self.metrics_url = serve_metrics(self, self.config.metrics_port)
         consumer = await ensure_consumer(self.js, self.names, self.role.role, self.model, self.config.policy)
         subs = [
             await self.nc.subscribe(self.names.cancel_all, cb=self._on_cancel),
@@ -395,6 +402,7 @@ class Worker:
             await self._reject(job, frames, RequestRejected(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"), rid)
         finally:
             self._running.pop(rid, None)
+            self.counters["frames_sent"] += frames.frames_sent
             with anyio.CancelScope(shield=True):
                 await self._settle_interrupted(job, run, rid)
 
@@ -526,6 +534,7 @@ class Worker:
     ) -> None:
         """Error frame to the producer, the job to the dead-letter stream, then terminate it."""
         code = code or exc.code
+        self.errors[code.value] += 1
         log.info("request %s rejected: %s: %s", request_id or f"seq {job.stream_seq}", code.value, exc.message)
         with anyio.CancelScope(shield=True):
             err = frames.error_frame(code, exc.message, field=exc.field)

@@ -1,0 +1,147 @@
+"""`jetllm status|health|ctl`: the fleet as the registry sees it, and control verbs sent to it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import msgspec
+
+from ..aio import run
+from ..schemas import ControlFailed, HealthCheck, HealthReport, InstanceRecord, SleepRequest
+from ..subjects import codec
+from ..subjects.connection import connect
+from ..subjects.fleet import ask
+from ..subjects.names import Names
+from ..subjects.registry import instances, watch
+from .common import add_nats, nats_url
+
+
+def _age(ts: float) -> str:
+    s = max(0, int(time.time() - ts))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def _table(records: list[InstanceRecord]) -> str:
+    head = f"{'instance':34} {'model':16} {'role':9} {'state':9} {'ready':5} {'jobs':>9} {'blocks':>7} {'up':>7}  adapters"
+    lines = [head]
+    for r in records:
+        lines.append(
+            f"{r.instance[:34]:34} {r.model[:16]:16} {r.role:9} {r.state:9} {'yes' if r.ready else 'no':5} "
+            f"{f'{r.in_flight}/{r.slots}':>9} {r.engine.num_kv_blocks or '-':>7} {_age(r.started_at):>7}  "
+            f"{','.join(r.adapters) or '-'}"
+        )
+    if not records:
+        lines.append("(no live instances)")
+    return "\n".join(lines)
+
+
+async def _status(args: argparse.Namespace) -> int:
+    nc = await connect(nats_url(args))
+    names = Names(args.namespace)
+    js = nc.jetstream(timeout=5)
+    try:
+        if not args.watch:
+            records = await instances(js, names, model=args.model)
+            if args.json:
+                for r in records:
+                    print(msgspec.json.encode(r).decode())
+            else:
+                print(_table(records))
+            return 0
+        shown = None
+        async for current in watch(js, names):
+            records = sorted((r for r in current.values() if args.model in (None, r.model)), key=lambda r: r.instance)
+            text = _table(records)
+            if text != shown:
+                if args.json:
+                    print(json.dumps([msgspec.to_builtins(r) for r in records]), flush=True)
+                else:
+                    sys.stdout.write("\x1b[2J\x1b[H" if sys.stdout.isatty() else "\n")
+                    print(time.strftime("%H:%M:%S"), text, sep="\n", flush=True)
+                shown = text
+    finally:
+        await nc.close()
+    return 0
+
+
+def _target(args: argparse.Namespace) -> dict:
+    if args.instance:
+        return {"instance": args.instance}
+    if args.model:
+        return {"model": args.model}
+    raise SystemExit("name --instance or --model")
+
+
+async def _health(args: argparse.Namespace) -> int:
+    nc = await connect(nats_url(args))
+    names = Names(args.namespace)
+    try:
+        targets = [{"instance": args.instance}] if args.instance else (
+            [{"model": args.model}] if args.model
+            else [{"model": m} for m in sorted({r.model for r in await instances(nc.jetstream(), names)})]
+        )
+        body = codec.encode(HealthCheck(canary=not args.no_canary, stall_timeout=args.stall_timeout))
+        replies = []
+        for t in targets:
+            replies += await ask(nc, names, "health", body, timeout=args.timeout, **t)
+    finally:
+        await nc.close()
+    bad = 0
+    for r in replies:
+        if args.json:
+            print(msgspec.json.encode(r).decode())
+        elif isinstance(r, HealthReport):
+            canary = "-" if r.canary_ok is None else (
+                f"{'ok' if r.canary_ok else 'FAILED'} {r.canary_tokens} tok {r.canary_latency_ms:.0f} ms")
+            print(f"{r.instance:34} {'healthy' if r.healthy else 'UNHEALTHY':9} engine={'up' if r.engine_alive else 'DEAD'} "
+                  f"state={r.state} canary={canary}" + (f" last_error={r.last_error}" if r.last_error else ""))
+        else:
+            print(f"{r.instance:34} failed: {getattr(r, 'message', r)}")
+        bad += not (isinstance(r, HealthReport) and r.healthy)
+    if not replies:
+        print("no instance answered", file=sys.stderr)
+        return 1
+    return 1 if bad else 0
+
+
+async def _ctl(args: argparse.Namespace) -> int:
+    nc = await connect(nats_url(args))
+    body = codec.encode(SleepRequest(level=args.level)) if args.verb == "sleep" else b""
+    try:
+        replies = await ask(nc, Names(args.namespace), args.verb, body, timeout=args.timeout, **_target(args))
+    finally:
+        await nc.close()
+    for r in replies:
+        print(msgspec.json.encode(r).decode())
+    return 1 if not replies or any(isinstance(r, ControlFailed) for r in replies) else 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="live instances from the registry (a table; --watch keeps it live)")
+    add_nats(p)
+    p.add_argument("--model", default=None, help="only instances serving this model")
+    p.add_argument("--watch", action="store_true", help="redraw on every change until Ctrl-C")
+    p.add_argument("--json", action="store_true", help="one JSON record per line")
+    p.set_defaults(func=lambda a: run(_status(a)))
+
+    p = sub.add_parser("health", help="ask instances for engine liveness and a canary generation")
+    add_nats(p)
+    p.add_argument("--instance", default=None)
+    p.add_argument("--model", default=None, help="every instance of this model (default: every model)")
+    p.add_argument("--no-canary", action="store_true", help="engine liveness only")
+    p.add_argument("--stall-timeout", type=float, default=5.0, help="fail the canary after this long without a token")
+    p.add_argument("--timeout", type=float, default=30.0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=lambda a: run(_health(a)))
+
+    p = sub.add_parser("ctl", help="engine control: reset-prefix-cache, sleep, wake (one instance or a model)")
+    add_nats(p)
+    p.add_argument("verb", choices=["reset-prefix-cache", "sleep", "wake"])
+    p.add_argument("--instance", default=None)
+    p.add_argument("--model", default=None)
+    p.add_argument("--level", type=int, default=1, help="sleep level (1: free KV cache, 2: and weights; GPU only)")
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.set_defaults(func=lambda a: run(_ctl(a)))

@@ -1,0 +1,62 @@
+"""The worker's Prometheus endpoint: vLLM's own engine metrics (its stat logger registers them in
+this process's default registry) next to the message plane's, read straight from the worker's
+counters at scrape time so there is one source of truth."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import REGISTRY, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+
+class PlaneCollector(Collector):
+    def __init__(self, worker: Any) -> None:
+        self.w = worker
+
+    def collect(self) -> Iterator[Any]:
+        w = self.w
+        labels = ["model", "instance"]
+        ids = [w.model, w.instance]
+        jobs = CounterMetricFamily("jetllm_jobs", "Jobs by what happened to them", labels=[*labels, "event"])
+        for event, n in w.counters.items():
+            if event != "frames_sent":
+                jobs.add_metric([*ids, event], n)
+        yield jobs
+        frames = CounterMetricFamily("jetllm_frames_sent", "Reply frames published to producers", labels=labels)
+        frames.add_metric(ids, w.counters.get("frames_sent", 0))
+        yield frames
+        errors = CounterMetricFamily("jetllm_errors", "Error frames sent, by error code", labels=[*labels, "code"])
+        for code, n in w.errors.items():
+            errors.add_metric([*ids, str(code)], n)
+        yield errors
+        for name, doc, value in (
+            ("jetllm_in_flight", "Jobs held now (pulled, not yet settled)", w._busy),
+            ("jetllm_slots", "Jobs this worker runs at once", w.slots),
+            ("jetllm_ready", "1 when the worker takes jobs (consumer bound, engine answered, awake)",
+             int(w.ready and not w.sleeping)),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(ids, value)
+            yield g
+
+
+def serve_metrics(worker: Any, port: int, addr: str = "0.0.0.0") -> str:
+    """Start the endpoint (a daemon thread); returns its URL. Port 0 picks a free port."""
+    REGISTRY.register(PlaneCollector(worker))
+    server, _ = start_http_server(port, addr=addr)
+    host = addr if addr not in ("0.0.0.0", "::") else _hostname()
+    url = f"http://{host}:{server.server_port}/metrics"
+    log.info("metrics at %s", url)
+    return url
+
+
+def _hostname() -> str:
+    import socket
+
+    return socket.gethostname()

@@ -1,0 +1,129 @@
+"""The fleet control plane against a real nats-server, with the light test engine (fast): the
+registry, the control verbs and their fan-out, health with its canary, sleep and wake.
+
+The same behaviours against real vLLM: test_vllm_fleet.py.
+"""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from jetllm.schemas import ControlDone, ControlFailed, ErrorCode, HealthCheck, HealthReport, SleepRequest
+from jetllm.subjects import codec
+from jetllm.subjects.fleet import ask
+from jetllm.subjects.registry import instances, model_cards
+
+from .conftest import inproc_worker
+from .fake_engine import FakeEngine
+from .jobs import req
+
+pytestmark = pytest.mark.anyio
+
+
+async def _wait_for(predicate, timeout: float = 10.0):
+    with anyio.fail_after(timeout):
+        while not (found := await predicate()):
+            await anyio.sleep(0.05)
+    return found
+
+
+async def test_registry_lists_a_worker_with_its_facts_and_drops_it_on_stop(nats_url, client, fake_engine):
+    js, names = client.nc.jetstream(), client.names
+    async with inproc_worker(nats_url, fake_engine, namespace=names.namespace, registry_interval=0.2) as worker:
+        (record,) = await _wait_for(lambda: instances(js, names))
+        assert record.instance == worker.instance and record.model == "fake" and record.role == "generate"
+        assert record.state == "serving" and record.ready
+        assert record.engine.block_size == 16 and record.engine.num_kv_blocks == 1024
+        assert record.engine.max_model_len == 256 and record.slots == worker.slots
+        assert record.expires_after == pytest.approx(0.6)
+        (card,) = await model_cards(js, names)
+        assert card.model == "fake" and card.max_model_len == 256
+    assert await instances(js, names) == []  # a clean stop removes the record at once
+
+
+async def test_a_record_whose_heartbeats_stopped_does_not_count(nats_url, client, fake_engine):
+    js, names = client.nc.jetstream(), client.names
+    async with inproc_worker(nats_url, fake_engine, namespace=names.namespace, registry_interval=0.2) as worker:
+        await _wait_for(lambda: instances(js, names))
+        def hung():
+            raise RuntimeError("hung")
+
+        worker.registry._record = hung  # no more heartbeats; the last record stays in the bucket
+        with anyio.fail_after(5):
+            while await instances(js, names):
+                await anyio.sleep(0.1)
+
+
+async def test_health_canary_passes_then_fails_on_a_stall_and_on_a_dead_engine(nats_url, client, fake_engine):
+    names = client.names
+    async with inproc_worker(nats_url, fake_engine, namespace=names.namespace) as worker:
+        (ok,) = await ask(client.nc, names, "health", instance=worker.instance)
+        assert isinstance(ok, HealthReport) and ok.healthy and ok.canary_ok and ok.canary_tokens == 4
+        assert ok.engine_alive and ok.state == "serving" and ok.last_error is None
+
+        fake_engine.stalled = True
+        body = codec.encode(HealthCheck(stall_timeout=0.3))
+        (stalled,) = await ask(client.nc, names, "health", body, instance=worker.instance)
+        assert not stalled.healthy and stalled.engine_alive and stalled.canary_ok is False
+        assert "stalled" in stalled.last_error
+        fake_engine.stalled = False
+
+        fake_engine.dead = True
+        (dead,) = await ask(client.nc, names, "health", instance=worker.instance)
+        assert not dead.healthy and not dead.engine_alive and dead.canary_ok is None
+        fake_engine.dead = False
+
+
+async def test_model_wide_verbs_get_one_reply_per_instance(nats_url, client):
+    names = client.names
+    async with (
+        inproc_worker(nats_url, FakeEngine(), namespace=names.namespace, registry_interval=0.2) as a,
+        inproc_worker(nats_url, FakeEngine(), namespace=names.namespace, registry_interval=0.2) as b,
+    ):
+        await _wait_for(lambda: _count(client, 2))
+        replies = await ask(client.nc, names, "reset-prefix-cache", model="fake", timeout=5)
+        assert sorted(r.instance for r in replies) == sorted([a.instance, b.instance])
+        assert all(isinstance(r, ControlDone) and r.detail == "prefix cache cleared" for r in replies)
+        (bad,) = await ask(client.nc, names, "sleep", codec.encode(SleepRequest(level=7)), instance=a.instance)
+        assert isinstance(bad, ControlFailed) and bad.code == ErrorCode.INVALID_REQUEST and "level" in bad.message
+        (garbage,) = await ask(client.nc, names, "sleep", b"\xc1not msgpack", instance=a.instance)
+        assert isinstance(garbage, ControlFailed) and garbage.code == ErrorCode.INVALID_REQUEST
+        with pytest.raises(LookupError):
+            await ask(client.nc, names, "health", instance="no-such-instance", timeout=2)
+
+
+async def _count(client, n: int):
+    return len(await instances(client.nc.jetstream(), client.names)) == n
+
+
+async def test_a_sleeping_worker_pulls_nothing_until_woken(nats_url, client, fake_engine):
+    js, names = client.nc.jetstream(), client.names
+    async with inproc_worker(nats_url, fake_engine, namespace=names.namespace, registry_interval=0.2,
+                             pull_expires=1.0) as worker:
+        (done,) = await ask(client.nc, names, "sleep", instance=worker.instance)
+        assert isinstance(done, ControlDone) and done.state == "sleeping" and "paused" in done.detail
+        (record,) = await _wait_for(lambda: _sleeping(js, names))
+        assert not record.ready
+        (report,) = await ask(client.nc, names, "health", instance=worker.instance)
+        assert report.healthy and report.state == "sleeping" and report.canary_ok is None
+
+        async with anyio.create_task_group() as tg:
+            result = {}
+
+            async def run() -> None:
+                result["c"] = await client.complete(req("fake", max_tokens=3))
+
+            tg.start_soon(run)
+            await anyio.sleep(2.5)  # over two pull expiries: a sleeping worker would have taken it by now
+            assert "c" not in result
+            assert worker.counters["pulled"] == 0  # left in JetStream
+            (woke,) = await ask(client.nc, names, "wake", instance=worker.instance)
+            assert isinstance(woke, ControlDone) and woke.state == "serving"
+        assert len(result["c"].token_ids) == 3
+        (record,) = await instances(js, names)
+        assert record.state == "serving" and record.ready
+
+
+async def _sleeping(js, names):
+    return [r for r in await instances(js, names) if r.state == "sleeping"]
