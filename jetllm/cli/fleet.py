@@ -125,7 +125,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="only instances serving this model")
     p.add_argument("--watch", action="store_true", help="redraw on every change until Ctrl-C")
     p.add_argument("--json", action="store_true", help="one JSON record per line")
-    p.set_defaults(func=lambda a: run(_status(a)))
+    p.set_defaults(func=lambda a: run(_status, a))
 
     p = sub.add_parser("health", help="ask instances for engine liveness and a canary generation")
     add_nats(p)
@@ -135,7 +135,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stall-timeout", type=float, default=5.0, help="fail the canary after this long without a token")
     p.add_argument("--timeout", type=float, default=30.0)
     p.add_argument("--json", action="store_true")
-    p.set_defaults(func=lambda a: run(_health(a)))
+    p.set_defaults(func=lambda a: run(_health, a))
 
     p = sub.add_parser("ctl", help="engine control: reset-prefix-cache, sleep, wake (one instance or a model)")
     add_nats(p)
@@ -144,4 +144,4 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--level", type=int, default=1, help="sleep level (1: free KV cache, 2: and weights; GPU only)")
     p.add_argument("--timeout", type=float, default=60.0)
-    p.set_defaults(func=lambda a: run(_ctl(a)))
+    p.set_defaults(func=lambda a: run(_ctl, a))
