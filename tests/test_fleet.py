@@ -13,6 +13,7 @@ from jetllm.schemas import ControlDone, ControlFailed, ErrorCode, HealthCheck, H
 from jetllm.subjects import codec
 from jetllm.subjects.fleet import ask
 from jetllm.subjects.registry import instances, model_cards
+from jetllm.subjects.traces import trace_records
 
 from .conftest import inproc_worker
 from .fake_engine import FakeEngine
@@ -127,3 +128,42 @@ async def test_a_sleeping_worker_pulls_nothing_until_woken(nats_url, client, fak
 
 async def _sleeping(js, names):
     return [r for r in await instances(js, names) if r.state == "sleeping"]
+
+
+async def test_a_trace_id_travels_on_the_job_its_frames_and_the_worker_timing_record(nats_url, client, fake_engine):
+    names = client.names
+    trace_id, parent = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    async with inproc_worker(nats_url, fake_engine, namespace=names.namespace) as worker:
+        sub = await client.nc.subscribe(f"{client._inbox_root}.>")  # a second listener on the frames
+        request = req("fake", max_tokens=5)
+        frames = [f async for f in client.generate(request, traceparent=f"00-{trace_id}-{parent}-01")]
+        assert len(frames) >= 3
+        seen = []
+        with anyio.move_on_after(1):
+            while True:
+                seen.append(await sub.next_msg(timeout=1))
+        await sub.unsubscribe()
+        headers = {m.headers.get("traceparent") for m in seen}
+        assert len(seen) == len(frames) and len(headers) == 1
+        (header,) = headers
+        assert header.startswith(f"00-{trace_id}-") and not header.startswith(f"00-{trace_id}-{parent}")
+
+        with anyio.fail_after(5):
+            while not (records := await trace_records(client.nc.jetstream(), names, request.request_id)):
+                await anyio.sleep(0.1)
+        (rec,) = records
+        assert rec.trace_id == trace_id and rec.parent_span_id == parent and header == f"00-{trace_id}-{rec.span_id}-01"
+        assert rec.instance == worker.instance and rec.outcome == "completed" and rec.completion_tokens == 5
+        assert rec.queued_at <= rec.pulled_at <= rec.accepted_at <= rec.first_token_at <= rec.ended_at
+
+        # a malformed header from a producer starts a fresh trace instead of failing the job
+        bad = req("fake", max_tokens=2)
+        job = await client.nc.jetstream().publish(
+            names.jobs("generate", "fake"), codec.encode(bad),
+            headers={"Nats-Msg-Id": bad.request_id, "traceparent": "00-zz-not-a-trace-01"},
+        )
+        assert job.seq
+        with anyio.fail_after(10):
+            while not (records := await trace_records(client.nc.jetstream(), names, bad.request_id)):
+                await anyio.sleep(0.1)
+        assert records[0].parent_span_id is None and len(records[0].trace_id) == 32

@@ -82,6 +82,16 @@ async def test_registry_health_metrics_and_sleep_on_a_real_worker(nats_url, name
         assert any(n == "vllm:kv_cache_usage_perc" for n, _ in after)
         assert _total(after, "jetllm_ready") == 1
 
+        traced = req(TINY, [5, 6, 7], max_tokens=4)
+        await c.complete(traced, traceparent="00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")
+        shown = subprocess.run(
+            [sys.executable, "-m", "jetllm", "trace", traced.request_id, "--nats", nats_url, "--namespace", namespace],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert shown.returncode == 0, shown.stderr
+        assert "trace 0af7651916cd43dd8448eb211c80319c" in shown.stdout and f"pulled by {instance}" in shown.stdout
+        assert "first token" in shown.stdout and "completed: 4 tokens" in shown.stdout
+
         (reset,) = await ask(c.nc, names, "reset-prefix-cache", instance=instance)
         assert isinstance(reset, ControlDone), reset
 

@@ -1,4 +1,4 @@
-"""`jetllm status|health|ctl`: the fleet as the registry sees it, and control verbs sent to it."""
+"""`jetllm status|health|ctl|trace`: the fleet as the registry sees it, and control verbs sent to it."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from ..subjects.connection import connect
 from ..subjects.fleet import ask
 from ..subjects.names import Names
 from ..subjects.registry import instances, watch
+from ..subjects.traces import trace_records
 from .common import add_nats, nats_url
 
 
@@ -119,7 +120,42 @@ async def _ctl(args: argparse.Namespace) -> int:
     return 1 if not replies or any(isinstance(r, ControlFailed) for r in replies) else 0
 
 
+async def _trace(args: argparse.Namespace) -> int:
+    nc = await connect(nats_url(args))
+    try:
+        records = await trace_records(nc.jetstream(timeout=5), Names(args.namespace), args.request_id)
+    finally:
+        await nc.close()
+    if not records:
+        print(f"no trace records for {args.request_id!r} (unknown, or older than the results retention)",
+              file=sys.stderr)
+        return 1
+    if args.json:
+        for r in records:
+            print(msgspec.json.encode(r).decode())
+        return 0
+    t0 = records[0].queued_at
+    print(f"request {args.request_id}  trace {records[0].trace_id}")
+    print(f"  +{0:8.1f} ms  queued (JetStream stored the job)")
+    for r in records:
+        ms = lambda t: f"+{(t - t0) * 1000:8.1f} ms"  # noqa: E731
+        print(f"{ms(r.pulled_at)}  attempt {r.attempt} pulled by {r.instance} (span {r.span_id})")
+        if r.accepted_at:
+            resumed = f", resuming after {r.resumed_tokens} tokens" if r.resumed_tokens else ""
+            print(f"{ms(r.accepted_at)}  accepted{resumed}")
+        if r.first_token_at:
+            print(f"{ms(r.first_token_at)}  first token")
+        print(f"{ms(r.ended_at)}  {r.outcome}: {r.completion_tokens} tokens in {r.frames} frames")
+    return 0
+
+
 def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("trace", help="one request's path through the fleet, hop by hop, with timings")
+    add_nats(p)
+    p.add_argument("request_id")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=lambda a: run(_trace, a))
+
     p = sub.add_parser("status", help="live instances from the registry (a table; --watch keeps it live)")
     add_nats(p)
     p.add_argument("--model", default=None, help="only instances serving this model")

@@ -27,6 +27,7 @@ SECTIONS: list[tuple[str, list[type]]] = [
     ("Control", [s.CancelRequest, s.StatusRequest, s.WorkerStatus]),
     ("Fleet: registry, load, control replies", [s.InstanceRecord, s.EngineInfo, s.ModelCard, s.LoadReport,
                                                  s.HealthCheck, s.HealthReport, s.SleepRequest, s.ControlDone, s.ControlFailed]),
+    ("Tracing", [s.TraceRecord]),
     ("Dead letters", [s.DeadLetter]),
     ("Batch files", [s.BatchLine, s.BatchResult, s.BatchError]),
 ]

@@ -40,8 +40,10 @@ from .generate import (
     TokensPrompt,
 )
 from .progress import Cancelled, Claim, Handoff, Record, Result, Step
+from .trace import TraceRecord
 
 __all__ = [
+    "TraceRecord",
     "SleepRequest",
     "ModelCard",
     "LoadReport",

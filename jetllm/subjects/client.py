@@ -52,7 +52,7 @@ from ..schemas import (
     TokensFrame,
     Usage,
 )
-from . import codec
+from . import codec, tracecontext
 from .connection import connect
 from .direct import subscribe_direct
 from .names import Names
@@ -229,14 +229,18 @@ class Client:
             )
         return data
 
-    async def submit(self, req: GenerateRequest, *, role: str = "generate") -> PubAck:
+    async def submit(self, req: GenerateRequest, *, role: str = "generate", traceparent: str | None = None) -> PubAck:
         """Publish a job durably; the PubAck says it is stored (or was a duplicate).
 
         Retried across reconnects and JetStream leader changes for up to `publish_timeout`
-        seconds; the request id as `Nats-Msg-Id` makes the retries safe.
+        seconds; the request id as `Nats-Msg-Id` makes the retries safe. The job carries a W3C
+        `traceparent` (the one given, else a new trace) that its frames and records repeat.
         """
         data = self.encode_job(req)
-        headers = {"Nats-Msg-Id": req.request_id, codec.CONTENT_TYPE: codec.content_type(self.encoding)}
+        headers = {
+            "Nats-Msg-Id": req.request_id, codec.CONTENT_TYPE: codec.content_type(self.encoding),
+            tracecontext.HEADER: traceparent or tracecontext.new_traceparent(),
+        }
         subject = self.names.jobs(role, req.model)
         deadline = time.monotonic() + self.publish_timeout
         delay = 0.1
@@ -251,10 +255,11 @@ class Client:
                 await anyio.sleep(delay)
                 delay = min(delay * 2, 1.0)
 
-    async def cancel(self, request_id: str, reason: str | None = None) -> None:
+    async def cancel(self, request_id: str, reason: str | None = None, *, traceparent: str | None = None) -> None:
         """Stop a request wherever it is: running (live notice) or still queued (durable record)."""
         await self.nc.publish(
-            self.names.cancel(request_id), codec.encode(CancelRequest(request_id=request_id, reason=reason))
+            self.names.cancel(request_id), codec.encode(CancelRequest(request_id=request_id, reason=reason)),
+            headers={tracecontext.HEADER: traceparent} if traceparent else None,
         )
         await self.nc.publish(
             self.names.request_log(request_id), codec.encode(Cancelled(attempt=0, reason=reason))
@@ -352,6 +357,7 @@ class Client:
         *,
         role: str = "generate",
         accept_timeout: float | None = None,
+        traceparent: str | None = None,
     ) -> AsyncIterator[Frame]:
         """Submit `req` and yield its frames up to and including the final or error frame.
 
@@ -369,8 +375,9 @@ class Client:
         elif not req.reply_to.startswith(self._inbox_root):
             raise ValueError("generate() sets reply_to itself; leave it None (or use submit())")
         finished = False
+        traceparent = traceparent or tracecontext.new_traceparent()
         try:
-            ack = await self.submit(req, role=role)
+            ack = await self.submit(req, role=role, traceparent=traceparent)
             if ack.duplicate:
                 # The job exists already (submitted before, maybe by a run that died): follow it.
                 finished = True  # nothing of ours to cancel: the request belongs to its first submitter
@@ -470,7 +477,7 @@ class Client:
             if not finished and self._nc is not None and self._nc.is_connected:
                 with anyio.CancelScope(shield=True):
                     try:
-                        await self.cancel(req.request_id, reason="producer stopped listening")
+                        await self.cancel(req.request_id, reason="producer stopped listening", traceparent=traceparent)
                     except Exception as exc:  # the request still ends: its worker stops on close
                         log.warning("could not send cancel for %s: %s", req.request_id, exc)
 

@@ -127,6 +127,20 @@ async def ensure_streams(js: JetStreamContext, names: Names, policy: QueuePolicy
         ),
     )
     await _ensure_requests_stream(js, names, policy)
+    await _ensure_stream(
+        js,
+        StreamConfig(
+            name=names.traces_stream,
+            description="jetllm traces: one timing record per worker hop of a request",
+            subjects=[names.trace_all],
+            retention=RetentionPolicy.LIMITS,
+            storage=storage,
+            num_replicas=policy.replicas,
+            max_age=policy.results_max_age,
+            max_msgs_per_subject=64,
+            discard=DiscardPolicy.OLD,
+        ),
+    )
 
 
 async def _ensure_requests_stream(js: JetStreamContext, names: Names, policy: QueuePolicy) -> None:

@@ -32,7 +32,7 @@ class FrameSink:
 
     def __init__(
         self, nc: NATS, reply_to: str | None, encoding: codec.Encoding, request_id: str,
-        *, attempt: int = 1, log_subject: str | None = None,
+        *, attempt: int = 1, log_subject: str | None = None, headers: dict[str, str] | None = None,
     ) -> None:
         self._nc = nc
         self.reply_to = reply_to
@@ -46,13 +46,21 @@ class FrameSink:
         """This attempt's token frames, kept to rewrite any the log lost in a broker restart."""
         self.last_sent = time.monotonic()
         self.frames_sent = 0
+        self.headers = headers
+        """Sent with every frame (the trace context)."""
+        self.accepted_at: float | None = None
+        self.first_token_at: float | None = None
+        self.tokens_sent = 0
+        self.resumed_tokens = 0
+        self.ended_with: str | None = None
+        """The finish reason or error code of the last frame, once sent."""
 
     async def _send(self, frame: Any) -> None:
         self.last_sent = time.monotonic()
         if self.reply_to is None:
             return
         try:
-            await self._nc.publish(self.reply_to, codec.encode(frame, self.encoding))
+            await self._nc.publish(self.reply_to, codec.encode(frame, self.encoding), headers=self.headers)
             self.frames_sent += 1
         except Exception as exc:  # a lost frame shows as a gap or silence to the producer
             log.warning("request %s: frame %d not sent: %s", self.request_id, frame.seq, exc)
@@ -62,6 +70,8 @@ class FrameSink:
         return self.seq
 
     async def accepted(self, worker: str, model: str, *, resumed_tokens: int = 0, job_ack: str | None = None) -> None:
+        self.accepted_at = time.time()
+        self.resumed_tokens = resumed_tokens
         await self._send(
             AcceptedFrame(
                 seq=self.seq, attempt=self.attempt, request_id=self.request_id, worker=worker, model=model,
@@ -87,6 +97,9 @@ class FrameSink:
             seq=self._next(), attempt=self.attempt, index=index, token_ids=token_ids, text=text,
             logprobs=logprobs, top_logprobs=top_logprobs,
         )
+        if self.first_token_at is None:
+            self.first_token_at = time.time()
+        self.tokens_sent += len(token_ids)
         if self.log_subject is not None:
             # Recorded first, on the same connection: the log never holds less than was sent.
             self.logged.append(frame)
@@ -106,6 +119,10 @@ class FrameSink:
         )
 
     async def send(self, frame: FinalFrame | ErrorFrame) -> None:
+        self.ended_with = (
+            frame.code.value if isinstance(frame, ErrorFrame)
+            else frame.choices[0].finish_reason if frame.choices else "stop"
+        )
         await self._send(frame)
 
     async def error(self, code: ErrorCode, message: str, field: str | None = None, retryable: bool = False) -> None:

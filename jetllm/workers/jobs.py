@@ -94,12 +94,14 @@ class Job:
         self.stream_seq = md.sequence.stream
         self.subject = msg.subject
         self.settled = False
+        self.settled_how: str | None = None
         self.last_progress = time.monotonic()
 
     async def _settle(self, how: str, **kw: float) -> None:
         if self.settled:
             return
         self.settled = True
+        self.settled_how = how
         with anyio.CancelScope(shield=True):
             try:
                 await getattr(self.msg, how)(**kw)

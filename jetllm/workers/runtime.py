@@ -47,6 +47,7 @@ from .puller import Puller
 from .registry import RegistryKeeper, instance_record, load_report, model_card
 from .requestlog import History, LogUnavailable, RequestLog, analyze
 from .roles import GenerateRole
+from .tracing import Hop, TracePublisher
 
 log = logging.getLogger(__name__)
 
@@ -134,6 +135,7 @@ class Worker:
             interval=config.registry_interval,
         )
         self.engine_control = EngineControl(self)
+        self.traces = TracePublisher(nc, self.names)
         self.services: list[Callable[[], Awaitable[None]]] = []
         """Long-running companions (KV-event relay, adapter reconciler); started once ready."""
 
@@ -303,10 +305,12 @@ class Worker:
     async def _run_job(self, msg: Msg) -> None:
         try:
             job = Job(msg)
+            hop = Hop(msg)
             try:
                 req, encoding = decode_request(msg.data, msg.headers)
             except RejectedJob as exc:
-                frames = FrameSink(self.nc, exc.reply_to, exc.encoding, exc.request_id or "", attempt=job.attempt)
+                frames = FrameSink(self.nc, exc.reply_to, exc.encoding, exc.request_id or "", attempt=job.attempt,
+                                   headers=hop.header)
                 await self._reject(job, frames, exc, exc.request_id)
                 return
             if req.request_id in self._running:
@@ -317,9 +321,13 @@ class Worker:
                 return
             frames = FrameSink(
                 self.nc, req.reply_to, encoding, req.request_id,
-                attempt=job.attempt, log_subject=self.names.request_log(req.request_id),
+                attempt=job.attempt, log_subject=self.names.request_log(req.request_id), headers=hop.header,
             )
             await self._serve(job, req, frames)
+            self._spawn(self.traces.publish, hop.record(
+                request_id=req.request_id, instance=self.instance, model=self.model, attempt=frames.attempt,
+                frames=frames, outcome=self._outcome_of(frames, job),
+            ))
         finally:
             self._busy -= 1
             if self._busy == 0:
@@ -405,6 +413,11 @@ class Worker:
             self.counters["frames_sent"] += frames.frames_sent
             with anyio.CancelScope(shield=True):
                 await self._settle_interrupted(job, run, rid)
+
+    def _outcome_of(self, frames: FrameSink, job: Job) -> str:
+        if frames.ended_with is not None:
+            return "completed" if frames.ended_with in ("stop", "length") else frames.ended_with
+        return {"nak": "handed_back", "term": "terminated", "ack": "completed"}.get(job.settled_how or "", "superseded")
 
     async def _prepare(self, req: GenerateRequest) -> tuple[History, list[int]]:
         """The request's history and its rendered prompt, looked up side by side."""
