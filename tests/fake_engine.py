@@ -119,6 +119,9 @@ class FakeEngine:
     def load(self) -> EngineLoad:
         return EngineLoad(running=len(self.running), waiting=0, unfinished=len(self.running))
 
+    def load_by_rank(self) -> dict[int, EngineLoad]:
+        return {0: self.load()}
+
     async def reset_prefix_cache(self) -> bool:
         return True
 

@@ -9,7 +9,15 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from jetllm.schemas import ControlDone, ControlFailed, ErrorCode, HealthCheck, HealthReport, SleepRequest
+from jetllm.schemas import (
+    ControlDone,
+    ControlFailed,
+    ErrorCode,
+    HealthCheck,
+    HealthReport,
+    LoadReport,
+    SleepRequest,
+)
 from jetllm.subjects import codec
 from jetllm.subjects.fleet import ask
 from jetllm.subjects.registry import instances, model_cards
@@ -40,6 +48,11 @@ async def test_registry_lists_a_worker_with_its_facts_and_drops_it_on_stop(nats_
         assert record.expires_after == pytest.approx(0.6)
         (card,) = await model_cards(js, names)
         assert card.model == "fake" and card.max_model_len == 256
+        sub = await client.nc.subscribe(names.load("fake", worker.instance))
+        report = codec.Decoder(LoadReport).decode((await sub.next_msg(timeout=3)).data)
+        await sub.unsubscribe()
+        assert report.instance == worker.instance and report.dp_rank == 0 and report.slots == worker.slots
+        assert report.state == "serving" and report.num_kv_blocks == 1024
     assert await instances(js, names) == []  # a clean stop removes the record at once
 
 

@@ -31,6 +31,16 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="engine seed (requests without their own seed)")
     g.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="any other vLLM AsyncEngineArgs field, VALUE as JSON (repeatable)")
+    d = p.add_argument_group("data parallel (one worker schedules onto every rank; other hosts run --headless)")
+    d.add_argument("--data-parallel-size", type=int, default=1, help="engine ranks in total")
+    d.add_argument("--data-parallel-size-local", type=int, default=None,
+                   help="ranks on this host (default: all); the others join from --headless processes")
+    d.add_argument("--data-parallel-start-rank", type=int, default=None, help="first rank of a --headless process")
+    d.add_argument("--data-parallel-address", default=None, help="the leader's address, for headless ranks")
+    d.add_argument("--data-parallel-rpc-port", type=int, default=None,
+                   help="the leader's port for headless ranks (only needed with --headless ranks)")
+    d.add_argument("--headless", action="store_true",
+                   help="run engine ranks for a leader on another host: no NATS, no jobs, no control subjects")
     w = p.add_argument_group("worker")
     w.add_argument("--slots", type=int, default=None,
                    help="jobs run at once; never more un-acked jobs than this (default: the engine's max_num_seqs)")
@@ -80,6 +90,11 @@ def engine_options(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs,
         enforce_eager=args.enforce_eager,
         seed=args.seed,
+        data_parallel_size=args.data_parallel_size,
+        data_parallel_size_local=args.data_parallel_size_local,
+        data_parallel_start_rank=args.data_parallel_start_rank,
+        data_parallel_address=args.data_parallel_address,
+        data_parallel_rpc_port=args.data_parallel_rpc_port,
         extra=parse_kv(args.engine_arg),
     )
 
@@ -118,6 +133,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     try:
         opts, config = engine_options(args), worker_config(args)
+        if args.headless:
+            from ..workers.headless import run_headless
+
+            return run_headless(opts)
         return run(lambda: run_worker(nats_url(args), opts, config, nats_wait=args.nats_wait))
     except KeyboardInterrupt:
         return 0

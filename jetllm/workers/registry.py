@@ -34,7 +34,7 @@ class RegistryKeeper:
         names: Names,
         record: Callable[[], InstanceRecord],
         card: Callable[[], ModelCard],
-        load: Callable[[], LoadReport],
+        load: Callable[[], list[LoadReport]],
         *,
         interval: float = 2.0,
         load_interval: float = 1.0,
@@ -85,8 +85,8 @@ class RegistryKeeper:
         while True:
             await anyio.sleep(self.load_interval)
             try:
-                report = self._load()
-                await self.nc.publish(self.names.load(report.model, report.instance), codec.encode(report))
+                for report in self._load():
+                    await self.nc.publish(self.names.load(report.model, report.instance), codec.encode(report))
             except Exception as exc:
                 log.debug("load report not sent: %s", exc)
 
@@ -103,9 +103,10 @@ def instance_record(w: Any) -> InstanceRecord:
     facts = w.engine.facts
     return InstanceRecord(
         instance=w.instance, role=w.role.role, model=w.model, state=w.public_state(), adapters=list(w.adapters),
+        dp_ranks=list(facts.dp_ranks),
         engine=EngineInfo(
             engine=facts.engine, block_size=facts.block_size, num_kv_blocks=facts.num_kv_blocks,
-            max_num_seqs=facts.max_num_seqs, max_model_len=facts.max_model_len,
+            max_num_seqs=facts.max_num_seqs, max_model_len=facts.max_model_len, dp_size=len(facts.dp_ranks),
         ),
         slots=w.slots, in_flight=w._busy, version=__version__, host=socket.gethostname(), pid=os.getpid(),
         started_at=w.started_at, heartbeat_at=time.time(), expires_after=w.registry.expires_after(),
@@ -122,10 +123,14 @@ def model_card(w: Any) -> ModelCard:
     )
 
 
-def load_report(w: Any) -> LoadReport:
-    load = w.engine.load()
-    return LoadReport(
-        instance=w.instance, model=w.model, at=time.time(), running=load.running, waiting=load.waiting,
-        in_flight=w._busy, slots=w.slots, kv_usage=load.kv_usage, num_kv_blocks=w.engine.facts.num_kv_blocks,
-        state=w.public_state(),
-    )
+def load_reports(w: Any) -> list[LoadReport]:
+    """One report per data-parallel rank: a router balances ranks, not processes."""
+    now, state = time.time(), w.public_state()
+    return [
+        LoadReport(
+            instance=w.instance, model=w.model, dp_rank=rank, at=now, running=load.running, waiting=load.waiting,
+            in_flight=w._busy, slots=w.slots, kv_usage=load.kv_usage, num_kv_blocks=w.engine.facts.num_kv_blocks,
+            state=state,
+        )
+        for rank, load in sorted(w.engine.load_by_rank().items())
+    ]

@@ -44,7 +44,7 @@ from .enginecontrol import EngineControl
 from .frames import FrameSink
 from .jobs import Job, RejectedJob, dead_letter_record, decode_request
 from .puller import Puller
-from .registry import RegistryKeeper, instance_record, load_report, model_card
+from .registry import RegistryKeeper, instance_record, load_reports, model_card
 from .requestlog import History, LogUnavailable, RequestLog, analyze
 from .roles import GenerateRole
 from .tracing import Hop, TracePublisher
@@ -106,7 +106,7 @@ class Worker:
         self.role = GenerateRole(engine)
         self.model = engine.facts.model
         self.instance = config.instance or new_instance_id()
-        self.slots = config.slots if config.slots > 0 else (engine.facts.max_num_seqs or 64)
+        self.slots = config.slots if config.slots > 0 else (engine.facts.max_num_seqs or 64) * len(engine.facts.dp_ranks)
         self.state = "starting"
         self.sleeping = False
         self.ready = False
@@ -131,7 +131,7 @@ class Worker:
         self.adapters: list[str] = []
         self.control = ControlServer(nc, self.names, self.instance, self.model)
         self.registry = RegistryKeeper(
-            nc, self.names, lambda: instance_record(self), lambda: model_card(self), lambda: load_report(self),
+            nc, self.names, lambda: instance_record(self), lambda: model_card(self), lambda: load_reports(self),
             interval=config.registry_interval,
         )
         self.engine_control = EngineControl(self)

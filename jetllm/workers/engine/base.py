@@ -27,6 +27,8 @@ class EngineFacts(msgspec.Struct, kw_only=True):
     """Token ids that end a sequence unless ignore_eos (from the tokenizer and generation config)."""
     engine: str = ""
     """Which engine and version, for status reports."""
+    dp_ranks: list[int] = msgspec.field(default_factory=lambda: [0])
+    """Data-parallel ranks this front end schedules onto (local and headless ones alike)."""
     source: str = ""
     """Where the weights came from, for the model card: a hub id or a directory's name."""
     chat_template: bool = False
@@ -81,6 +83,10 @@ class Engine(Protocol):
         ...
 
     def load(self) -> EngineLoad: ...
+
+    def load_by_rank(self) -> dict[int, EngineLoad]:
+        """The scheduler figures of each data-parallel rank."""
+        ...
 
     async def reset_prefix_cache(self) -> bool:
         """Drop cached KV blocks; False when the engine refused (blocks still in use)."""

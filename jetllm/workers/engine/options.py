@@ -22,6 +22,14 @@ class EngineOptions(msgspec.Struct, kw_only=True):
     enforce_eager: bool | None = None
     """None: True on CPU (compiling takes minutes on small CPUs), else vLLM's default."""
     seed: int = 0
+    data_parallel_size: int = 1
+    data_parallel_size_local: int | None = None
+    """Ranks run on this host (default: all of them); the rest run in `--headless` processes."""
+    data_parallel_start_rank: int | None = None
+    """First rank of a headless process."""
+    data_parallel_address: str | None = None
+    """Where the leader's engines listen for headless ranks (the leader's address)."""
+    data_parallel_rpc_port: int | None = None
     extra: dict[str, Any] = {}
     """Any other AsyncEngineArgs field, passed through unchanged."""
 

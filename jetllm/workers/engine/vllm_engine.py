@@ -56,32 +56,37 @@ def engine_args(opts: EngineOptions) -> Any:
     eager = opts.enforce_eager if opts.enforce_eager is not None else (True if on_cpu else None)
     if eager is not None:
         kw["enforce_eager"] = eager
+    if opts.data_parallel_size > 1:
+        kw["data_parallel_size"] = opts.data_parallel_size
+        for name in ("data_parallel_size_local", "data_parallel_start_rank", "data_parallel_address",
+                     "data_parallel_rpc_port"):
+            if getattr(opts, name) is not None:
+                kw[name] = getattr(opts, name)
     kw.update(opts.extra)
     return AsyncEngineArgs(**kw)
 
 
 class _LoadRecorder:
-    """Keeps the scheduler's latest running/waiting counts (a vLLM stat logger)."""
+    """Keeps each engine's (data-parallel rank's) latest scheduler figures (a vLLM stat logger)."""
 
     def __init__(self) -> None:
-        self.running = 0
-        self.waiting = 0
-        self.kv_usage: float | None = None
+        self.ranks: dict[int, EngineLoad] = {}
 
     def factory(self, vllm_config: Any, engine_index: int = 0) -> Any:
         from vllm.v1.metrics.loggers import StatLoggerBase
 
-        recorder = self
+        ranks = self.ranks
 
         class Logger(StatLoggerBase):
             def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-                pass
+                ranks.setdefault(engine_index, EngineLoad())
 
             def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
                 if scheduler_stats is not None:
-                    recorder.running = scheduler_stats.num_running_reqs
-                    recorder.waiting = scheduler_stats.num_waiting_reqs
-                    recorder.kv_usage = scheduler_stats.kv_cache_usage
+                    ranks[engine_idx] = EngineLoad(
+                        running=scheduler_stats.num_running_reqs, waiting=scheduler_stats.num_waiting_reqs,
+                        kv_usage=scheduler_stats.kv_cache_usage,
+                    )
 
             def log_engine_initialized(self) -> None:
                 pass
@@ -129,6 +134,7 @@ class VllmEngine:
             block_size=cfg.cache_config.block_size,
             num_kv_blocks=cfg.cache_config.num_gpu_blocks,
             max_num_seqs=cfg.scheduler_config.max_num_seqs,
+            dp_ranks=list(range(cfg.parallel_config.data_parallel_size)),
             vocab_size=vocab,
             eos_token_ids=sorted(eos),
             engine=f"vllm {vllm.__version__}",
@@ -246,12 +252,17 @@ class VllmEngine:
             raise EngineDead(f"engine health check failed: {type(exc).__name__}: {exc}") from None
 
     def load(self) -> EngineLoad:
+        ranks = list(self._recorder.ranks.values())
+        usage = [r.kv_usage for r in ranks if r.kv_usage is not None]
         return EngineLoad(
-            running=self._recorder.running,
-            waiting=self._recorder.waiting,
+            running=sum(r.running for r in ranks),
+            waiting=sum(r.waiting for r in ranks),
             unfinished=self.llm.get_num_unfinished_requests(),
-            kv_usage=self._recorder.kv_usage,
+            kv_usage=sum(usage) / len(usage) if usage else None,
         )
+
+    def load_by_rank(self) -> dict[int, EngineLoad]:
+        return dict(self._recorder.ranks)
 
     async def reset_prefix_cache(self) -> bool:
         return bool(await self.llm.reset_prefix_cache())
