@@ -29,6 +29,8 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                    help="skip graph compilation (default on CPU: on)")
     g.add_argument("--seed", type=int, default=0, help="engine seed (requests without their own seed)")
+    g.add_argument("--enable-prompt-embeds", action="store_true",
+                   help="accept embeddings prompts (off by default: it slows every request a little)")
     g.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="any other vLLM AsyncEngineArgs field, VALUE as JSON (repeatable)")
     w = p.add_argument_group("worker")
@@ -42,6 +44,9 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
                    help="default migration budget: how often workers may die under one request before it fails "
                    "(a request's max_migrations overrides it; planned hand-backs do not count)")
     w.add_argument("--health-interval", type=float, default=5.0, help="seconds between engine health checks")
+    w.add_argument("--max-embeds-bytes", type=int, default=None,
+                   help="largest embeddings prompt accepted, in bytes (default: max-model-len * hidden size * 4; "
+                   "never more than 1 GiB)")
     w.add_argument("--instance-id", default=None, help="default: <host>-<pid>-<random>")
     w.add_argument("--nats-wait", type=float, default=60.0,
                    help="seconds to keep retrying the first connection to NATS")
@@ -74,6 +79,7 @@ def engine_options(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs,
         enforce_eager=args.enforce_eager,
         seed=args.seed,
+        enable_prompt_embeds=args.enable_prompt_embeds,
         extra=parse_kv(args.engine_arg),
     )
 
@@ -90,6 +96,7 @@ def worker_config(args: argparse.Namespace, slots: int | None = None):
         grace_period=args.grace_period,
         health_interval=args.health_interval,
         instance=args.instance_id,
+        max_embeds_bytes=args.max_embeds_bytes,
         policy=QueuePolicy(
             ack_wait=args.ack_wait, max_deliver=args.max_deliver, max_age=args.max_age,
             replicas=args.replicas,

@@ -29,6 +29,8 @@ from .frames import (
 from .generate import (
     ChatMessage,
     ChatPrompt,
+    EmbedsDtype,
+    EmbedsPrompt,
     GenerateRequest,
     JobEnvelope,
     OutputOptions,
@@ -61,6 +63,8 @@ __all__ = [
     "Claim",
     "ChatMessage",
     "ChatPrompt",
+    "EmbedsDtype",
+    "EmbedsPrompt",
     "Choice",
     "DeadLetter",
     "ErrorCode",

@@ -22,6 +22,9 @@ class EngineOptions(msgspec.Struct, kw_only=True):
     enforce_eager: bool | None = None
     """None: True on CPU (compiling takes minutes on small CPUs), else vLLM's default."""
     seed: int = 0
+    enable_prompt_embeds: bool = False
+    """Accept embeddings prompts. Off by default: vLLM then runs the embedding layer outside the
+    compiled model for every request, which costs speed, and the worker takes tensors from jobs."""
     extra: dict[str, Any] = {}
     """Any other AsyncEngineArgs field, passed through unchanged."""
 
