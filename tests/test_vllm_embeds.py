@@ -15,6 +15,7 @@ import pytest
 
 from jetllm.errors import RequestFailed
 from jetllm.schemas import (
+    AcceptedFrame,
     EmbedsPrompt,
     ErrorCode,
     ErrorFrame,
@@ -159,7 +160,7 @@ async def test_a_drained_worker_hands_an_embeddings_request_on_and_the_output_is
     ids = [20, 3, 77, 5]
     async with Client(nats_url, namespace=ns, heartbeat_timeout=30) as c:
         want = await c.complete(request(TokensPrompt(ids), max_tokens=400))
-        first = start_worker(ns, "--enable-prompt-embeds", "--grace-period", "1")
+        first = start_worker(ns, "--enable-prompt-embeds", "--grace-period", "0")
         embeds_worker.signal(signal.SIGSTOP)  # only the new worker takes the job
         try:
             await first.wait_ready(nats_url)
@@ -172,7 +173,7 @@ async def test_a_drained_worker_hands_an_embeddings_request_on_and_the_output_is
 
                 tg.start_soon(follow)
                 with anyio.fail_after(120):
-                    while sum(len(f.token_ids) for f in frames if isinstance(f, TokensFrame)) < 40:
+                    while sum(len(f.token_ids) for f in frames if isinstance(f, TokensFrame)) < 20:
                         await anyio.sleep(0.05)
                 embeds_worker.signal(signal.SIGCONT)
                 first.signal(signal.SIGTERM)
@@ -181,6 +182,8 @@ async def test_a_drained_worker_hands_an_embeddings_request_on_and_the_output_is
     assert not any(isinstance(f, ErrorFrame) for f in frames), frames[-1]
     final = frames[-1]
     assert isinstance(final, FinalFrame) and final.attempt >= 2  # finished on the other worker
+    moved = [f for f in frames if isinstance(f, AcceptedFrame) and f.attempt >= 2]
+    assert moved and moved[0].resumed_tokens >= 20  # it continued after delivered tokens, not from scratch
     assert [t for f in frames if isinstance(f, TokensFrame) for t in f.token_ids] == want.token_ids
     assert final.usage.prompt_tokens == len(ids)
 
