@@ -64,7 +64,7 @@ class FakeEngine:
         if any(t >= vocab for t in prompt_ids):
             raise RequestRejected(ErrorCode.INVALID_REQUEST, f"token id out of vocabulary ({vocab})",
                                   field="$.prompt.token_ids")
-        want_text = req.output.text if req.output.text is not None else not isinstance(req.prompt, TokensPrompt)
+        want_text = req.output.text if req.output.text is not None else isinstance(req.prompt, (ChatPrompt, TextPrompt))
         rid = req.request_id
         self.running.add(rid)
         self.started += 1

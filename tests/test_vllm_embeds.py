@@ -9,6 +9,7 @@ import signal
 import uuid
 
 import anyio
+import msgspec
 import nats.js.errors
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ from jetllm.schemas import (
     ErrorFrame,
     FinalFrame,
     GenerateRequest,
+    OutputOptions,
     SamplingOptions,
     StopConditions,
     TokensFrame,
@@ -87,6 +89,8 @@ async def test_embeddings_generate_what_their_tokens_do_and_bad_tensors_are_type
         assert got.token_ids == want.token_ids
         assert got.usage.prompt_tokens == len(PROMPT)
         assert got.text is None  # numbers in, numbers out (unless output.text asks)
+        texted = await c.complete(msgspec.structs.replace(request(embeds_prompt(rows)), output=OutputOptions(text=True)))
+        assert texted.token_ids == want.token_ids and texted.text
         for half in (rows.astype(np.float16), (rows.view(np.uint32) >> 16).astype(np.uint16)):
             dtype = "float16" if half.dtype == np.float16 else "bfloat16"
             got = await c.complete(request(embeds_prompt(half, dtype=dtype)))
