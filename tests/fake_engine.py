@@ -13,7 +13,7 @@ import anyio
 
 from jetllm.errors import EngineDead, EngineRequestError, RequestRejected
 from jetllm.schemas import ChatPrompt, ErrorCode, GenerateRequest, Prompt, TextPrompt, TokensPrompt
-from jetllm.workers.engine import ChoiceDelta, EngineFacts, EngineLoad, EngineStep
+from jetllm.workers.engine import ChoiceDelta, EngineFacts, EngineLoad, EnginePrompt, EngineStep, PromptEmbeds
 
 EOS = 2
 
@@ -49,7 +49,10 @@ class FakeEngine:
             return [ord(c) % self.facts.vocab_size for c in text]
         raise RequestRejected(ErrorCode.INVALID_REQUEST, "unknown prompt")
 
-    async def generate(self, req: GenerateRequest, prompt_ids: list[int], max_tokens: int) -> AsyncIterator[EngineStep]:
+    async def generate(self, req: GenerateRequest, prompt_ids: EnginePrompt, max_tokens: int) -> AsyncIterator[EngineStep]:
+        if isinstance(prompt_ids, PromptEmbeds):  # each row stands for the token its first value rounds to
+            rows = [int(abs(float(r[0]))) % self.facts.vocab_size for r in prompt_ids.array]
+            prompt_ids = rows + prompt_ids.continuation
         if self.dead:
             raise EngineDead("fake engine is dead")
         if req.stop.min_tokens > max_tokens:
@@ -61,7 +64,7 @@ class FakeEngine:
         if any(t >= vocab for t in prompt_ids):
             raise RequestRejected(ErrorCode.INVALID_REQUEST, f"token id out of vocabulary ({vocab})",
                                   field="$.prompt.token_ids")
-        want_text = req.output.text if req.output.text is not None else not isinstance(req.prompt, TokensPrompt)
+        want_text = req.output.text if req.output.text is not None else isinstance(req.prompt, (ChatPrompt, TextPrompt))
         rid = req.request_id
         self.running.add(rid)
         self.started += 1

@@ -21,6 +21,7 @@ END = "<!-- generated:end -->"
 
 SECTIONS: list[tuple[str, list[type]]] = [
     ("Generate job", [s.GenerateRequest, s.TokensPrompt, s.ChatPrompt, s.ChatMessage, s.TextPrompt,
+                      s.EmbedsPrompt,
                       s.SamplingOptions, s.StopConditions, s.OutputOptions]),
     ("Reply frames", [s.AcceptedFrame, s.TokensFrame, s.HeartbeatFrame, s.FinalFrame, s.Choice, s.Usage,
                       s.ErrorFrame]),

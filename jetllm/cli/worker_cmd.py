@@ -29,6 +29,8 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                    help="skip graph compilation (default on CPU: on)")
     g.add_argument("--seed", type=int, default=0, help="engine seed (requests without their own seed)")
+    g.add_argument("--enable-prompt-embeds", action="store_true",
+                   help="accept embeddings prompts (off by default: it slows every request a little)")
     g.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="any other vLLM AsyncEngineArgs field, VALUE as JSON (repeatable)")
     d = p.add_argument_group("data parallel (one worker schedules onto every rank; other hosts run --headless)")
@@ -52,6 +54,9 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
                    help="default migration budget: how often workers may die under one request before it fails "
                    "(a request's max_migrations overrides it; planned hand-backs do not count)")
     w.add_argument("--health-interval", type=float, default=5.0, help="seconds between engine health checks")
+    w.add_argument("--max-embeds-bytes", type=int, default=None,
+                   help="largest embeddings prompt accepted, in bytes (default: max-model-len * hidden size * 4; "
+                   "never more than 1 GiB)")
     w.add_argument("--instance-id", default=None, help="default: <host>-<pid>-<random>")
     w.add_argument("--metrics-port", type=int, default=0,
                    help="Prometheus endpoint port; 0 picks a free one and publishes it in the registry "
@@ -95,6 +100,7 @@ def engine_options(args: argparse.Namespace):
         data_parallel_start_rank=args.data_parallel_start_rank,
         data_parallel_address=args.data_parallel_address,
         data_parallel_rpc_port=args.data_parallel_rpc_port,
+        enable_prompt_embeds=args.enable_prompt_embeds,
         extra=parse_kv(args.engine_arg),
     )
 
@@ -113,6 +119,7 @@ def worker_config(args: argparse.Namespace, slots: int | None = None):
         instance=args.instance_id,
         metrics_port=None if args.no_metrics else args.metrics_port,
         registry_interval=args.registry_interval,
+        max_embeds_bytes=args.max_embeds_bytes,
         policy=QueuePolicy(
             ack_wait=args.ack_wait, max_deliver=args.max_deliver, max_age=args.max_age,
             replicas=args.replicas,

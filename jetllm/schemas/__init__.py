@@ -30,6 +30,8 @@ from .frames import (
 from .generate import (
     ChatMessage,
     ChatPrompt,
+    EmbedsDtype,
+    EmbedsPrompt,
     GenerateRequest,
     JobEnvelope,
     OutputOptions,
@@ -65,6 +67,8 @@ __all__ = [
     "Claim",
     "ChatMessage",
     "ChatPrompt",
+    "EmbedsDtype",
+    "EmbedsPrompt",
     "Choice",
     "DeadLetter",
     "ErrorCode",

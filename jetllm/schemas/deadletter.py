@@ -17,4 +17,4 @@ class DeadLetter(Message):
     request_id: str | None = None
     headers: dict[str, str] = {}
     payload: bytes = b""
-    """The job exactly as published."""
+    """The job exactly as published; empty when it was too big to keep beside the reason (the reason says so)."""

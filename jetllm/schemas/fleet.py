@@ -64,6 +64,10 @@ class ModelCard(Message, kw_only=True):
     eos_token_ids: list[int] = []
     block_size: int | None = None
     chat_template: bool = False
+    hidden_size: int | None = None
+    """Width of the model's embeddings: the `hidden` an embeddings prompt must have."""
+    prompt_embeds: bool = False
+    """Whether its workers accept embeddings prompts (`--enable-prompt-embeds`)."""
     updated_at: float = 0.0
 
 

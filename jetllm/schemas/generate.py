@@ -49,7 +49,29 @@ class TextPrompt(msgspec.Struct, tag="text", tag_field="type", forbid_unknown_fi
     text: Annotated[str, Meta(min_length=1)]
 
 
-Prompt = TokensPrompt | ChatPrompt | TextPrompt
+EmbedsDtype = Literal["float32", "float16", "bfloat16"]
+
+
+class EmbedsPrompt(msgspec.Struct, tag="embeds", tag_field="type", forbid_unknown_fields=True, kw_only=True):
+    """Precomputed input embeddings, one row per prompt position, fed to the model in place of
+    its token embeddings. Raw little-endian bytes in row-major order, never a pickled tensor.
+
+    Exactly one of `data` (inline) and `object` (too big for one NATS message) is set.
+    """
+
+    dtype: EmbedsDtype
+    """Element type of the bytes; the engine converts to the model's dtype."""
+    shape: Annotated[list[Annotated[int, Meta(ge=0)]], Meta(min_length=1, max_length=8)]
+    """`[rows, hidden]`: rows count as prompt tokens; hidden must equal the model's hidden size."""
+    data: bytes | None = None
+    """The tensor: rows * hidden * itemsize bytes (msgpack bin; base64 in JSON)."""
+    object: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    """Name of an object holding the bytes in the namespace's embeddings object store."""
+    sha256: Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")] | None = None
+    """Hex SHA-256 of the object's bytes; required with `object`, checked before use."""
+
+
+Prompt = TokensPrompt | ChatPrompt | TextPrompt | EmbedsPrompt
 
 
 class SamplingOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -84,7 +106,7 @@ class StopConditions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, o
 
 class OutputOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
     text: bool | None = None
-    """Send text deltas. None: yes for chat and text prompts, no for token prompts."""
+    """Send text deltas. None: yes for chat and text prompts, no for token and embeddings prompts."""
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     """Log-probability of each sampled token, plus this many top alternatives."""
     skip_special_tokens: bool = True

@@ -1,6 +1,7 @@
 """Subject and stream names, stream/consumer set-up, and the producer client."""
 
 from .client import Client, Completion
+from .embeds import embeds_prompt
 from .names import Names, decode_token, encode_token
 from .setup import QueuePolicy, check_server, ensure_consumer, ensure_streams
 
@@ -11,6 +12,7 @@ __all__ = [
     "QueuePolicy",
     "check_server",
     "decode_token",
+    "embeds_prompt",
     "encode_token",
     "ensure_consumer",
     "ensure_streams",

@@ -40,6 +40,7 @@ from ..schemas import (
     AcceptedFrame,
     Cancelled,
     CancelRequest,
+    EmbedsPrompt,
     ErrorCode,
     ErrorFrame,
     FinalFrame,
@@ -55,6 +56,7 @@ from ..schemas import (
 from . import codec, tracecontext
 from .connection import connect
 from .direct import subscribe_direct
+from .embeds import embeds_store, upload
 from .names import Names
 from .setup import QueuePolicy, check_server, ensure_streams
 
@@ -144,6 +146,7 @@ class Client:
         encoding: codec.Encoding = "msgpack",
         policy: QueuePolicy | None = None,
         name: str = "jetllm-producer",
+        embeds_inline_max: int | None = None,
     ) -> None:
         self.names = Names(namespace)
         self._url = url
@@ -156,6 +159,9 @@ class Client:
         self.publish_timeout = publish_timeout
         self.encoding = encoding
         self._policy = policy or QueuePolicy()
+        self.embeds_inline_max = embeds_inline_max
+        """Embeddings bigger than this (bytes) go through the object store; None: whatever does not
+        fit one message (max_payload)."""
         self._inbox_root = ""
         self._sub = None
         self._inboxes: dict[str, _Inbox] = {}
@@ -236,6 +242,7 @@ class Client:
         seconds; the request id as `Nats-Msg-Id` makes the retries safe. The job carries a W3C
         `traceparent` (the one given, else a new trace) that its frames and records repeat.
         """
+        req, _ = await self.offload_embeds(req)
         data = self.encode_job(req)
         headers = {
             "Nats-Msg-Id": req.request_id, codec.CONTENT_TYPE: codec.content_type(self.encoding),
@@ -254,6 +261,32 @@ class Client:
                 log.info("publishing %s failed (%s); retrying", req.request_id, type(exc).__name__)
                 await anyio.sleep(delay)
                 delay = min(delay * 2, 1.0)
+
+    async def offload_embeds(self, req: GenerateRequest) -> tuple[GenerateRequest, str | None]:
+        """`req` with inline prompt embeddings moved to the object store when they are too big for
+        one message (or than `embeds_inline_max`); also the object's name, None when nothing moved.
+        Objects expire with the queue's max_age; `generate()` deletes its own when the request ends."""
+        prompt = req.prompt
+        if not isinstance(prompt, EmbedsPrompt) or prompt.data is None:
+            return req, None
+        too_big = self.embeds_inline_max is not None and len(prompt.data) > self.embeds_inline_max
+        if not too_big:
+            try:
+                self.encode_job(req)
+                return req, None
+            except PayloadTooLarge:
+                pass
+        store = await embeds_store(self.js, self.names, ttl=self._policy.max_age, replicas=self._policy.replicas)
+        name = f"{req.request_id}/{uuid.uuid4().hex[:12]}"
+        ref = await upload(store, name, prompt)
+        return msgspec.structs.replace(req, prompt=ref), name
+
+    async def _drop_embeds(self, name: str) -> None:
+        try:
+            store = await self.js.object_store(self.names.embeds_store)
+            await store.delete(name)
+        except Exception as exc:  # it expires with the store's TTL anyway
+            log.info("could not delete embeddings object %s: %s", name, exc)
 
     async def cancel(self, request_id: str, reason: str | None = None, *, traceparent: str | None = None) -> None:
         """Stop a request wherever it is: running (live notice) or still queued (durable record)."""
@@ -376,7 +409,9 @@ class Client:
             raise ValueError("generate() sets reply_to itself; leave it None (or use submit())")
         finished = False
         traceparent = traceparent or tracecontext.new_traceparent()
+        uploaded = None
         try:
+            req, uploaded = await self.offload_embeds(req)
             ack = await self.submit(req, role=role, traceparent=traceparent)
             if ack.duplicate:
                 # The job exists already (submitted before, maybe by a run that died): follow it.
@@ -480,6 +515,9 @@ class Client:
                         await self.cancel(req.request_id, reason="producer stopped listening", traceparent=traceparent)
                     except Exception as exc:  # the request still ends: its worker stops on close
                         log.warning("could not send cancel for %s: %s", req.request_id, exc)
+            if uploaded is not None and self._nc is not None and self._nc.is_connected:
+                with anyio.CancelScope(shield=True):
+                    await self._drop_embeds(uploaded)
 
     async def _alive(self, worker: str) -> bool:
         """Whether a worker answers its ping (a dead one's subject has no responders at once)."""

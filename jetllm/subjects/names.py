@@ -15,7 +15,7 @@ Subject tree (one namespace `<ns>` per deployment):
     jetllm.<ns>.trace.<request>              per-hop timing records of a request (limits stream)
 
 KV buckets and object stores: `<NS>_REGISTRY` (instance records `i.<instance>`, model cards
-`m.<model>`), `<NS>_LORA` (desired adapters per model), `<NS>_ADAPTERS` (adapter files).
+`m.<model>`), `<NS>_LORA` (desired adapters per model), `<NS>_ADAPTERS` (adapter files), `<NS>_EMBEDS` (prompt embeddings too big for a job message).
 
 Model names and request ids are not subject tokens (`Qwen/Qwen3-0.6B` holds `/` and `.`), so
 they pass through `encode_token`, a reversible escaping into `[A-Za-z0-9-_]`.
@@ -98,6 +98,7 @@ class Names:
         self.registry_bucket = f"JETLLM_{upper}_REGISTRY"
         self.lora_bucket = f"JETLLM_{upper}_LORA"
         self.adapters_store = f"JETLLM_{upper}_ADAPTERS"
+        self.embeds_store = f"JETLLM_{upper}_EMBEDS"
 
     # jobs
     def jobs(self, role: str, model: str) -> str:

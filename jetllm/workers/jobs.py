@@ -127,17 +127,29 @@ class Job:
             log.warning("job seq %d: in_progress failed: %s", self.stream_seq, exc)
 
 
+DEAD_LETTER_ROOM = 8192
+"""Bytes a dead letter needs besides the job's payload (reason, headers, fields)."""
+
+
 def dead_letter_record(
-    msg: Msg, code: ErrorCode, reason: str, worker: str, deliveries: int, request_id: str | None
+    msg: Msg, code: ErrorCode, reason: str, worker: str, deliveries: int, request_id: str | None,
+    max_payload: int | None = None,
 ) -> DeadLetter:
+    """The record for the DLQ stream; a job too big to fit one beside its reason (a job of inline
+    prompt embeddings near max_payload) is recorded without its payload rather than not at all."""
+    payload = bytes(msg.data)
+    reason = reason[:4000]
+    if max_payload is not None and len(payload) > max_payload - DEAD_LETTER_ROOM:
+        reason += f" [payload of {len(payload)} bytes not kept: too big for a dead letter]"
+        payload = b""
     return DeadLetter(
         code=code,
-        reason=reason[:4000],
+        reason=reason,
         subject=msg.subject,
         deliveries=deliveries,
         worker=worker,
         failed_at=time.time(),
         request_id=request_id,
         headers=dict(msg.headers or {}),
-        payload=bytes(msg.data),
+        payload=payload,
     )

@@ -119,6 +119,7 @@ def model_card(w: Any) -> ModelCard:
     return ModelCard(
         model=w.model, source=facts.source, max_model_len=facts.max_model_len, vocab_size=facts.vocab_size,
         eos_token_ids=facts.eos_token_ids, block_size=facts.block_size, chat_template=facts.chat_template,
+        hidden_size=facts.hidden_size, prompt_embeds=facts.prompt_embeds,
         updated_at=time.time(),
     )
 

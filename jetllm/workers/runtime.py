@@ -28,6 +28,7 @@ from ..schemas import (
     CancelRequest,
     Claim,
     DeadLetter,
+    EmbedsPrompt,
     ErrorCode,
     GenerateRequest,
     Handoff,
@@ -39,7 +40,8 @@ from ..subjects import codec
 from ..subjects.names import Names
 from ..subjects.setup import QueuePolicy, ensure_consumer, ensure_streams
 from .control import ControlServer, reply_encoding
-from .engine import Engine
+from .embeds import EmbedsLoader
+from .engine import Engine, EnginePrompt
 from .enginecontrol import EngineControl
 from .frames import FrameSink
 from .jobs import Job, RejectedJob, dead_letter_record, decode_request
@@ -74,6 +76,8 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     metrics_port: int | None = None
     """Prometheus endpoint port; 0 picks a free one (written to the registry), None: no endpoint."""
     instance: str | None = None
+    max_embeds_bytes: int | None = None
+    """Largest embeddings prompt accepted; None: a full context of float32 rows (capped at 1 GiB)."""
     policy: QueuePolicy = msgspec.field(default_factory=QueuePolicy)
 
 
@@ -136,6 +140,7 @@ class Worker:
         )
         self.engine_control = EngineControl(self)
         self.traces = TracePublisher(nc, self.names)
+        self.embeds = EmbedsLoader(self.js, self.names, engine.facts, config.max_embeds_bytes)
         self.services: list[Callable[[], Awaitable[None]]] = []
         """Long-running companions (KV-event relay, adapter reconciler); started once ready."""
 
@@ -419,7 +424,7 @@ class Worker:
             return "completed" if frames.ended_with in ("stop", "length") else frames.ended_with
         return {"nak": "handed_back", "term": "terminated", "ack": "completed"}.get(job.settled_how or "", "superseded")
 
-    async def _prepare(self, req: GenerateRequest) -> tuple[History, list[int]]:
+    async def _prepare(self, req: GenerateRequest) -> tuple[History, EnginePrompt]:
         """The request's history and its rendered prompt, looked up side by side."""
         self.role.check_model(req)
         got: dict[str, Any] = {}
@@ -430,22 +435,27 @@ class Worker:
             except Exception as exc:  # re-raised below, unwrapped
                 got[name] = exc
 
+        prompt = req.prompt
         async with anyio.create_task_group() as tg:
             tg.start_soon(fetch, "last", lambda: self.log.last(req.request_id))
-            tg.start_soon(fetch, "prompt", lambda: self.engine.render(req.prompt))
-        for name in ("prompt", "last"):
-            if isinstance(got[name], Exception):
-                raise got[name]
-        found = [got["last"]]
-        rendered = [got["prompt"]]
-        last = found[0]
+            if isinstance(prompt, EmbedsPrompt):
+                tg.start_soon(fetch, "prompt", lambda: self.embeds.load(prompt))
+            else:
+                tg.start_soon(fetch, "prompt", lambda: self.engine.render(prompt))
+        if isinstance(got["last"], Exception):
+            raise got["last"]
+        last = got["last"]
         if last is None:
             history = History()
         elif isinstance(last, Result):
             history = analyze([last])
         else:
             history = await self.log.history(req.request_id)
-        return history, rendered[0]
+        if isinstance(got["prompt"], Exception):
+            if history.result is not None or history.cancelled is not None:
+                return history, []  # it ended: its prompt (an expired embeddings object, say) is not needed
+            raise got["prompt"]
+        return history, got["prompt"]
 
     async def _replay_result(self, job: Job, frames: FrameSink, result: Result) -> None:
         """The request already finished (this is a redelivery or a resubmission): answer from its result."""
@@ -554,7 +564,8 @@ class Worker:
             if request_id:
                 await self._store_result(request_id, Result(attempt=job.attempt, error=err, worker=self.instance))
             await frames.send(err)
-            record = dead_letter_record(job.msg, code, exc.message, self.instance, job.attempt, request_id)
+            record = dead_letter_record(job.msg, code, exc.message, self.instance, job.attempt, request_id,
+                                        self.nc.max_payload)
             try:
                 await self.js.publish(
                     self.names.dlq(self.role.role, self.model),

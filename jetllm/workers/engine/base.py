@@ -8,7 +8,7 @@ adapter.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 
@@ -32,6 +32,37 @@ class EngineFacts(msgspec.Struct, kw_only=True):
     source: str = ""
     """Where the weights came from, for the model card: a hub id or a directory's name."""
     chat_template: bool = False
+    hidden_size: int | None = None
+    """Width of the model's input embeddings (what an embeddings prompt must match)."""
+    prompt_embeds: bool = False
+    """Whether the engine was started to accept embeddings prompts."""
+
+
+class PromptEmbeds:
+    """A checked embeddings prompt: `array` is a C-contiguous numpy array of shape (rows, hidden)
+    (bfloat16 travels as its uint16 bit patterns, numpy having no bfloat16).
+
+    `continuation` holds token ids generated after it, for a request that moves to another
+    worker: the engine embeds those itself.
+    """
+
+    __slots__ = ("array", "dtype", "rows", "hidden", "continuation")
+
+    def __init__(self, array: Any, dtype: str, continuation: list[int] | None = None) -> None:
+        self.array = array
+        self.dtype = dtype
+        self.rows, self.hidden = int(array.shape[0]), int(array.shape[1])
+        self.continuation = continuation or []
+
+    def __len__(self) -> int:
+        return self.rows + len(self.continuation)
+
+    def then(self, token_ids: list[int]) -> PromptEmbeds:
+        return PromptEmbeds(self.array, self.dtype, self.continuation + list(token_ids))
+
+
+EnginePrompt = list[int] | PromptEmbeds
+"""Token ids, or embeddings (for an `EmbedsPrompt`)."""
 
 
 class ChoiceDelta(msgspec.Struct, kw_only=True):
@@ -69,7 +100,7 @@ class Engine(Protocol):
         ...
 
     def generate(
-        self, req: GenerateRequest, prompt_ids: list[int], max_tokens: int
+        self, req: GenerateRequest, prompt_ids: EnginePrompt, max_tokens: int
     ) -> AsyncIterator[EngineStep]:
         """Run one request. Cancelling the iteration aborts it inside the engine.
 

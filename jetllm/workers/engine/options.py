@@ -30,6 +30,9 @@ class EngineOptions(msgspec.Struct, kw_only=True):
     data_parallel_address: str | None = None
     """Where the leader's engines listen for headless ranks (the leader's address)."""
     data_parallel_rpc_port: int | None = None
+    enable_prompt_embeds: bool = False
+    """Accept embeddings prompts. Off by default: vLLM then runs the embedding layer outside the
+    compiled model for every request, which costs speed, and the worker takes tensors from jobs."""
     extra: dict[str, Any] = {}
     """Any other AsyncEngineArgs field, passed through unchanged."""
 

@@ -18,7 +18,7 @@ from ...schemas import (
     TextPrompt,
     TokensPrompt,
 )
-from .base import ChoiceDelta, EngineFacts, EngineLoad, EngineStep
+from .base import ChoiceDelta, EngineFacts, EngineLoad, EnginePrompt, EngineStep, PromptEmbeds
 from .options import EngineOptions
 from .sampling import build_sampling_params, field_of
 
@@ -53,6 +53,8 @@ def engine_args(opts: EngineOptions) -> Any:
         kw["block_size"] = opts.block_size
     if opts.max_num_seqs:
         kw["max_num_seqs"] = opts.max_num_seqs
+    if opts.enable_prompt_embeds:
+        kw["enable_prompt_embeds"] = True
     eager = opts.enforce_eager if opts.enforce_eager is not None else (True if on_cpu else None)
     if eager is not None:
         kw["enforce_eager"] = eager
@@ -101,6 +103,24 @@ def _has_chat_template(llm: Any) -> bool:
         return False
 
 
+def _embeds_input(p: PromptEmbeds) -> Any:
+    """vLLM's embeddings input; a continuation after a move is mixed mode: the engine embeds the
+    token-id positions itself (their rows in the tensor are placeholders)."""
+    import torch
+    from vllm.inputs import embeds_input
+
+    tensor = torch.from_numpy(p.array)
+    if p.dtype == "bfloat16":
+        tensor = tensor.view(torch.bfloat16)
+    if not p.continuation:
+        return embeds_input(tensor)
+    k = len(p.continuation)
+    tensor = torch.cat([tensor, torch.zeros(k, p.hidden, dtype=tensor.dtype)])
+    return embeds_input(
+        tensor, prompt_token_ids=[0] * p.rows + p.continuation, is_token_ids=[False] * p.rows + [True] * k
+    )
+
+
 class VllmEngine:
     """One AsyncLLM. Build it with `await VllmEngine.start(opts)` inside the worker's event loop."""
 
@@ -140,6 +160,8 @@ class VllmEngine:
             engine=f"vllm {vllm.__version__}",
             source=os.path.basename(os.path.normpath(opts.model)) if os.path.isdir(opts.model) else opts.model,
             chat_template=_has_chat_template(llm),
+            hidden_size=llm.model_config.get_hidden_size(),
+            prompt_embeds=bool(llm.model_config.enable_prompt_embeds),
         )
         self._defaults = llm.model_config.get_diff_sampling_param()
 
@@ -188,17 +210,18 @@ class VllmEngine:
         return list(rendered["prompt_token_ids"])
 
     async def generate(
-        self, req: GenerateRequest, prompt_ids: list[int], max_tokens: int
+        self, req: GenerateRequest, prompt_ids: EnginePrompt, max_tokens: int
     ) -> AsyncIterator[EngineStep]:
         from vllm.exceptions import VLLMValidationError
         from vllm.inputs import tokens_input
         from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
         params = build_sampling_params(req, max_tokens, self._defaults)
-        want_text = req.output.text if req.output.text is not None else not isinstance(req.prompt, TokensPrompt)
+        want_text = req.output.text if req.output.text is not None else isinstance(req.prompt, (ChatPrompt, TextPrompt))
         rid = req.request_id
+        engine_input = _embeds_input(prompt_ids) if isinstance(prompt_ids, PromptEmbeds) else tokens_input(prompt_ids)
         try:
-            async for out in self.llm.generate(tokens_input(prompt_ids), params, rid):
+            async for out in self.llm.generate(engine_input, params, rid):
                 yield self._step(out, want_text)
         except EngineDeadError:
             raise EngineDead("the vLLM engine died") from None

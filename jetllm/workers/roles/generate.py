@@ -6,7 +6,7 @@ import msgspec
 
 from ...errors import RequestRejected
 from ...schemas import Choice, ErrorCode, GenerateRequest, Usage
-from ..engine import Engine
+from ..engine import Engine, EnginePrompt, PromptEmbeds
 from ..frames import FrameSink
 from ..requestlog import History
 
@@ -72,11 +72,12 @@ class GenerateRole:
                 return Choice(index=0, finish_reason="stop", stop_reason=s, completion_tokens=n)
         return None
 
-    async def run(self, req: GenerateRequest, frames: FrameSink, prompt_ids: list[int], history: History) -> Outcome:
+    async def run(self, req: GenerateRequest, frames: FrameSink, prompt_ids: EnginePrompt, history: History) -> Outcome:
         """Generate (or continue) the request, streaming token frames; the caller sends the final.
 
         A continuation runs the prompt plus the tokens already delivered as the new prompt, with
-        the budget reduced by what was delivered, so the producer's stream goes on seamlessly.
+        the budget reduced by what was delivered, so the producer's stream goes on seamlessly
+        (an embeddings prompt continues in vLLM's mixed mode: its rows, then the token ids).
         """
         self.check_model(req)
         n = req.sampling.n
@@ -100,7 +101,9 @@ class GenerateRole:
             if done is not None:
                 ends[0] = done
             else:
-                engine_prompt = prompt_ids + tokens[0]
+                engine_prompt = (
+                    prompt_ids.then(tokens[0]) if isinstance(prompt_ids, PromptEmbeds) else prompt_ids + tokens[0]
+                )
                 engine_max = max_tokens - delivered
                 engine_req = msgspec.structs.replace(
                     req, stop=msgspec.structs.replace(
