@@ -13,7 +13,7 @@ import anyio
 
 from jetllm.errors import EngineDead, EngineRequestError, RequestRejected
 from jetllm.schemas import ChatPrompt, ErrorCode, GenerateRequest, Prompt, TextPrompt, TokensPrompt
-from jetllm.workers.engine import ChoiceDelta, EngineFacts, EngineLoad, EngineStep
+from jetllm.workers.engine import ChoiceDelta, EngineAdapter, EngineFacts, EngineLoad, EngineStep
 
 EOS = 2
 
@@ -38,6 +38,7 @@ class FakeEngine:
         self.stalled = False  # True: every request freezes mid-stream
         self.started = 0
         self.fail_prompts: set[int] = set()  # a prompt starting with one of these fails in the engine
+        self.adapters: dict[int, EngineAdapter] = {}
 
     async def render(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, TokensPrompt):
@@ -49,7 +50,9 @@ class FakeEngine:
             return [ord(c) % self.facts.vocab_size for c in text]
         raise RequestRejected(ErrorCode.INVALID_REQUEST, "unknown prompt")
 
-    async def generate(self, req: GenerateRequest, prompt_ids: list[int], max_tokens: int) -> AsyncIterator[EngineStep]:
+    async def generate(
+        self, req: GenerateRequest, prompt_ids: list[int], max_tokens: int, adapter: EngineAdapter | None = None
+    ) -> AsyncIterator[EngineStep]:
         if self.dead:
             raise EngineDead("fake engine is dead")
         if req.stop.min_tokens > max_tokens:
@@ -128,6 +131,12 @@ class FakeEngine:
 
     async def wake(self) -> None:
         self.sleeping = False
+
+    async def add_adapter(self, adapter: EngineAdapter) -> None:
+        self.adapters[adapter.id] = adapter
+
+    async def remove_adapter(self, adapter_id: int) -> None:
+        self.adapters.pop(adapter_id, None)
 
     async def close(self) -> None:
         pass

@@ -27,6 +27,8 @@ SECTIONS: list[tuple[str, list[type]]] = [
     ("Control", [s.CancelRequest, s.StatusRequest, s.WorkerStatus]),
     ("Fleet: registry, load, control replies", [s.InstanceRecord, s.EngineInfo, s.ModelCard, s.LoadReport,
                                                  s.HealthCheck, s.HealthReport, s.ControlDone, s.ControlFailed]),
+    ("LoRA adapters", [s.AdapterSpec, s.AdapterManifest, s.LoraLoad, s.LoraUnload, s.AdapterReply,
+                       s.AdapterList, s.LoadedAdapter]),
     ("Dead letters", [s.DeadLetter]),
     ("Batch files", [s.BatchLine, s.BatchResult, s.BatchError]),
 ]

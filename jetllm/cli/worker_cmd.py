@@ -31,6 +31,16 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="engine seed (requests without their own seed)")
     g.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="any other vLLM AsyncEngineArgs field, VALUE as JSON (repeatable)")
+    lo = p.add_argument_group("LoRA adapters")
+    lo.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters of the model (jetllm lora load)")
+    lo.add_argument("--max-loras", type=int, default=1, help="adapters this worker holds at once")
+    lo.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted")
+    lo.add_argument("--lora-dir", action="append", default=[], metavar="DIR",
+                    help="directory path sources may come from (repeatable); none: path sources are refused")
+    lo.add_argument("--lora-cache-dir", default=None, metavar="DIR",
+                    help="where verified adapter copies are kept by content hash (default: jetllm's cache directory)")
+    lo.add_argument("--lora-allow-hub", action="store_true",
+                    help="allow hub sources (the worker downloads them; needs network access)")
     w = p.add_argument_group("worker")
     w.add_argument("--slots", type=int, default=None,
                    help="jobs run at once; never more un-acked jobs than this (default: the engine's max_num_seqs)")
@@ -74,6 +84,9 @@ def engine_options(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs,
         enforce_eager=args.enforce_eager,
         seed=args.seed,
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
         extra=parse_kv(args.engine_arg),
     )
 
@@ -81,6 +94,7 @@ def engine_options(args: argparse.Namespace):
 def worker_config(args: argparse.Namespace, slots: int | None = None):
     from ..subjects.setup import QueuePolicy
     from ..workers import WorkerConfig
+    from ..workers.lora import LoraSettings
 
     return WorkerConfig(
         namespace=args.namespace,
@@ -90,6 +104,7 @@ def worker_config(args: argparse.Namespace, slots: int | None = None):
         grace_period=args.grace_period,
         health_interval=args.health_interval,
         instance=args.instance_id,
+        lora=LoraSettings(dirs=args.lora_dir, cache_dir=args.lora_cache_dir, allow_hub=args.lora_allow_hub),
         policy=QueuePolicy(
             ack_wait=args.ack_wait, max_deliver=args.max_deliver, max_age=args.max_age,
             replicas=args.replicas,

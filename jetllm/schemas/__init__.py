@@ -38,9 +38,27 @@ from .generate import (
     TextPrompt,
     TokensPrompt,
 )
+from .lora import (
+    AdapterList,
+    AdapterManifest,
+    AdapterReply,
+    AdapterSource,
+    AdapterSpec,
+    LoadedAdapter,
+    LoraLoad,
+    LoraUnload,
+)
 from .progress import Cancelled, Claim, Handoff, Record, Result, Step
 
 __all__ = [
+    "AdapterList",
+    "AdapterManifest",
+    "AdapterReply",
+    "AdapterSource",
+    "AdapterSpec",
+    "LoadedAdapter",
+    "LoraLoad",
+    "LoraUnload",
     "ModelCard",
     "LoadReport",
     "InstanceState",

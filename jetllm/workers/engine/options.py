@@ -22,6 +22,10 @@ class EngineOptions(msgspec.Struct, kw_only=True):
     enforce_eager: bool | None = None
     """None: True on CPU (compiling takes minutes on small CPUs), else vLLM's default."""
     seed: int = 0
+    enable_lora: bool = False
+    max_loras: int = 1
+    """Adapters held at once (and run in one batch)."""
+    max_lora_rank: int = 16
     extra: dict[str, Any] = {}
     """Any other AsyncEngineArgs field, passed through unchanged."""
 

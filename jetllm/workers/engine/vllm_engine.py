@@ -18,7 +18,7 @@ from ...schemas import (
     TextPrompt,
     TokensPrompt,
 )
-from .base import ChoiceDelta, EngineFacts, EngineLoad, EngineStep
+from .base import ChoiceDelta, EngineAdapter, EngineFacts, EngineLoad, EngineStep, LoraFacts
 from .options import EngineOptions
 from .sampling import build_sampling_params, field_of
 
@@ -56,8 +56,35 @@ def engine_args(opts: EngineOptions) -> Any:
     eager = opts.enforce_eager if opts.enforce_eager is not None else (True if on_cpu else None)
     if eager is not None:
         kw["enforce_eager"] = eager
+    if opts.enable_lora:
+        kw.update(enable_lora=True, max_loras=opts.max_loras, max_lora_rank=opts.max_lora_rank)
     kw.update(opts.extra)
     return AsyncEngineArgs(**kw)
+
+
+def _lora_facts(llm: Any, opts: EngineOptions) -> LoraFacts | None:
+    lora = llm.vllm_config.lora_config
+    if lora is None:
+        return None
+    hf = llm.model_config.hf_text_config
+    hidden = hf.hidden_size
+    heads = hf.num_attention_heads
+    kv_heads = getattr(hf, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf, "head_dim", None) or hidden // heads
+    inter = getattr(hf, "intermediate_size", None)
+    modules = {
+        "q_proj": (hidden, heads * head_dim),
+        "k_proj": (hidden, kv_heads * head_dim),
+        "v_proj": (hidden, kv_heads * head_dim),
+        "o_proj": (heads * head_dim, hidden),
+    }
+    if inter:
+        modules.update(gate_proj=(hidden, inter), up_proj=(hidden, inter), down_proj=(inter, hidden))
+    names = {opts.name, opts.model, os.path.basename(os.path.normpath(opts.model))}
+    return LoraFacts(
+        capacity=lora.max_cpu_loras or lora.max_loras, max_rank=lora.max_lora_rank,
+        num_layers=hf.num_hidden_layers, modules=modules, base_names=sorted(n for n in names if n),
+    )
 
 
 class _LoadRecorder:
@@ -134,6 +161,7 @@ class VllmEngine:
             engine=f"vllm {vllm.__version__}",
             source=os.path.basename(os.path.normpath(opts.model)) if os.path.isdir(opts.model) else opts.model,
             chat_template=_has_chat_template(llm),
+            lora=_lora_facts(llm, opts),
         )
         self._defaults = llm.model_config.get_diff_sampling_param()
 
@@ -182,7 +210,7 @@ class VllmEngine:
         return list(rendered["prompt_token_ids"])
 
     async def generate(
-        self, req: GenerateRequest, prompt_ids: list[int], max_tokens: int
+        self, req: GenerateRequest, prompt_ids: list[int], max_tokens: int, adapter: EngineAdapter | None = None
     ) -> AsyncIterator[EngineStep]:
         from vllm.exceptions import VLLMValidationError
         from vllm.inputs import tokens_input
@@ -191,8 +219,13 @@ class VllmEngine:
         params = build_sampling_params(req, max_tokens, self._defaults)
         want_text = req.output.text if req.output.text is not None else not isinstance(req.prompt, TokensPrompt)
         rid = req.request_id
+        lora = None
+        if adapter is not None:
+            from vllm.lora.request import LoRARequest
+
+            lora = LoRARequest(adapter.name, adapter.id, adapter.path)
         try:
-            async for out in self.llm.generate(tokens_input(prompt_ids), params, rid):
+            async for out in self.llm.generate(tokens_input(prompt_ids), params, rid, lora_request=lora):
                 yield self._step(out, want_text)
         except EngineDeadError:
             raise EngineDead("the vLLM engine died") from None
@@ -270,6 +303,19 @@ class VllmEngine:
             await self.llm.wake_up()
         else:
             await self.llm.resume_generation()
+
+    async def add_adapter(self, adapter: EngineAdapter) -> None:
+        from vllm.lora.request import LoRARequest
+
+        try:
+            ok = await self.llm.add_lora(LoRARequest(adapter.name, adapter.id, adapter.path))
+        except Exception as exc:  # vLLM refuses with plain exceptions; the engine survives them
+            raise EngineRequestError(f"the engine refused the adapter: {exc}") from None
+        if not ok:
+            raise EngineRequestError("the engine refused the adapter")
+
+    async def remove_adapter(self, adapter_id: int) -> None:
+        await self.llm.remove_lora(adapter_id)
 
     async def close(self) -> None:
         await anyio.to_thread.run_sync(self.llm.shutdown)
