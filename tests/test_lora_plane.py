@@ -77,6 +77,10 @@ async def test_desired_state_reaches_every_instance_and_jobs_use_only_loaded_ada
             with pytest.raises(RequestFailed) as info:
                 await c.complete(req("fake", adapter="b"))
             assert info.value.code == ErrorCode.UNKNOWN_ADAPTER
+            pushed = await admin.push(tinymodel.build_lora(tmp_path / "c", seed=2), "c")
+            out = await admin.load("fake", "c", source="object", ref="c")
+            assert out.replies[0].adapter.sha256 == pushed.sha256, out
+            assert (await admin.unload("fake", "c")).replies[0].action == "unloaded"
             bad = await admin.load("fake", "b", source="path", ref="/etc")
             assert isinstance(bad.replies[0], ControlFailed) and bad.rolled_back
             assert bad.replies[0].code == ErrorCode.ADAPTER_NOT_ALLOWED

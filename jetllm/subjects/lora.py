@@ -46,7 +46,7 @@ from .adapterfiles import (
     read_safetensors_header,
 )
 from .names import Names
-from .registry import instances
+from .registry import instances, keys_matching
 
 _spec = codec.Decoder(AdapterSpec)
 _manifest = codec.Decoder(AdapterManifest)
@@ -69,8 +69,8 @@ async def ensure_lora_bucket(js: JetStreamContext, names: Names, *, replicas: in
 
 async def ensure_adapters_store(js: JetStreamContext, names: Names, *, replicas: int = 1) -> ObjectStore:
     try:
-        return await js.create_object_store(config=ObjectStoreConfig(
-            bucket=names.adapters_store, description="jetllm: LoRA adapter files", storage=StorageType.FILE,
+        return await js.create_object_store(names.adapters_store, ObjectStoreConfig(
+            description="jetllm: LoRA adapter files", storage=StorageType.FILE,
             replicas=replicas,
         ))
     except nats.js.errors.BadRequestError:
@@ -149,10 +149,7 @@ class LoraAdmin:
 
     async def desired(self, model: str) -> list[AdapterSpec]:
         kv = await ensure_lora_bucket(self.js, self.names)
-        try:
-            keys = await kv.keys(filters=[self.names.lora_keys_of(model)])
-        except nats.js.errors.NoKeysError:
-            return []
+        keys = await keys_matching(kv, self.names.lora_keys_of(model))
         specs = []
         for key in keys:
             entry = await _get(kv, key)

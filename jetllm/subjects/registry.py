@@ -45,6 +45,21 @@ async def ensure_registry(js: JetStreamContext, names: Names, *, replicas: int =
         return await js.key_value(names.registry_bucket)
 
 
+async def keys_matching(kv: KeyValue, pattern: str) -> list[str]:
+    """Keys matching a subject pattern (`i.*`). nats-py's `keys(filters=...)` matches substrings,
+    so `i.*` would find nothing; a filtered watch asks the server instead."""
+    watcher = await kv.watch(pattern, ignore_deletes=True, meta_only=True)
+    found = []
+    try:
+        async for entry in watcher:
+            if entry is None:
+                break
+            found.append(entry.key)
+    finally:
+        await watcher.stop()
+    return found
+
+
 def alive(record: InstanceRecord, now: float | None = None) -> bool:
     now = time.time() if now is None else now
     return record.expires_after <= 0 or now - record.heartbeat_at <= record.expires_after
@@ -54,8 +69,8 @@ async def instances(js: JetStreamContext, names: Names, *, model: str | None = N
     """Live instances (of `model`, if given), sorted by instance id."""
     try:
         kv = await js.key_value(names.registry_bucket)
-        keys = await kv.keys(filters=["i.*"])
-    except (nats.js.errors.BucketNotFoundError, nats.js.errors.NoKeysError):
+        keys = await keys_matching(kv, "i.*")
+    except nats.js.errors.BucketNotFoundError:
         return []
     found = []
     for key in keys:
@@ -74,8 +89,8 @@ async def instances(js: JetStreamContext, names: Names, *, model: str | None = N
 async def model_cards(js: JetStreamContext, names: Names) -> list[ModelCard]:
     try:
         kv = await js.key_value(names.registry_bucket)
-        keys = await kv.keys(filters=["m.*"])
-    except (nats.js.errors.BucketNotFoundError, nats.js.errors.NoKeysError):
+        keys = await keys_matching(kv, "m.*")
+    except nats.js.errors.BucketNotFoundError:
         return []
     cards = []
     for key in keys:
