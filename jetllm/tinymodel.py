@@ -128,3 +128,31 @@ def build(out: Path, *, seed: int = 0) -> Path:
 def ensure(path: Path | None = None) -> Path:
     """The tiny model's directory, built on first use."""
     return build(Path(path) if path else default_model_dir())
+
+
+def build_lora(out: Path, *, seed: int = 1, rank: int = 8, scale: float = 0.1) -> Path:
+    """Write a PEFT-format LoRA adapter for the tiny model (q_proj and v_proj of both layers).
+
+    Both factors are random (a trained adapter starts with B = 0, which would change nothing), so
+    generations with it visibly differ from the base model's; the same seed gives the same files.
+    """
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    hidden, q_out, kv_out = 256, 4 * 64, 2 * 64
+    tensors = {}
+    for layer in range(2):
+        for module, fan_out in (("q_proj", q_out), ("v_proj", kv_out)):
+            key = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{key}.lora_A.weight"] = (rng.standard_normal((rank, hidden)) * scale).astype(np.float32)
+            tensors[f"{key}.lora_B.weight"] = (rng.standard_normal((fan_out, rank)) * scale).astype(np.float32)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0, "bias": "none",
+        "target_modules": ["q_proj", "v_proj"], "task_type": "CAUSAL_LM", "base_model_name_or_path": None,
+    }
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out

@@ -13,7 +13,15 @@ import anyio
 
 from jetllm.errors import EngineDead, EngineRequestError, RequestRejected
 from jetllm.schemas import ChatPrompt, ErrorCode, GenerateRequest, Prompt, TextPrompt, TokensPrompt
-from jetllm.workers.engine import ChoiceDelta, EngineFacts, EngineLoad, EnginePrompt, EngineStep, PromptEmbeds
+from jetllm.workers.engine import (
+    ChoiceDelta,
+    EngineAdapter,
+    EngineFacts,
+    EngineLoad,
+    EnginePrompt,
+    EngineStep,
+    PromptEmbeds,
+)
 
 EOS = 2
 
@@ -38,6 +46,7 @@ class FakeEngine:
         self.stalled = False  # True: every request freezes mid-stream
         self.started = 0
         self.fail_prompts: set[int] = set()  # a prompt starting with one of these fails in the engine
+        self.adapters: dict[int, EngineAdapter] = {}
 
     async def render(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, TokensPrompt):
@@ -49,7 +58,9 @@ class FakeEngine:
             return [ord(c) % self.facts.vocab_size for c in text]
         raise RequestRejected(ErrorCode.INVALID_REQUEST, "unknown prompt")
 
-    async def generate(self, req: GenerateRequest, prompt_ids: EnginePrompt, max_tokens: int) -> AsyncIterator[EngineStep]:
+    async def generate(
+        self, req: GenerateRequest, prompt_ids: EnginePrompt, max_tokens: int, adapter: EngineAdapter | None = None
+    ) -> AsyncIterator[EngineStep]:
         if isinstance(prompt_ids, PromptEmbeds):  # each row stands for the token its first value rounds to
             rows = [int(abs(float(r[0]))) % self.facts.vocab_size for r in prompt_ids.array]
             prompt_ids = rows + prompt_ids.continuation
@@ -134,6 +145,12 @@ class FakeEngine:
 
     async def wake(self) -> None:
         self.sleeping = False
+
+    async def add_adapter(self, adapter: EngineAdapter) -> None:
+        self.adapters[adapter.id] = adapter
+
+    async def remove_adapter(self, adapter_id: int) -> None:
+        self.adapters.pop(adapter_id, None)
 
     async def close(self) -> None:
         pass

@@ -29,6 +29,8 @@ SECTIONS: list[tuple[str, list[type]]] = [
     ("Fleet: registry, load, control replies", [s.InstanceRecord, s.EngineInfo, s.ModelCard, s.LoadReport,
                                                  s.HealthCheck, s.HealthReport, s.SleepRequest, s.ControlDone, s.ControlFailed]),
     ("Tracing", [s.TraceRecord]),
+    ("LoRA adapters", [s.AdapterSpec, s.AdapterManifest, s.LoraLoad, s.LoraUnload, s.AdapterReply,
+                       s.AdapterList, s.LoadedAdapter]),
     ("Dead letters", [s.DeadLetter]),
     ("Batch files", [s.BatchLine, s.BatchResult, s.BatchError]),
 ]

@@ -43,6 +43,16 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
                    help="the leader's port for headless ranks (only needed with --headless ranks)")
     d.add_argument("--headless", action="store_true",
                    help="run engine ranks for a leader on another host: no NATS, no jobs, no control subjects")
+    lo = p.add_argument_group("LoRA adapters")
+    lo.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters of the model (jetllm lora load)")
+    lo.add_argument("--max-loras", type=int, default=1, help="adapters this worker holds at once")
+    lo.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted")
+    lo.add_argument("--lora-dir", action="append", default=[], metavar="DIR",
+                    help="directory path sources may come from (repeatable); none: path sources are refused")
+    lo.add_argument("--lora-cache-dir", default=None, metavar="DIR",
+                    help="where verified adapter copies are kept by content hash (default: jetllm's cache directory)")
+    lo.add_argument("--lora-allow-hub", action="store_true",
+                    help="allow hub sources (the worker downloads them; needs network access)")
     w = p.add_argument_group("worker")
     w.add_argument("--slots", type=int, default=None,
                    help="jobs run at once; never more un-acked jobs than this (default: the engine's max_num_seqs)")
@@ -101,6 +111,9 @@ def engine_options(args: argparse.Namespace):
         data_parallel_address=args.data_parallel_address,
         data_parallel_rpc_port=args.data_parallel_rpc_port,
         enable_prompt_embeds=args.enable_prompt_embeds,
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
         extra=parse_kv(args.engine_arg),
     )
 
@@ -108,6 +121,7 @@ def engine_options(args: argparse.Namespace):
 def worker_config(args: argparse.Namespace, slots: int | None = None):
     from ..subjects.setup import QueuePolicy
     from ..workers import WorkerConfig
+    from ..workers.lora import LoraSettings
 
     return WorkerConfig(
         namespace=args.namespace,
@@ -120,6 +134,7 @@ def worker_config(args: argparse.Namespace, slots: int | None = None):
         metrics_port=None if args.no_metrics else args.metrics_port,
         registry_interval=args.registry_interval,
         max_embeds_bytes=args.max_embeds_bytes,
+        lora=LoraSettings(dirs=args.lora_dir, cache_dir=args.lora_cache_dir, allow_hub=args.lora_allow_hub),
         policy=QueuePolicy(
             ack_wait=args.ack_wait, max_deliver=args.max_deliver, max_age=args.max_age,
             replicas=args.replicas,

@@ -41,12 +41,30 @@ from .generate import (
     TextPrompt,
     TokensPrompt,
 )
+from .lora import (
+    AdapterList,
+    AdapterManifest,
+    AdapterReply,
+    AdapterSource,
+    AdapterSpec,
+    LoadedAdapter,
+    LoraLoad,
+    LoraUnload,
+)
 from .progress import Cancelled, Claim, Handoff, Record, Result, Step
 from .trace import TraceRecord
 
 __all__ = [
     "TraceRecord",
     "SleepRequest",
+    "AdapterList",
+    "AdapterManifest",
+    "AdapterReply",
+    "AdapterSource",
+    "AdapterSpec",
+    "LoadedAdapter",
+    "LoraLoad",
+    "LoraUnload",
     "ModelCard",
     "LoadReport",
     "InstanceState",

@@ -118,8 +118,11 @@ class GenerateRequest(Message):
 
     request_id: RequestId
     model: Annotated[str, Meta(min_length=1, max_length=256)]
-    """The served model name (or, later, a LoRA adapter name); must match the job subject's model."""
+    """The served (base) model name; must match the job subject's model."""
     prompt: Prompt
+    adapter: Annotated[str, Meta(min_length=1, max_length=128)] | None = None
+    """Run with this LoRA adapter of the model (`jetllm lora load`); the job still goes to the
+    base model's queue. An adapter the model does not have is an error, never the base model."""
     sampling: SamplingOptions = msgspec.field(default_factory=SamplingOptions)
     stop: StopConditions = msgspec.field(default_factory=StopConditions)
     output: OutputOptions = msgspec.field(default_factory=OutputOptions)

@@ -188,3 +188,24 @@ class Names:
     @property
     def trace_all(self) -> str:
         return f"{self._root}.trace.*"
+
+    # LoRA desired state (keys of the LoRA bucket) and adapter files (names in the adapters store)
+    @staticmethod
+    def lora_key(model: str, adapter: str) -> str:
+        return f"{encode_token(model)}.{encode_token(adapter)}"
+
+    @staticmethod
+    def lora_keys_of(model: str) -> str:
+        return f"{encode_token(model)}.*"
+
+    @staticmethod
+    def adapter_from_key(key: str) -> str:
+        return decode_token(key.rsplit(".", 1)[-1])
+
+    @staticmethod
+    def adapter_manifest(adapter: str) -> str:
+        return f"manifest/{adapter}"
+
+    @staticmethod
+    def adapter_file(sha256: str, file: str) -> str:
+        return f"sha256/{sha256}/{file}"

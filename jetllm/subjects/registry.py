@@ -45,6 +45,21 @@ async def ensure_registry(js: JetStreamContext, names: Names, *, replicas: int =
         return await js.key_value(names.registry_bucket)
 
 
+async def keys_matching(kv: KeyValue, pattern: str) -> list[str]:
+    """Keys matching a subject pattern (`i.*`). nats-py's `keys(filters=...)` matches substrings,
+    so `i.*` would find nothing; a filtered watch asks the server instead."""
+    watcher = await kv.watch(pattern, ignore_deletes=True, meta_only=True)
+    found = []
+    try:
+        async for entry in watcher:
+            if entry is None:
+                break
+            found.append(entry.key)
+    finally:
+        await watcher.stop()
+    return found
+
+
 def alive(record: InstanceRecord, now: float | None = None) -> bool:
     now = time.time() if now is None else now
     return record.expires_after <= 0 or now - record.heartbeat_at <= record.expires_after

@@ -45,6 +45,7 @@ from .engine import Engine, EnginePrompt
 from .enginecontrol import EngineControl
 from .frames import FrameSink
 from .jobs import Job, RejectedJob, dead_letter_record, decode_request
+from .lora import LoraManager, LoraSettings
 from .puller import Puller
 from .registry import RegistryKeeper, instance_record, load_reports, model_card
 from .requestlog import History, LogUnavailable, RequestLog, analyze
@@ -79,6 +80,7 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     max_embeds_bytes: int | None = None
     """Largest embeddings prompt accepted; None: a full context of float32 rows (capped at 1 GiB)."""
     policy: QueuePolicy = msgspec.field(default_factory=QueuePolicy)
+    lora: LoraSettings = msgspec.field(default_factory=LoraSettings)
 
 
 def new_instance_id() -> str:
@@ -143,6 +145,7 @@ class Worker:
         self.embeds = EmbedsLoader(self.js, self.names, engine.facts, config.max_embeds_bytes)
         self.services: list[Callable[[], Awaitable[None]]] = []
         """Long-running companions (KV-event relay, adapter reconciler); started once ready."""
+        self.lora = LoraManager(self, config.lora)
 
     # lifecycle
 
@@ -386,7 +389,8 @@ class Worker:
                     self.instance, self.model, job_ack=job.msg.reply,
                     resumed_tokens=sum(len(f.token_ids) for f in history.frames if f.index == 0),
                 )
-                outcome = await self.role.run(req, frames, prompt_ids, history)
+                async with self.lora.use(req) as adapter:
+                    outcome = await self.role.run(req, frames, prompt_ids, history, adapter)
                 final = frames.final_frame(outcome.choices, outcome.usage)
                 run.ended = True
                 await self._store_result(rid, Result(

@@ -1,7 +1,19 @@
 """Engines behind one protocol; vLLM is imported only when a VllmEngine is started."""
 
-from .base import ChoiceDelta, Engine, EngineFacts, EngineLoad, EnginePrompt, EngineStep, PromptEmbeds
+from .base import (
+    ChoiceDelta,
+    Engine,
+    EngineAdapter,
+    EngineFacts,
+    EngineLoad,
+    EnginePrompt,
+    EngineStep,
+    LoraFacts,
+    PromptEmbeds,
+)
 from .options import EngineOptions
 
-__all__ = ["ChoiceDelta", "Engine", "EngineFacts", "EngineLoad", "EngineOptions", "EnginePrompt", "EngineStep",
-           "PromptEmbeds"]
+__all__ = [
+    "ChoiceDelta", "Engine", "EngineAdapter", "EngineFacts", "EngineLoad", "EngineOptions", "EnginePrompt",
+    "EngineStep", "LoraFacts", "PromptEmbeds",
+]

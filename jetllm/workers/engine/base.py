@@ -15,6 +15,27 @@ import msgspec
 from ...schemas import FinishReason, GenerateRequest, Prompt
 
 
+class LoraFacts(msgspec.Struct, kw_only=True):
+    """What an adapter must fit, checked before the engine sees it."""
+
+    capacity: int
+    """Adapters the engine holds at once (vLLM's max_cpu_loras); beyond it vLLM would evict one."""
+    max_rank: int
+    num_layers: int
+    modules: dict[str, tuple[int, int]]
+    """Target module -> (in features, out features) of the base layer it adapts."""
+    base_names: list[str] = []
+    """Names an adapter's `base_model_name_or_path` may give for this model."""
+
+
+class EngineAdapter(msgspec.Struct, kw_only=True, frozen=True):
+    """An adapter as the engine knows it: its engine-side name, id and verified local copy."""
+
+    name: str
+    id: int
+    path: str
+
+
 class EngineFacts(msgspec.Struct, kw_only=True):
     model: str
     """The name jobs use for this model (vLLM's served_model_name)."""
@@ -32,6 +53,8 @@ class EngineFacts(msgspec.Struct, kw_only=True):
     source: str = ""
     """Where the weights came from, for the model card: a hub id or a directory's name."""
     chat_template: bool = False
+    lora: LoraFacts | None = None
+    """None: the engine runs without LoRA."""
     hidden_size: int | None = None
     """Width of the model's input embeddings (what an embeddings prompt must match)."""
     prompt_embeds: bool = False
@@ -100,9 +123,9 @@ class Engine(Protocol):
         ...
 
     def generate(
-        self, req: GenerateRequest, prompt_ids: EnginePrompt, max_tokens: int
+        self, req: GenerateRequest, prompt_ids: EnginePrompt, max_tokens: int, adapter: EngineAdapter | None = None
     ) -> AsyncIterator[EngineStep]:
-        """Run one request. Cancelling the iteration aborts it inside the engine.
+        """Run one request (with a loaded adapter). Cancelling the iteration aborts it inside the engine.
 
         Raises RequestRejected (bad parameters), EngineRequestError (this request failed),
         EngineDead (nothing more will run).
@@ -129,5 +152,11 @@ class Engine(Protocol):
         ...
 
     async def wake(self) -> None: ...
+
+    async def add_adapter(self, adapter: EngineAdapter) -> None:
+        """Load a validated adapter; raises EngineRequestError if the engine refuses it."""
+        ...
+
+    async def remove_adapter(self, adapter_id: int) -> None: ...
 
     async def close(self) -> None: ...

@@ -33,6 +33,10 @@ class EngineOptions(msgspec.Struct, kw_only=True):
     enable_prompt_embeds: bool = False
     """Accept embeddings prompts. Off by default: vLLM then runs the embedding layer outside the
     compiled model for every request, which costs speed, and the worker takes tensors from jobs."""
+    enable_lora: bool = False
+    max_loras: int = 1
+    """Adapters held at once (and run in one batch)."""
+    max_lora_rank: int = 16
     extra: dict[str, Any] = {}
     """Any other AsyncEngineArgs field, passed through unchanged."""
 

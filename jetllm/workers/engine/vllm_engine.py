@@ -18,7 +18,16 @@ from ...schemas import (
     TextPrompt,
     TokensPrompt,
 )
-from .base import ChoiceDelta, EngineFacts, EngineLoad, EnginePrompt, EngineStep, PromptEmbeds
+from .base import (
+    ChoiceDelta,
+    EngineAdapter,
+    EngineFacts,
+    EngineLoad,
+    EnginePrompt,
+    EngineStep,
+    LoraFacts,
+    PromptEmbeds,
+)
 from .options import EngineOptions
 from .sampling import build_sampling_params, field_of
 
@@ -64,8 +73,35 @@ def engine_args(opts: EngineOptions) -> Any:
                      "data_parallel_rpc_port"):
             if getattr(opts, name) is not None:
                 kw[name] = getattr(opts, name)
+    if opts.enable_lora:
+        kw.update(enable_lora=True, max_loras=opts.max_loras, max_lora_rank=opts.max_lora_rank)
     kw.update(opts.extra)
     return AsyncEngineArgs(**kw)
+
+
+def _lora_facts(llm: Any, opts: EngineOptions) -> LoraFacts | None:
+    lora = llm.vllm_config.lora_config
+    if lora is None:
+        return None
+    hf = llm.model_config.hf_text_config
+    hidden = hf.hidden_size
+    heads = hf.num_attention_heads
+    kv_heads = getattr(hf, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf, "head_dim", None) or hidden // heads
+    inter = getattr(hf, "intermediate_size", None)
+    modules = {
+        "q_proj": (hidden, heads * head_dim),
+        "k_proj": (hidden, kv_heads * head_dim),
+        "v_proj": (hidden, kv_heads * head_dim),
+        "o_proj": (heads * head_dim, hidden),
+    }
+    if inter:
+        modules.update(gate_proj=(hidden, inter), up_proj=(hidden, inter), down_proj=(inter, hidden))
+    names = {opts.name, opts.model, os.path.basename(os.path.normpath(opts.model))}
+    return LoraFacts(
+        capacity=lora.max_cpu_loras or lora.max_loras, max_rank=lora.max_lora_rank,
+        num_layers=hf.num_hidden_layers, modules=modules, base_names=sorted(n for n in names if n),
+    )
 
 
 class _LoadRecorder:
@@ -162,6 +198,7 @@ class VllmEngine:
             chat_template=_has_chat_template(llm),
             hidden_size=llm.model_config.get_hidden_size(),
             prompt_embeds=bool(llm.model_config.enable_prompt_embeds),
+            lora=_lora_facts(llm, opts),
         )
         self._defaults = llm.model_config.get_diff_sampling_param()
 
@@ -210,7 +247,7 @@ class VllmEngine:
         return list(rendered["prompt_token_ids"])
 
     async def generate(
-        self, req: GenerateRequest, prompt_ids: EnginePrompt, max_tokens: int
+        self, req: GenerateRequest, prompt_ids: EnginePrompt, max_tokens: int, adapter: EngineAdapter | None = None
     ) -> AsyncIterator[EngineStep]:
         from vllm.exceptions import VLLMValidationError
         from vllm.inputs import tokens_input
@@ -220,8 +257,13 @@ class VllmEngine:
         want_text = req.output.text if req.output.text is not None else isinstance(req.prompt, (ChatPrompt, TextPrompt))
         rid = req.request_id
         engine_input = _embeds_input(prompt_ids) if isinstance(prompt_ids, PromptEmbeds) else tokens_input(prompt_ids)
+        lora = None
+        if adapter is not None:
+            from vllm.lora.request import LoRARequest
+
+            lora = LoRARequest(adapter.name, adapter.id, adapter.path)
         try:
-            async for out in self.llm.generate(engine_input, params, rid):
+            async for out in self.llm.generate(engine_input, params, rid, lora_request=lora):
                 yield self._step(out, want_text)
         except EngineDeadError:
             raise EngineDead("the vLLM engine died") from None
@@ -304,6 +346,19 @@ class VllmEngine:
             await self.llm.wake_up()
         else:
             await self.llm.resume_generation()
+
+    async def add_adapter(self, adapter: EngineAdapter) -> None:
+        from vllm.lora.request import LoRARequest
+
+        try:
+            ok = await self.llm.add_lora(LoRARequest(adapter.name, adapter.id, adapter.path))
+        except Exception as exc:  # vLLM refuses with plain exceptions; the engine survives them
+            raise EngineRequestError(f"the engine refused the adapter: {exc}") from None
+        if not ok:
+            raise EngineRequestError("the engine refused the adapter")
+
+    async def remove_adapter(self, adapter_id: int) -> None:
+        await self.llm.remove_lora(adapter_id)
 
     async def close(self) -> None:
         await anyio.to_thread.run_sync(self.llm.shutdown)

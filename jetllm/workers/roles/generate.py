@@ -6,7 +6,7 @@ import msgspec
 
 from ...errors import RequestRejected
 from ...schemas import Choice, ErrorCode, GenerateRequest, Usage
-from ..engine import Engine, EnginePrompt, PromptEmbeds
+from ..engine import Engine, EngineAdapter, EnginePrompt, PromptEmbeds
 from ..frames import FrameSink
 from ..requestlog import History
 
@@ -72,7 +72,10 @@ class GenerateRole:
                 return Choice(index=0, finish_reason="stop", stop_reason=s, completion_tokens=n)
         return None
 
-    async def run(self, req: GenerateRequest, frames: FrameSink, prompt_ids: EnginePrompt, history: History) -> Outcome:
+    async def run(
+        self, req: GenerateRequest, frames: FrameSink, prompt_ids: EnginePrompt, history: History,
+        adapter: EngineAdapter | None = None,
+    ) -> Outcome:
         """Generate (or continue) the request, streaming token frames; the caller sends the final.
 
         A continuation runs the prompt plus the tokens already delivered as the new prompt, with
@@ -111,7 +114,7 @@ class GenerateRole:
                     ),
                 )
         if not ends:
-            async for step in self.engine.generate(engine_req, engine_prompt, engine_max):
+            async for step in self.engine.generate(engine_req, engine_prompt, engine_max, adapter):
                 cached = step.cached_tokens or cached
                 for c in step.choices:
                     if c.token_ids or c.text:

@@ -1,0 +1,121 @@
+"""The files of a LoRA adapter as jetllm handles them: which files, their content hash, and
+bounded reads of their headers. Shared by `jetllm lora push` and the workers.
+
+Only `adapter_config.json` and `adapter_model.safetensors` make an adapter here: pickle formats
+(`.bin`, `.pt`) run code when loaded and are never read. The adapter's content hash is the sha256
+of the lines `<file> <sha256 of its bytes>` in file-name order, so the same files give the same
+hash wherever they are.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+from ..schemas import ErrorCode
+
+CONFIG = "adapter_config.json"
+WEIGHTS = "adapter_model.safetensors"
+ADAPTER_FILES = (CONFIG, WEIGHTS)
+MAX_CONFIG_BYTES = 1 << 20
+MAX_WEIGHTS_BYTES = 2 << 30
+MAX_HEADER_BYTES = 16 << 20
+_DTYPES = {"F32": 4, "F16": 2, "BF16": 2}
+
+
+class AdapterFileError(Exception):
+    """The adapter cannot be used; `code` says why in the wire's terms."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def max_bytes(file: str) -> int:
+    return MAX_CONFIG_BYTES if file == CONFIG else MAX_WEIGHTS_BYTES
+
+
+def file_sha256(path: Path, limit: int) -> str:
+    h = hashlib.sha256()
+    seen = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            seen += len(chunk)
+            if seen > limit:
+                raise AdapterFileError(ErrorCode.ADAPTER_INVALID, f"{path.name} is larger than {limit} bytes")
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def combined_sha256(files: dict[str, str]) -> str:
+    return hashlib.sha256("".join(f"{name} {files[name]}\n" for name in sorted(files)).encode()).hexdigest()
+
+
+def check_present(directory: Path) -> None:
+    missing = [f for f in ADAPTER_FILES if not (directory / f).is_file()]
+    if missing:
+        pickles = sorted(p.name for p in directory.glob("adapter_model.*") if p.suffix in (".bin", ".pt"))
+        hint = f" (found {', '.join(pickles)}: pickle formats are refused, convert to safetensors)" if pickles else ""
+        raise AdapterFileError(ErrorCode.ADAPTER_INVALID, f"the adapter lacks {', '.join(missing)}{hint}")
+
+
+def digests(directory: Path) -> dict[str, str]:
+    """sha256 of each adapter file (sizes bounded)."""
+    check_present(directory)
+    return {f: file_sha256(directory / f, max_bytes(f)) for f in ADAPTER_FILES}
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise AdapterFileError(ErrorCode.ADAPTER_INVALID, f"{CONFIG} is larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        config = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise AdapterFileError(ErrorCode.ADAPTER_INVALID, f"{CONFIG} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise AdapterFileError(ErrorCode.ADAPTER_INVALID, f"{CONFIG} must hold a JSON object")
+    return config
+
+
+def read_safetensors_header(path: Path) -> dict[str, tuple[str, list[int]]]:
+    """Tensor name -> (dtype, shape), after checking that the header is sound and that every
+    tensor lies inside the file where its dtype and shape say."""
+    size = os.path.getsize(path)
+    bad = ErrorCode.ADAPTER_INVALID
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise AdapterFileError(bad, f"{WEIGHTS} is too short to be safetensors")
+        (n,) = struct.unpack("<Q", head)
+        if n > MAX_HEADER_BYTES or 8 + n > size:
+            raise AdapterFileError(bad, f"{WEIGHTS} has a corrupt header (length {n}, file {size} bytes)")
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise AdapterFileError(bad, f"{WEIGHTS} has a corrupt header: {exc}") from None
+    if not isinstance(header, dict):
+        raise AdapterFileError(bad, f"{WEIGHTS} has a corrupt header (not an object)")
+    header.pop("__metadata__", None)
+    data = size - 8 - n
+    tensors: dict[str, tuple[str, list[int]]] = {}
+    for name, info in header.items():
+        try:
+            dtype, shape, (start, end) = info["dtype"], info["shape"], info["data_offsets"]
+            count = 1
+            for d in shape:
+                count *= int(d)
+            ok = dtype in _DTYPES and 0 <= start <= end <= data and end - start == count * _DTYPES[dtype]
+        except (KeyError, TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise AdapterFileError(bad, f"{WEIGHTS}: tensor {name!r} is corrupt or of an unsupported dtype "
+                                        f"(supported: {', '.join(_DTYPES)})")
+        tensors[name] = (dtype, [int(d) for d in shape])
+    if not tensors:
+        raise AdapterFileError(bad, f"{WEIGHTS} holds no tensors")
+    return tensors

@@ -1,0 +1,327 @@
+"""A worker's LoRA adapters: reconciled to the model's desired set, one load per adapter at a time.
+
+The desired set is the LoRA bucket's keys for this model, watched from the start, so adapters
+loaded before this worker started are loaded here too. The verbs (`lora-load`, `lora-unload`,
+`lora-list`) reconcile one adapter now and answer with what this instance did. Nothing reaches
+the engine before its files are copied into the local cache, hashed and validated; a failed load
+is remembered per desired revision and not retried until the key changes.
+
+An adapter's engine identity is (name@hash, id from name and hash, path of its cached copy): vLLM
+keys its prefix cache by the adapter's name and path, so new weights under the same name never
+reuse blocks computed with the old ones.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import msgspec
+import nats.errors
+import nats.js.errors
+
+from ...errors import EngineRequestError, RequestRejected
+from ...schemas import (
+    AdapterList,
+    AdapterReply,
+    AdapterSpec,
+    ErrorCode,
+    GenerateRequest,
+    LoadedAdapter,
+    LoraLoad,
+    LoraUnload,
+)
+from ...subjects import codec
+from ...subjects.adapterfiles import AdapterFileError
+from ...subjects.lora import ensure_lora_bucket
+from ...tinymodel import default_cache_dir
+from ..control import ControlError
+from ..engine import EngineAdapter
+from .files import AdapterFiles
+from .validate import validate
+
+if TYPE_CHECKING:
+    from ..runtime import Worker
+
+log = logging.getLogger(__name__)
+
+_spec = codec.Decoder(AdapterSpec)
+_load = codec.Decoder(LoraLoad)
+_unload = codec.Decoder(LoraUnload)
+
+
+class LoraSettings(msgspec.Struct, kw_only=True):
+    dirs: list[str] = []
+    """Directories path sources may come from (realpath inside one of them); none: path sources refused."""
+    cache_dir: str | None = None
+    """Where verified copies live, by content hash (default: jetllm's cache directory)."""
+    allow_hub: bool = False
+    load_wait: float = 60.0
+    """How long a job for an adapter that is still being loaded here waits for it."""
+
+
+def adapter_id(name: str, sha256: str) -> int:
+    """vLLM's int id for these weights under this name: the same on every worker, new for new weights."""
+    return int.from_bytes(hashlib.sha256(f"{name}\0{sha256}".encode()).digest()[:4], "big") % (2**31 - 1) + 1
+
+
+class _Loaded(msgspec.Struct, kw_only=True):
+    info: LoadedAdapter
+    engine: EngineAdapter
+    revision: int
+    """The desired revision this load satisfies."""
+    action: str
+    """What reconciling that revision did (every caller asking about it hears the same)."""
+
+
+class LoraManager:
+    def __init__(self, worker: Worker, settings: LoraSettings) -> None:
+        self.w = worker
+        self.facts = worker.engine.facts.lora
+        self.settings = settings
+        cache = Path(settings.cache_dir) if settings.cache_dir else default_cache_dir() / "adapters"
+        self.files = AdapterFiles(worker.js, worker.names, cache, [Path(d) for d in settings.dirs],
+                                  allow_hub=settings.allow_hub)
+        self._desired: dict[str, tuple[int, AdapterSpec | None]] = {}
+        self._loaded: dict[str, _Loaded] = {}
+        self._failed: dict[str, tuple[int, ErrorCode, str]] = {}
+        self._unloaded: dict[str, int] = {}
+        self._locks: dict[str, anyio.Lock] = {}
+        self._slots = anyio.Lock()
+        self._users: dict[int, int] = {}
+        self._changed = anyio.Event()
+        self._synced = anyio.Event()
+        worker.control.add("lora-load", self.on_load)
+        worker.control.add("lora-unload", self.on_unload)
+        worker.control.add("lora-list", self.on_list)
+        if self.facts is not None:
+            worker.services.append(self.watch)
+
+    # desired state
+
+    async def watch(self) -> None:
+        """Follow the model's keys in the LoRA bucket for the worker's life (re-watch after errors)."""
+        async with anyio.create_task_group() as tg:
+            while True:
+                try:
+                    kv = await ensure_lora_bucket(self.w.js, self.w.names)
+                    watcher = await kv.watch(self.w.names.lora_keys_of(self.w.model))
+                    try:
+                        while True:
+                            try:
+                                entry = await watcher.updates(timeout=5.0)
+                            except (TimeoutError, nats.errors.TimeoutError):
+                                continue
+                            if entry is None:
+                                self._synced.set()
+                                continue
+                            name = self.w.names.adapter_from_key(entry.key)
+                            deleted = entry.operation in ("DEL", "PURGE") or not entry.value
+                            if self._apply(name, entry.revision, None if deleted else entry.value):
+                                tg.start_soon(self._reconcile_quietly, name)
+                    finally:
+                        await watcher.stop()
+                except Exception as exc:
+                    log.warning("LoRA desired-state watch failed (%s); watching again", exc)
+                    await anyio.sleep(1.0)
+
+    def _apply(self, name: str, revision: int, value: bytes | None) -> bool:
+        if revision <= self._desired.get(name, (0, None))[0]:
+            return False
+        spec = None
+        if value is not None:
+            try:
+                spec = _spec.decode(value)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                log.warning("adapter %r: unreadable desired state ignored: %s", name, exc)
+        self._desired[name] = (revision, spec)
+        return True
+
+    async def _refresh(self, name: str) -> None:
+        """Read the adapter's key now: a verb must not act on a watch that lags behind its caller."""
+        kv = await ensure_lora_bucket(self.w.js, self.w.names)
+        key = self.w.names.lora_key(self.w.model, name)
+        try:
+            entry = await kv.get(key)
+            self._apply(name, entry.revision, entry.value or None)
+        except nats.js.errors.KeyDeletedError as exc:
+            self._apply(name, exc.entry.revision if exc.entry else 0, None)
+        except nats.js.errors.KeyNotFoundError:
+            rev = self._desired.get(name, (0, None))[0]
+            self._desired[name] = (rev, None)
+
+    # reconciling
+
+    async def _reconcile_quietly(self, name: str) -> None:
+        try:
+            await self.reconcile(name)
+        except ControlError as exc:
+            log.warning("adapter %r not loaded: %s: %s", name, exc.code.value, exc.message)
+        except Exception:
+            log.exception("adapter %r: reconcile failed", name)
+
+    async def reconcile(self, name: str) -> AdapterReply:
+        lock = self._locks.setdefault(name, anyio.Lock())
+        async with lock:
+            try:
+                return await self._reconcile(name)
+            finally:
+                self._changed.set()
+                self._changed = anyio.Event()
+
+    async def _reconcile(self, name: str) -> AdapterReply:
+        revision, spec = self._desired.get(name, (0, None))
+        cur = self._loaded.get(name)
+        if spec is None:
+            self._failed.pop(name, None)
+            if cur is None:
+                return self._reply(name, "unloaded" if self._unloaded.get(name) == revision else "absent")
+            self._unloaded[name] = revision
+            self._loaded.pop(name)
+            self._published()
+            await self._retire(cur)
+            log.info("adapter %r unloaded", name)
+            return self._reply(name, "unloaded", cur.info)
+        if cur is not None and cur.revision == revision:
+            return self._reply(name, cur.action, cur.info)
+        failed = self._failed.get(name)
+        if failed is not None and failed[0] == revision:
+            raise ControlError(failed[1], failed[2])
+        try:
+            return await self._load(name, revision, spec, cur)
+        except ControlError as exc:
+            self._failed[name] = (revision, exc.code, exc.message)
+            raise
+
+    async def _load(self, name: str, revision: int, spec: AdapterSpec, cur: _Loaded | None) -> AdapterReply:
+        assert self.facts is not None
+        if cur is not None and spec.sha256 is not None and cur.info.sha256 == spec.sha256:
+            return self._unchanged(name, revision, spec, cur)
+        try:
+            path, sha = await self.files.fetch(spec)
+            if cur is not None and cur.info.sha256 == sha:
+                return self._unchanged(name, revision, spec, cur)
+            await anyio.to_thread.run_sync(validate, path, self.facts)
+        except AdapterFileError as exc:
+            raise ControlError(exc.code, f"adapter {name!r}: {exc.message}") from None
+        except OSError as exc:
+            raise ControlError(ErrorCode.ADAPTER_NOT_FOUND, f"adapter {name!r}: {exc}") from None
+        engine = EngineAdapter(name=f"{name}@{sha[:12]}", id=adapter_id(name, sha), path=str(path))
+        async with self._slots:
+            if cur is None and len(self._loaded) >= self.facts.capacity:
+                raise ControlError(ErrorCode.NO_ADAPTER_SLOT,
+                                   f"adapter {name!r}: this instance holds {len(self._loaded)} adapters, its limit "
+                                   f"(--max-loras) is {self.facts.capacity}; unload one first")
+            try:
+                await self.w.engine.add_adapter(engine)
+            except EngineRequestError as exc:
+                raise ControlError(ErrorCode.ADAPTER_INVALID, f"adapter {name!r}: {exc.message}") from None
+            self.w.counters["lora_loads"] = self.w.counters.get("lora_loads", 0) + 1  # idempotent calls do not count
+            info = LoadedAdapter(name=name, sha256=sha, lora_id=engine.id, source=spec.source, version=spec.version,
+                                 loaded_at=time.time())
+            action = "reloaded" if cur else "loaded"
+            self._loaded[name] = _Loaded(info=info, engine=engine, revision=revision, action=action)
+            self._failed.pop(name, None)
+        self._published()
+        log.info("adapter %r %s: sha256 %s, lora id %d", name, action, sha[:12], engine.id)
+        if cur is not None:
+            await self._retire(cur)
+        return self._reply(name, action, info)
+
+    def _unchanged(self, name: str, revision: int, spec: AdapterSpec, cur: _Loaded) -> AdapterReply:
+        cur.revision = revision
+        cur.action = "unchanged"
+        cur.info.version = spec.version
+        self._failed.pop(name, None)
+        return self._reply(name, "unchanged", cur.info, "already loaded with these weights")
+
+    async def _retire(self, old: _Loaded) -> None:
+        """Remove old weights from the engine once no running request uses them (bounded wait)."""
+        with anyio.move_on_after(self.w.config.grace_period):
+            while self._users.get(old.engine.id):
+                await self._changed.wait()
+        await self.w.engine.remove_adapter(old.engine.id)
+
+    def _published(self) -> None:
+        self.w.adapters = sorted(self._loaded)
+        self.w.registry.beat_now()
+
+    def _reply(self, name: str, action: Any, info: LoadedAdapter | None = None, detail: str = "") -> AdapterReply:
+        return AdapterReply(instance=self.w.instance, name=name, action=action, adapter=info, detail=detail)
+
+    # verbs
+
+    def _require_lora(self) -> None:
+        if self.facts is None:
+            raise ControlError(ErrorCode.LORA_DISABLED, "this worker runs without LoRA (start it with --enable-lora)")
+
+    async def on_load(self, body: bytes, encoding: Any) -> AdapterReply:
+        self._require_lora()
+        msg = _load.decode(body, encoding)
+        await self._refresh(msg.name)
+        return await self.reconcile(msg.name)
+
+    async def on_unload(self, body: bytes, encoding: Any) -> AdapterReply:
+        self._require_lora()
+        msg = _unload.decode(body, encoding)
+        await self._refresh(msg.name)
+        return await self.reconcile(msg.name)
+
+    async def on_list(self, body: bytes, encoding: Any) -> AdapterList:
+        self._require_lora()
+        assert self.facts is not None
+        return AdapterList(
+            instance=self.w.instance, adapters=[self._loaded[n].info for n in sorted(self._loaded)],
+            capacity=self.facts.capacity,
+            failed={n: f"{code.value}: {message}" for n, (_, code, message) in sorted(self._failed.items())},
+        )
+
+    # requests
+
+    @asynccontextmanager
+    async def use(self, req: GenerateRequest) -> AsyncIterator[EngineAdapter | None]:
+        """The engine adapter a request runs with, held in use while it runs."""
+        if req.adapter is None:
+            yield None
+            return
+        adapter = await self._resolve(req.adapter)
+        self._users[adapter.id] = self._users.get(adapter.id, 0) + 1
+        try:
+            yield adapter
+        finally:
+            self._users[adapter.id] -= 1
+            if not self._users[adapter.id]:
+                del self._users[adapter.id]
+                self._changed.set()
+                self._changed = anyio.Event()
+
+    async def _resolve(self, name: str) -> EngineAdapter:
+        if self.facts is None:
+            raise RequestRejected(ErrorCode.LORA_DISABLED, f"adapter {name!r}: the workers of {self.w.model!r} run "
+                                  "without LoRA", field="$.adapter")
+        with anyio.move_on_after(self.settings.load_wait) as scope:
+            await self._synced.wait()
+            while True:
+                revision, spec = self._desired.get(name, (0, None))
+                if spec is None:
+                    raise RequestRejected(ErrorCode.UNKNOWN_ADAPTER,
+                                          f"model {self.w.model!r} has no adapter {name!r} (jetllm lora list)",
+                                          field="$.adapter")
+                cur = self._loaded.get(name)
+                if cur is not None and cur.revision >= revision:
+                    return cur.engine
+                failed = self._failed.get(name)
+                if failed is not None and failed[0] == revision:
+                    raise RequestRejected(ErrorCode.ADAPTER_NOT_LOADED,
+                                          f"adapter {name!r} failed to load on {self.w.instance}: "
+                                          f"{failed[1].value}: {failed[2]}", field="$.adapter")
+                await self._changed.wait()
+        assert scope.cancelled_caught
+        raise RequestRejected(ErrorCode.ADAPTER_NOT_LOADED, f"adapter {name!r} is still loading on {self.w.instance} "
+                              f"after {self.settings.load_wait:.0f}s", field="$.adapter")
