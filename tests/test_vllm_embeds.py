@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import os
 import signal
 import uuid
 
@@ -179,8 +180,11 @@ async def test_a_drained_worker_hands_an_embeddings_request_on_and_the_output_is
                 with anyio.fail_after(120):
                     while sum(len(f.token_ids) for f in frames if isinstance(f, TokensFrame)) < 20:
                         await anyio.sleep(0.05)
+                # Freeze the first worker with its engine so the request cannot finish before the drain.
+                os.killpg(first.proc.pid, signal.SIGSTOP)
                 embeds_worker.signal(signal.SIGCONT)
                 first.signal(signal.SIGTERM)
+                os.killpg(first.proc.pid, signal.SIGCONT)
         finally:
             embeds_worker.signal(signal.SIGCONT)
     assert not any(isinstance(f, ErrorFrame) for f in frames), frames[-1]
