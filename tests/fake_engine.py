@@ -47,6 +47,8 @@ class FakeEngine:
         self.started = 0
         self.fail_prompts: set[int] = set()  # a prompt starting with one of these fails in the engine
         self.adapters: dict[int, EngineAdapter] = {}
+        self.ran_with: dict[str, str | None] = {}
+        """Request id -> the adapter it ran with (None: the base model)."""
 
     async def render(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, TokensPrompt):
@@ -66,6 +68,7 @@ class FakeEngine:
             prompt_ids = rows + prompt_ids.continuation
         if self.dead:
             raise EngineDead("fake engine is dead")
+        self.ran_with[req.request_id] = adapter.name.split("@")[0] if adapter else None
         if req.stop.min_tokens > max_tokens:
             raise RequestRejected(ErrorCode.INVALID_REQUEST, "min_tokens must be <= max_tokens",
                                   field="$.stop.min_tokens")

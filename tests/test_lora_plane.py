@@ -92,3 +92,44 @@ async def test_desired_state_reaches_every_instance_and_jobs_use_only_loaded_ada
                 out = await admin.unload("fake", "a")
                 assert sorted(r.action for r in out.replies if isinstance(r, AdapterReply)) == ["unloaded", "unloaded"]
                 assert engines[0].adapters == engines[1].adapters == {}
+
+
+async def test_a_job_naming_an_adapter_as_its_model_runs_only_on_a_worker_holding_it(nats_url, namespace, tmp_path):
+    """The adapter's own queue: workers pull from it only while they hold the adapter."""
+    from jetllm.subjects import Client
+
+    from .fake_engine import FakeEngine
+
+    allowed = tmp_path / "allowed"
+    tinymodel.build_lora(allowed / "a", seed=1)
+    settings = LoraSettings(dirs=[str(allowed)], cache_dir=str(tmp_path / "cache"), load_wait=5)
+    with_lora, without = FakeEngine(), FakeEngine()
+    with_lora.facts.lora = TINY_FACTS
+    async with Client(nats_url, namespace=namespace, heartbeat_timeout=10) as c:
+        admin = LoraAdmin(c.nc, c.names, timeout=10)
+        async with (
+            inproc_worker(nats_url, with_lora, namespace=namespace, lora=settings) as holder,
+            inproc_worker(nats_url, without, namespace=namespace, lora=settings),
+        ):
+            with anyio.fail_after(10):
+                while not (await admin.list("fake")).replies:
+                    await anyio.sleep(0.05)
+            await admin.load("fake", "a", source="path", ref=str(allowed / "a"))
+            with anyio.fail_after(10):
+                while not holder.adapter_queues.serves("a"):
+                    await anyio.sleep(0.05)
+            done = []
+            async with anyio.create_task_group() as tg:
+                for i in range(6):
+                    async def one(i=i) -> None:
+                        done.append(await c.complete(req("a", [3, 4, 5 + i], max_tokens=4)))
+
+                    tg.start_soon(one)
+            assert len(done) == 6 and {d.worker for d in done} == {holder.instance}
+            assert all(with_lora.ran_with[d.request_id] == "a" for d in done)
+            assert not any(v == "a" for v in without.ran_with.values())
+
+            await admin.unload("fake", "a")
+            with anyio.fail_after(10):
+                while holder.adapter_queues.serves("a"):
+                    await anyio.sleep(0.05)

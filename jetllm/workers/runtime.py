@@ -39,6 +39,7 @@ from ..schemas import (
 from ..subjects import codec
 from ..subjects.names import Names
 from ..subjects.setup import QueuePolicy, ensure_consumer, ensure_streams
+from .adapterqueues import AdapterQueues
 from .control import ControlServer, reply_encoding
 from .embeds import EmbedsLoader
 from .engine import Engine, EnginePrompt
@@ -146,6 +147,7 @@ class Worker:
         self.services: list[Callable[[], Awaitable[None]]] = []
         """Long-running companions (KV-event relay, adapter reconciler); started once ready."""
         self.lora = LoraManager(self, config.lora)
+        self.adapter_queues = AdapterQueues(self)
 
     # lifecycle
 
@@ -193,6 +195,7 @@ class Worker:
                 async with anyio.create_task_group() as jobs:
                     self._jobs_tg = jobs
                     jobs.start_soon(self._puller.run)
+                    jobs.start_soon(self.adapter_queues.sync, list(self.adapters))
                     self.state = "serving"
                     self.ready = True
                     tg.start_soon(self.registry.run)
@@ -224,6 +227,7 @@ class Worker:
     async def _wind_down(self) -> None:
         assert self._puller is not None
         self._puller.stop()
+        self.adapter_queues.stop()
         if self._engine_dead:
             self._hand_back_all()
             return
@@ -241,6 +245,7 @@ class Worker:
         self._paused = paused
         if self._puller is not None:
             self._puller.wake()
+        self.adapter_queues.wake()
 
     async def wait_idle(self, hand_back_after: float) -> None:
         """Until no job runs here; jobs still running after `hand_back_after` seconds are handed back."""
@@ -321,6 +326,8 @@ class Worker:
                                    headers=hop.header)
                 await self._reject(job, frames, exc, exc.request_id)
                 return
+            if req.model != self.model and req.adapter is None and self.adapter_queues.serves(req.model):
+                req = msgspec.structs.replace(req, model=self.model, adapter=req.model)  # from the adapter's queue
             if req.request_id in self._running:
                 # A second job with this id while the first runs here: let the first finish.
                 log.warning("request %s delivered again while running here; holding the copy", req.request_id)
@@ -342,6 +349,7 @@ class Worker:
                 self._idle.set()
             if self._puller is not None:
                 self._puller.wake()
+            self.adapter_queues.wake()
 
     async def _serve(self, job: Job, req: GenerateRequest, frames: FrameSink) -> None:
         rid = req.request_id
@@ -553,7 +561,8 @@ class Worker:
         """Wait (briefly) until this worker can receive no more jobs, so a handed-back job goes elsewhere."""
         if self._puller is not None:
             with anyio.move_on_after(self.config.pull_expires + 2):
-                await self._puller.done.wait()
+                for puller in [self._puller, *self.adapter_queues.pullers]:
+                    await puller.done.wait()
 
     async def _reject(
         self, job: Job, frames: FrameSink, exc: RequestRejected, request_id: str | None,

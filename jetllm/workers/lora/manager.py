@@ -251,6 +251,7 @@ class LoraManager:
     def _published(self) -> None:
         self.w.adapters = sorted(self._loaded)
         self.w.registry.beat_now()
+        self.w._spawn(self.w.adapter_queues.sync, list(self.w.adapters))
 
     def _reply(self, name: str, action: Any, info: LoadedAdapter | None = None, detail: str = "") -> AdapterReply:
         return AdapterReply(instance=self.w.instance, name=name, action=action, adapter=info, detail=detail)
