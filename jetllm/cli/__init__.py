@@ -8,7 +8,7 @@ import sys
 from .. import __version__
 from ..bench import chaos as bench_chaos
 from ..bench import run as bench
-from . import demo, dlq, misc, produce, worker_cmd
+from . import demo, dlq, kvevents, misc, produce, worker_cmd
 from .common import setup_logging
 
 
@@ -24,6 +24,7 @@ def parser() -> argparse.ArgumentParser:
     worker_cmd.register(sub)
     produce.register(sub)
     dlq.register(sub)
+    kvevents.register(sub)
     misc.register(sub)
     bench.register(sub)
     bench_chaos.register(sub)

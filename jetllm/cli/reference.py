@@ -27,6 +27,7 @@ SECTIONS: list[tuple[str, list[type]]] = [
     ("Control", [s.CancelRequest, s.StatusRequest, s.WorkerStatus]),
     ("Fleet: registry, load, control replies", [s.InstanceRecord, s.EngineInfo, s.ModelCard, s.LoadReport,
                                                  s.HealthCheck, s.HealthReport, s.ControlDone, s.ControlFailed]),
+    ("KV-cache events", [s.KvEventBatch, s.KvStored, s.KvRemoved, s.KvCleared, s.KvResync]),
     ("Dead letters", [s.DeadLetter]),
     ("Batch files", [s.BatchLine, s.BatchResult, s.BatchError]),
 ]

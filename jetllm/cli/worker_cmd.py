@@ -29,6 +29,9 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
                    help="skip graph compilation (default on CPU: on)")
     g.add_argument("--seed", type=int, default=0, help="engine seed (requests without their own seed)")
+    g.add_argument("--kv-events", action=argparse.BooleanOptionalAction, default=True,
+                   help="relay the engine's KV-cache events to JetStream for KV-aware routing (turns prefix "
+                   "caching on; costs about nothing, see docs/fleet.md)")
     g.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="any other vLLM AsyncEngineArgs field, VALUE as JSON (repeatable)")
     w = p.add_argument_group("worker")
@@ -74,6 +77,7 @@ def engine_options(args: argparse.Namespace):
         max_num_seqs=args.max_num_seqs,
         enforce_eager=args.enforce_eager,
         seed=args.seed,
+        kv_events=args.kv_events,
         extra=parse_kv(args.engine_arg),
     )
 

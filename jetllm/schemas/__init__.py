@@ -38,9 +38,16 @@ from .generate import (
     TextPrompt,
     TokensPrompt,
 )
+from .kvevents import KvCleared, KvEvent, KvEventBatch, KvRemoved, KvResync, KvStored
 from .progress import Cancelled, Claim, Handoff, Record, Result, Step
 
 __all__ = [
+    "KvCleared",
+    "KvEvent",
+    "KvEventBatch",
+    "KvRemoved",
+    "KvResync",
+    "KvStored",
     "ModelCard",
     "LoadReport",
     "InstanceState",

@@ -42,6 +42,7 @@ from .engine import Engine
 from .enginecontrol import EngineControl
 from .frames import FrameSink
 from .jobs import Job, RejectedJob, dead_letter_record, decode_request
+from .kvevents import KvEventRelay
 from .puller import Puller
 from .registry import RegistryKeeper, instance_record, load_report, model_card
 from .requestlog import History, LogUnavailable, RequestLog, analyze
@@ -133,6 +134,7 @@ class Worker:
         self.engine_control = EngineControl(self)
         self.services: list[Callable[[], Awaitable[None]]] = []
         """Long-running companions (KV-event relay, adapter reconciler); started once ready."""
+        self.kv_events = KvEventRelay(self)
 
     # lifecycle
 

@@ -1,6 +1,6 @@
 """Engines behind one protocol; vLLM is imported only when a VllmEngine is started."""
 
-from .base import ChoiceDelta, Engine, EngineFacts, EngineLoad, EngineStep
+from .base import ChoiceDelta, Engine, EngineFacts, EngineLoad, EngineStep, KvEventSource
 from .options import EngineOptions
 
-__all__ = ["ChoiceDelta", "Engine", "EngineFacts", "EngineLoad", "EngineOptions", "EngineStep"]
+__all__ = ["ChoiceDelta", "Engine", "EngineFacts", "EngineLoad", "EngineOptions", "EngineStep", "KvEventSource"]

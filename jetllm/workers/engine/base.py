@@ -15,6 +15,14 @@ import msgspec
 from ...schemas import FinishReason, GenerateRequest, Prompt
 
 
+class KvEventSource(msgspec.Struct, kw_only=True):
+    """One engine publisher of KV-cache events: vLLM's ZMQ PUB socket and its replay socket."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+
+
 class EngineFacts(msgspec.Struct, kw_only=True):
     model: str
     """The name jobs use for this model (vLLM's served_model_name)."""
@@ -30,6 +38,8 @@ class EngineFacts(msgspec.Struct, kw_only=True):
     source: str = ""
     """Where the weights came from, for the model card: a hub id or a directory's name."""
     chat_template: bool = False
+    kv_events: dict[int, KvEventSource] = {}
+    """Per data-parallel rank, where the engine publishes KV-cache events; empty: it does not."""
 
 
 class ChoiceDelta(msgspec.Struct, kw_only=True):

@@ -22,6 +22,8 @@ class EngineOptions(msgspec.Struct, kw_only=True):
     enforce_eager: bool | None = None
     """None: True on CPU (compiling takes minutes on small CPUs), else vLLM's default."""
     seed: int = 0
+    kv_events: bool = False
+    """Publish KV-cache events (turns prefix caching on; the worker relays them to JetStream)."""
     extra: dict[str, Any] = {}
     """Any other AsyncEngineArgs field, passed through unchanged."""
 
