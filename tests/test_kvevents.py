@@ -14,12 +14,12 @@ import pytest
 from jetllm.schemas import ControlDone, ControlFailed, KvCleared, KvEventBatch, KvRemoved, KvStored
 from jetllm.subjects import codec
 from jetllm.subjects.connection import connect
-from jetllm.subjects.kvevents import kv_events
 from jetllm.subjects.names import Names
 from jetllm.workers.engine import KvEventSource
 
 from .conftest import inproc_worker
 from .fake_engine import FakeEngine
+from .jobs import kv_batches, kv_blocks
 
 pytest.importorskip("zmq")
 import zmq  # noqa: E402
@@ -70,32 +70,6 @@ def removed(hashes: list[int]) -> dict:
     return {"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU"}
 
 
-async def read(nc, names: Names, instance: str, until, start_seq: int | None = None) -> list[KvEventBatch]:
-    """The instance's batches in the stream, once `until(batches)` holds."""
-    with anyio.fail_after(15):
-        while True:
-            got = [d.batch async for d in kv_events(nc, names, "fake", instance=instance, start_seq=start_seq,
-                                                    follow=False)]
-            if until(got):
-                return got
-            await anyio.sleep(0.05)
-
-
-def blocks_of(events) -> dict[int, list[int]]:
-    """Block hash -> its tokens, after applying the events in order."""
-    live: dict[int, list[int]] = {}
-    for ev in events:
-        if isinstance(ev, KvStored):
-            for i, h in enumerate(ev.block_hashes):
-                live[h] = ev.token_ids[i * ev.block_size:(i + 1) * ev.block_size]
-        elif isinstance(ev, KvRemoved):
-            for h in ev.block_hashes:
-                live.pop(h, None)
-        elif isinstance(ev, KvCleared):
-            live.clear()
-    return live
-
-
 async def test_relay_numbers_batches_without_gaps_recovers_lost_ones_and_resyncs(nats_url, namespace, tmp_path):
     """Engine batches reach JetStream in order, each numbered 1, 2, 3, ... per instance; one the
     relay missed live is taken from the replay socket; one that is gone for good becomes a resync
@@ -110,7 +84,7 @@ async def test_relay_numbers_batches_without_gaps_recovers_lost_ones_and_resyncs
             engine = FakeEngine()
             engine.facts.kv_events = {0: engine_pub.source}
             async with inproc_worker(nats_url, engine, namespace=namespace, instance="kv-1"):
-                first = await read(nc, names, "kv-1", lambda b: len(b) >= 1)
+                first = await kv_batches(nc, names, "fake", "kv-1", lambda b: len(b) >= 1)
                 assert first[0].seq == 1 and first[0].resync is not None and first[0].resync.reason == "start"
                 assert first[0].events == [KvCleared()] and first[0].model == "fake"
 
@@ -119,7 +93,7 @@ async def test_relay_numbers_batches_without_gaps_recovers_lost_ones_and_resyncs
                 await engine_pub.send(1, stored([13], 12, c))
                 await engine_pub.send(2, removed([13]), live=False)  # PUB/SUB lost it; the replay has it
                 await engine_pub.send(3, stored([14], 12, [0, 0, 0, 1]))
-                got = await read(nc, names, "kv-1", lambda b: len(b) >= 5)
+                got = await kv_batches(nc, names, "fake", "kv-1", lambda b: len(b) >= 5)
                 assert [x.seq for x in got] == [1, 2, 3, 4, 5]
                 assert [x.engine_seq for x in got[1:]] == [0, 1, 2, 3]
                 assert got[1].events == [KvStored(block_hashes=[11, 12], token_ids=a + b, block_size=4, medium="GPU")]
@@ -128,12 +102,12 @@ async def test_relay_numbers_batches_without_gaps_recovers_lost_ones_and_resyncs
 
                 await engine_pub.send(4, removed([11]), live=False, keep=False)  # gone for good
                 await engine_pub.send(5, removed([14]))
-                got = await read(nc, names, "kv-1", lambda b: len(b) >= 6)
+                got = await kv_batches(nc, names, "fake", "kv-1", lambda b: len(b) >= 6)
                 gap = got[5]
                 assert gap.resync is not None and gap.resync.reason == "engine-gap" and gap.resync.parts == 1
                 assert gap.events[0] == KvCleared()
                 # the relay's view: block 11 is still there (its removal was lost), 14 is gone (seen)
-                assert blocks_of(gap.events) == {11: a, 12: b}
+                assert kv_blocks(gap.events) == {11: a, 12: b}
 
                 async def resync() -> ControlDone:
                     reply = await nc.request(names.instance_control("kv-1", "kv-resync"), b"", timeout=15)
@@ -142,23 +116,23 @@ async def test_relay_numbers_batches_without_gaps_recovers_lost_ones_and_resyncs
                     return answer
 
                 done = await resync()
-                got = await read(nc, names, "kv-1", lambda b: len(b) >= 7)
+                got = await kv_batches(nc, names, "fake", "kv-1", lambda b: len(b) >= 7)
                 assert got[6].resync is not None and got[6].resync.reason == "requested"
-                assert blocks_of(got[6].events) == {11: a, 12: b} and "seq 7..7: 2 blocks" in done.detail
+                assert kv_blocks(got[6].events) == {11: a, 12: b} and "seq 7..7: 2 blocks" in done.detail
 
                 reply = await nc.request(names.instance_control("kv-1", "reset-prefix-cache"), b"", timeout=15)
                 assert isinstance(_reply.decode(reply.data), ControlDone)
-                got = await read(nc, names, "kv-1", lambda b: len(b) >= 8)
+                got = await kv_batches(nc, names, "fake", "kv-1", lambda b: len(b) >= 8)
                 assert got[7].events == [KvCleared()] and got[7].resync is None
 
             engine2 = FakeEngine()
             engine2.facts.kv_events = {0: engine_pub.source}
             async with inproc_worker(nats_url, engine2, namespace=namespace, instance="kv-1"):
-                got = await read(nc, names, "kv-1", lambda b: len(b) >= 9)
+                got = await kv_batches(nc, names, "fake", "kv-1", lambda b: len(b) >= 9)
                 assert got[8].seq == 9 and got[8].resync is not None and got[8].resync.reason == "start"
                 # the stand-in engine still holds batches 0..5 for replay: the new relay takes them
                 # after its start snapshot, as it would after a restart of the worker alone
-                late = await read(nc, names, "kv-1", lambda b: len(b) >= 1, start_seq=3)
+                late = await kv_batches(nc, names, "fake", "kv-1", lambda b: len(b) >= 1, start_seq=3)
                 assert [x.seq for x in late][:7] == [3, 4, 5, 6, 7, 8, 9]
 
                 out = await anyio.to_thread.run_sync(lambda: subprocess.run(
