@@ -21,10 +21,13 @@ class KvStored(msgspec.Struct, kw_only=True, tag_field="type", tag="stored", for
     `token_ids[i * block_size:(i + 1) * block_size]` and is the parent of block i + 1."""
 
     block_hashes: list[int]
+    """The engine's ids of the blocks (unsigned 64-bit), parent first."""
     parent_block_hash: int | None = None
     """The block before the first one; None when the chain starts the sequence."""
     token_ids: list[int]
+    """The tokens of all the blocks, block after block."""
     block_size: int
+    """Tokens per block."""
     lora_name: str | None = None
     """The LoRA adapter the blocks were computed with (blocks of different adapters never match)."""
     medium: str | None = None
@@ -36,6 +39,7 @@ class KvRemoved(msgspec.Struct, kw_only=True, tag_field="type", tag="removed", f
 
     block_hashes: list[int]
     medium: str | None = None
+    """The tier they left (see KvStored.medium)."""
 
 
 class KvCleared(msgspec.Struct, kw_only=True, tag_field="type", tag="cleared", forbid_unknown_fields=True):
@@ -46,14 +50,16 @@ KvEvent = KvStored | KvRemoved | KvCleared
 
 
 class KvResync(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Marks the batches of a snapshot: part 1 of each rank starts with a KvCleared, the parts
-    after it store the blocks the relay knows to be cached; the snapshot is whole at part == parts."""
+    """Marks the batches of a snapshot: each rank's first batch starts with a KvCleared, then
+    stores the blocks the relay knows to be cached (parents before children)."""
 
     reason: str
     """Why: "start" (worker started), "requested" (kv-resync verb), "engine-gap" (the relay lost
     engine batches it could not replay), "backlog" (NATS was unreachable longer than the relay buffers)."""
     part: int
+    """1, 2, ... over the snapshot's batches (all ranks)."""
     parts: int
+    """The snapshot is whole once part == parts has been applied."""
     blocks: int = 0
     """Blocks in the whole snapshot, all ranks together."""
 
@@ -62,8 +68,11 @@ class KvEventBatch(Message, kw_only=True):
     """Events of one engine step (or one part of a snapshot), in the order they happened."""
 
     instance: str
+    """The worker instance whose engine holds the blocks."""
     model: str
+    """The served model name (jobs use it); LoRA blocks name their adapter in `lora_name`."""
     dp_rank: int = 0
+    """The engine's data-parallel rank: each rank has its own cache and its own block set."""
     seq: int
     """1, 2, 3, ... per instance; a jump means batches were lost (expired from the stream)."""
     engine_seq: int | None = None
@@ -71,5 +80,6 @@ class KvEventBatch(Message, kw_only=True):
     engine_ts: float = 0.0
     """When the engine produced the events (Unix seconds)."""
     events: list[KvEvent]
+    """Apply in order; a KvCleared empties this rank's set before the events after it."""
     resync: KvResync | None = None
     """Set on every batch of a snapshot."""

@@ -44,6 +44,9 @@ def kv_events_config(directory: str) -> Any:
     from vllm.config.kv_events import KVEventsConfig
 
     base = os.path.join(directory, "inproc")
+    if len(base) > 80:  # Unix socket paths end at ~107 bytes, and ranks add a suffix
+        raise ValueError(f"the temporary directory's path is too long for Unix sockets ({len(base)} bytes): "
+                         "point TMPDIR somewhere shorter")
     return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"ipc://{base}-events",
                           replay_endpoint=f"ipc://{base}-replay")
 
