@@ -153,3 +153,30 @@ async def test_a_worker_without_kv_events_says_so(nats_url, namespace):
         reply = await w.nc.request(Names(namespace).instance_control("plain", "kv-resync"), b"", timeout=5)
         answer = _reply.decode(reply.data)
         assert isinstance(answer, ControlFailed) and "--kv-events" in answer.message
+
+
+def test_batches_too_big_for_one_message_are_split_along_block_boundaries():
+    """A long prompt's stored chain (or a large snapshot) is split into messages under the server's
+    max_payload; applied in order they give the same blocks, each chained to the one before."""
+    from jetllm.workers.kvevents import chunks
+
+    ev = KvStored(block_hashes=list(range(1, 201)), token_ids=list(range(70_000, 70_000 + 200 * 16)), block_size=16)
+    limit = 4096
+    parts = chunks([KvCleared(), ev, KvRemoved(block_hashes=[5])], limit)
+    assert len(parts) > 1
+    for part in parts:
+        assert len(codec.encode(KvEventBatch(instance="i", model="m", seq=1, events=part))) < limit
+    flat = [e for part in parts for e in part]
+    assert kv_blocks(flat) == {h: ev.token_ids[(h - 1) * 16:h * 16] for h in range(1, 201) if h != 5}
+    stored_parts = [e for e in flat if isinstance(e, KvStored)]
+    assert [p.parent_block_hash for p in stored_parts[1:]] == [p.block_hashes[-1] for p in stored_parts[:-1]]
+
+
+def test_older_vllm_array_events_and_unknown_kinds_are_read():
+    from jetllm.workers.kvevents import decode_engine_batch
+
+    payload = msgspec.msgpack.encode([1.0, [["BlockStored", [2**64 - 1], None, [1, 2], 2, None, "GPU"],
+                                            {"type": "SomethingNew", "x": 1}, ["AllBlocksCleared"]], None])
+    ts, rank, events = decode_engine_batch(payload)
+    assert (ts, rank) == (1.0, None)
+    assert events == [KvStored(block_hashes=[2**64 - 1], token_ids=[1, 2], block_size=2, medium="GPU"), KvCleared()]
