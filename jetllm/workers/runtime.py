@@ -590,6 +590,7 @@ class Worker:
                 "engine_waiting": str(load.waiting),
                 "max_model_len": str(self.engine.facts.max_model_len),
                 **{k: str(v) for k, v in self.counters.items()},
+                **{f"kv_{k}": str(v) for k, v in self.kv_events.counters.items() if self.kv_events.running},
             },
         )
 
