@@ -93,8 +93,10 @@ async def kv_events(
                              idle_heartbeat=2.0)
     last: dict[str, int] = {instance: start_seq - 1} if instance and start_seq else {}
     try:
-        if not follow and (await sub.consumer_info()).num_pending == 0:
-            return
+        if not follow:
+            info = await sub.consumer_info()
+            if info.num_pending == 0 and not (info.delivered and info.delivered.consumer_seq):
+                return  # nothing stored (pending excludes what was already pushed to us)
         while True:
             try:
                 msg = await sub.next_msg(timeout=idle_timeout)
