@@ -89,3 +89,34 @@ async def consumer_counts(nc: NATS, names: Names, model: str) -> tuple[int, int]
     """(jobs waiting in JetStream, jobs delivered and not yet acked) for the model's consumer."""
     info = await nc.jetstream().consumer_info(names.jobs_stream, names.consumer("generate", model))
     return info.num_pending, info.num_ack_pending
+
+
+async def kv_batches(nc: NATS, names: Names, model: str, instance: str, until, start_seq: int | None = None,
+                     timeout: float = 30) -> list:
+    """An instance's KV-event batches in the stream, read again until `until(batches)` holds."""
+    from jetllm.subjects.kvevents import kv_events
+
+    with anyio.fail_after(timeout):
+        while True:
+            got = [d.batch async for d in kv_events(nc, names, model, instance=instance, start_seq=start_seq,
+                                                    follow=False)]
+            if until(got):
+                return got
+            await anyio.sleep(0.05)
+
+
+def kv_blocks(events) -> dict[int, list[int]]:
+    """Block hash -> its tokens, after applying KV events in order."""
+    from jetllm.schemas import KvCleared, KvRemoved, KvStored
+
+    live: dict[int, list[int]] = {}
+    for ev in events:
+        if isinstance(ev, KvStored):
+            for i, h in enumerate(ev.block_hashes):
+                live[h] = ev.token_ids[i * ev.block_size:(i + 1) * ev.block_size]
+        elif isinstance(ev, KvRemoved):
+            for h in ev.block_hashes:
+                live.pop(h, None)
+        elif isinstance(ev, KvCleared):
+            live.clear()
+    return live

@@ -125,7 +125,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     opts = EngineOptions(
         model=model, served_model_name=served, max_model_len=args.max_model_len, dtype=args.dtype,
         kv_cache_bytes=args.kv_cache_bytes, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-        enforce_eager=True, extra=parse_kv(args.engine_arg),
+        enforce_eager=True, kv_events=args.kv_events, extra=parse_kv(args.engine_arg),
     )
     if opts.dtype is None:
         from vllm.platforms import current_platform
@@ -184,6 +184,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256, help="engine argument; also the worker's slots")
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="any other engine argument, for every target (repeatable)")
+    p.add_argument("--kv-events", action=argparse.BooleanOptionalAction, default=False,
+                   help="KV-cache events on for the direct and jetllm targets (default: off, as in the published "
+                   "figures)")
     p.add_argument("--nats", default=None, help="use this NATS server instead of an embedded one")
     p.add_argument("--json", default=None, help="also write the summaries as JSON here")
     p.add_argument("--write", default=None, help="replace the figures section of this markdown file")

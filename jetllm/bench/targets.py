@@ -96,7 +96,7 @@ async def run_jetllm(opts: EngineOptions, work: Workload, url: str, log_dir: Pat
     namespace = f"bench-{uuid.uuid4().hex[:8]}"
     cmd = [sys.executable, "-m", "jetllm", "worker", "--nats", url, "--namespace", namespace,
            *engine_cli_args(opts), "--kv-cache-bytes", str(opts.kv_cache_bytes or (1 << 30)),
-           "--slots", str(opts.max_num_seqs or 256)]
+           "--slots", str(opts.max_num_seqs or 256), "--kv-events" if opts.kv_events else "--no-kv-events"]
     for key, value in opts.extra.items():
         cmd += ["--engine-arg", f"{key}={json.dumps(value)}"]
     log = open(log_dir / "bench-worker.log", "wb")

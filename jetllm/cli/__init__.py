@@ -8,7 +8,7 @@ import sys
 from .. import __version__
 from ..bench import chaos as bench_chaos
 from ..bench import run as bench
-from . import demo, dlq, fleet, lora_cmd, misc, produce, worker_cmd
+from . import demo, dlq, fleet, kvevents, lora_cmd, misc, produce, worker_cmd
 from .common import setup_logging
 
 
@@ -26,6 +26,7 @@ def parser() -> argparse.ArgumentParser:
     dlq.register(sub)
     fleet.register(sub)
     lora_cmd.register(sub)
+    kvevents.register(sub)
     misc.register(sub)
     bench.register(sub)
     bench_chaos.register(sub)

@@ -31,6 +31,7 @@ SECTIONS: list[tuple[str, list[type]]] = [
     ("Tracing", [s.TraceRecord]),
     ("LoRA adapters", [s.AdapterSpec, s.AdapterManifest, s.LoraLoad, s.LoraUnload, s.AdapterReply,
                        s.AdapterList, s.LoadedAdapter]),
+    ("KV-cache events", [s.KvEventBatch, s.KvStored, s.KvRemoved, s.KvCleared, s.KvResync]),
     ("Dead letters", [s.DeadLetter]),
     ("Batch files", [s.BatchLine, s.BatchResult, s.BatchError]),
 ]

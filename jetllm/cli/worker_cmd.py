@@ -31,6 +31,9 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="engine seed (requests without their own seed)")
     g.add_argument("--enable-prompt-embeds", action="store_true",
                    help="accept embeddings prompts (off by default: it slows every request a little)")
+    g.add_argument("--kv-events", action=argparse.BooleanOptionalAction, default=True,
+                   help="relay the engine's KV-cache events to JetStream for KV-aware routing (turns prefix "
+                   "caching on; costs about nothing, see docs/fleet.md)")
     g.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="any other vLLM AsyncEngineArgs field, VALUE as JSON (repeatable)")
     d = p.add_argument_group("data parallel (one worker schedules onto every rank; other hosts run --headless)")
@@ -114,6 +117,7 @@ def engine_options(args: argparse.Namespace):
         enable_lora=args.enable_lora,
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
+        kv_events=args.kv_events,
         extra=parse_kv(args.engine_arg),
     )
 

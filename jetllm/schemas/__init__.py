@@ -41,6 +41,7 @@ from .generate import (
     TextPrompt,
     TokensPrompt,
 )
+from .kvevents import KvCleared, KvEvent, KvEventBatch, KvRemoved, KvResync, KvStored
 from .lora import (
     AdapterList,
     AdapterManifest,
@@ -65,6 +66,12 @@ __all__ = [
     "LoadedAdapter",
     "LoraLoad",
     "LoraUnload",
+    "KvCleared",
+    "KvEvent",
+    "KvEventBatch",
+    "KvRemoved",
+    "KvResync",
+    "KvStored",
     "ModelCard",
     "LoadReport",
     "InstanceState",

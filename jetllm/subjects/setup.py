@@ -50,6 +50,12 @@ class QueuePolicy(msgspec.Struct, kw_only=True, frozen=True):
     dlq_max_age: float = 14 * 24 * 3600.0
     results_max_age: float = 24 * 3600.0
     """How long a finished request's result stays readable (batch resume, late producers)."""
+    kv_events_max_age: float = 3600.0
+    """How long KV-cache events stay replayable. A router needs history only to bridge its own
+    restart; anything older is covered by asking the instances for a resync (docs/fleet.md)."""
+    kv_events_max_msgs_per_subject: int = 100_000
+    """Batches kept per instance: about half an hour of a busy GPU engine (~50 batches/s), so an
+    unread stream stays bounded even within max_age."""
 
 
 def parse_version(text: str) -> tuple[int, int, int]:
@@ -139,6 +145,26 @@ async def ensure_streams(js: JetStreamContext, names: Names, policy: QueuePolicy
             max_age=policy.results_max_age,
             max_msgs_per_subject=64,
             discard=DiscardPolicy.OLD,
+        ),
+    )
+    await ensure_kv_events_stream(js, names, policy)
+
+
+async def ensure_kv_events_stream(js: JetStreamContext, names: Names, policy: QueuePolicy) -> None:
+    await _ensure_stream(
+        js,
+        StreamConfig(
+            name=names.kv_events_stream,
+            description="jetllm KV-cache events: one subject per (model, instance), replayable",
+            subjects=[names.kv_events_all],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.MEMORY if policy.memory else StorageType.FILE,
+            num_replicas=policy.replicas,
+            max_age=policy.kv_events_max_age,
+            max_msgs_per_subject=policy.kv_events_max_msgs_per_subject,
+            duplicate_window=min(policy.duplicate_window, 120.0),
+            discard=DiscardPolicy.OLD,
+            allow_direct=True,
         ),
     )
 

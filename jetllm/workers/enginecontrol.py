@@ -105,6 +105,7 @@ class EngineControl:
         if not await self.w.engine.reset_prefix_cache():
             raise ControlError(ErrorCode.CONFLICT, "the engine kept its prefix cache: blocks are still in use "
                                                     "by running requests; try again when idle")
+        self.w.kv_events.engine_cleared()
         return ControlDone(instance=self.w.instance, verb="reset-prefix-cache", detail="prefix cache cleared",
                            state=self.w.public_state())
 

@@ -46,6 +46,7 @@ from .engine import Engine, EnginePrompt
 from .enginecontrol import EngineControl
 from .frames import FrameSink
 from .jobs import Job, RejectedJob, dead_letter_record, decode_request
+from .kvevents import KvEventRelay
 from .lora import LoraManager, LoraSettings
 from .puller import Puller
 from .registry import RegistryKeeper, instance_record, load_reports, model_card
@@ -148,6 +149,7 @@ class Worker:
         """Long-running companions (KV-event relay, adapter reconciler); started once ready."""
         self.lora = LoraManager(self, config.lora)
         self.adapter_queues = AdapterQueues(self)
+        self.kv_events = KvEventRelay(self)
 
     # lifecycle
 
@@ -634,6 +636,7 @@ class Worker:
                 "engine_waiting": str(load.waiting),
                 "max_model_len": str(self.engine.facts.max_model_len),
                 **{k: str(v) for k, v in self.counters.items()},
+                **{f"kv_{k}": str(v) for k, v in self.kv_events.counters.items() if self.kv_events.running},
             },
         )
 

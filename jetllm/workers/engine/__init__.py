@@ -8,6 +8,7 @@ from .base import (
     EngineLoad,
     EnginePrompt,
     EngineStep,
+    KvEventSource,
     LoraFacts,
     PromptEmbeds,
 )
@@ -15,5 +16,5 @@ from .options import EngineOptions
 
 __all__ = [
     "ChoiceDelta", "Engine", "EngineAdapter", "EngineFacts", "EngineLoad", "EngineOptions", "EnginePrompt",
-    "EngineStep", "LoraFacts", "PromptEmbeds",
+    "EngineStep", "KvEventSource", "LoraFacts", "PromptEmbeds",
 ]

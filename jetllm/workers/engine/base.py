@@ -34,6 +34,12 @@ class EngineAdapter(msgspec.Struct, kw_only=True, frozen=True):
     name: str
     id: int
     path: str
+class KvEventSource(msgspec.Struct, kw_only=True):
+    """One engine publisher of KV-cache events: vLLM's ZMQ PUB socket and its replay socket."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
 
 
 class EngineFacts(msgspec.Struct, kw_only=True):
@@ -53,6 +59,8 @@ class EngineFacts(msgspec.Struct, kw_only=True):
     source: str = ""
     """Where the weights came from, for the model card: a hub id or a directory's name."""
     chat_template: bool = False
+    kv_events: dict[int, KvEventSource] = {}
+    """Per data-parallel rank, where the engine publishes KV-cache events; empty: it does not."""
     lora: LoraFacts | None = None
     """None: the engine runs without LoRA."""
     hidden_size: int | None = None

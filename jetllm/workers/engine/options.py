@@ -37,6 +37,8 @@ class EngineOptions(msgspec.Struct, kw_only=True):
     max_loras: int = 1
     """Adapters held at once (and run in one batch)."""
     max_lora_rank: int = 16
+    kv_events: bool = False
+    """Publish KV-cache events (turns prefix caching on; the worker relays them to JetStream)."""
     extra: dict[str, Any] = {}
     """Any other AsyncEngineArgs field, passed through unchanged."""
 

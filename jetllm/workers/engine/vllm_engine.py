@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -25,6 +27,7 @@ from .base import (
     EngineLoad,
     EnginePrompt,
     EngineStep,
+    KvEventSource,
     LoraFacts,
     PromptEmbeds,
 )
@@ -41,7 +44,26 @@ def _quiet_defaults() -> None:
     os.environ.setdefault("DO_NOT_TRACK", "1")
 
 
-def engine_args(opts: EngineOptions) -> Any:
+def kv_events_config(directory: str) -> Any:
+    """vLLM publishes on Unix sockets in a private directory: no ports to choose or collide.
+
+    With data parallelism vLLM derives rank r's address from rank 0's: it shifts a tcp port, adds
+    `_dp<r>` when the address contains "inproc", and refuses any other ipc address; hence the
+    socket names. The worker reads the addresses back from the engine (`get_kv_event_sources`).
+    """
+    from vllm.config.kv_events import KVEventsConfig
+
+    base = os.path.join(directory, "inproc")
+    if len(base) > 80:  # Unix socket paths end at ~107 bytes, and ranks add a suffix
+        raise ValueError(f"the temporary directory's path is too long for Unix sockets ({len(base)} bytes): "
+                         "point TMPDIR somewhere shorter")
+    return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"ipc://{base}-events",
+                          replay_endpoint=f"ipc://{base}-replay")
+
+
+def engine_args(opts: EngineOptions, kv_dir: str | None = None) -> Any:
+    """vLLM's engine arguments; `kv_dir` holds the KV-event sockets (a fresh temporary directory
+    when None and opts.kv_events is set)."""
     _quiet_defaults()
     from vllm import AsyncEngineArgs
     from vllm.platforms import current_platform
@@ -75,6 +97,12 @@ def engine_args(opts: EngineOptions) -> Any:
                 kw[name] = getattr(opts, name)
     if opts.enable_lora:
         kw.update(enable_lora=True, max_loras=opts.max_loras, max_lora_rank=opts.max_lora_rank)
+    if opts.kv_events:
+        if opts.extra.get("enable_prefix_caching") is False:
+            raise ValueError("KV-cache events come from the prefix cache: they need enable_prefix_caching "
+                             "(drop enable_prefix_caching=false, or turn KV events off)")
+        kw["enable_prefix_caching"] = True
+        kw["kv_events_config"] = kv_events_config(kv_dir or tempfile.mkdtemp(prefix="jetllm-kv-"))
     kw.update(opts.extra)
     return AsyncEngineArgs(**kw)
 
@@ -132,6 +160,19 @@ class _LoadRecorder:
         return Logger(vllm_config, engine_index)
 
 
+def _kv_event_sources(llm: Any) -> dict[int, KvEventSource]:
+    """The publishers the engine actually bound, per data-parallel rank (ZMQ ones only)."""
+    try:
+        sources = llm.get_kv_event_sources()
+    except Exception:
+        return {}
+    return {
+        int(rank): KvEventSource(endpoint=c.endpoint, replay_endpoint=c.replay_endpoint, topic=c.topic or "")
+        for rank, c in sources.items()
+        if c.enable_kv_cache_events and c.publisher == "zmq" and c.endpoint
+    }
+
+
 def _has_chat_template(llm: Any) -> bool:
     try:
         return bool(getattr(llm.get_tokenizer(), "chat_template", None))
@@ -160,9 +201,10 @@ def _embeds_input(p: PromptEmbeds) -> Any:
 class VllmEngine:
     """One AsyncLLM. Build it with `await VllmEngine.start(opts)` inside the worker's event loop."""
 
-    def __init__(self, llm: Any, opts: EngineOptions, recorder: _LoadRecorder) -> None:
+    def __init__(self, llm: Any, opts: EngineOptions, recorder: _LoadRecorder, kv_dir: str | None = None) -> None:
         self.llm = llm
         self._recorder = recorder
+        self._kv_dir = kv_dir
         cfg = llm.vllm_config
         try:
             vocab = cfg.model_config.get_vocab_size()
@@ -199,21 +241,28 @@ class VllmEngine:
             hidden_size=llm.model_config.get_hidden_size(),
             prompt_embeds=bool(llm.model_config.enable_prompt_embeds),
             lora=_lora_facts(llm, opts),
+            kv_events=_kv_event_sources(llm),
         )
         self._defaults = llm.model_config.get_diff_sampling_param()
 
     @classmethod
     async def start(cls, opts: EngineOptions) -> VllmEngine:
         """Start the engine (blocks the loop for its start-up, ~15 s for a tiny model on CPU)."""
-        args = engine_args(opts)
-        from vllm.usage.usage_lib import UsageContext
-        from vllm.v1.engine.async_llm import AsyncLLM
+        kv_dir = tempfile.mkdtemp(prefix="jetllm-kv-") if opts.kv_events else None
+        try:
+            args = engine_args(opts, kv_dir)
+            from vllm.usage.usage_lib import UsageContext
+            from vllm.v1.engine.async_llm import AsyncLLM
 
-        recorder = _LoadRecorder()
-        llm = AsyncLLM.from_engine_args(
-            args, usage_context=UsageContext.ENGINE_CONTEXT, stat_loggers=[recorder.factory]
-        )
-        return cls(llm, opts, recorder)
+            recorder = _LoadRecorder()
+            llm = AsyncLLM.from_engine_args(
+                args, usage_context=UsageContext.ENGINE_CONTEXT, stat_loggers=[recorder.factory]
+            )
+        except BaseException:
+            if kv_dir:
+                shutil.rmtree(kv_dir, ignore_errors=True)
+            raise
+        return cls(llm, opts, recorder, kv_dir)
 
     async def render(self, prompt: Prompt) -> list[int]:
         from vllm.exceptions import VLLMValidationError
@@ -361,4 +410,8 @@ class VllmEngine:
         await self.llm.remove_lora(adapter_id)
 
     async def close(self) -> None:
-        await anyio.to_thread.run_sync(self.llm.shutdown)
+        try:
+            await anyio.to_thread.run_sync(self.llm.shutdown)
+        finally:
+            if self._kv_dir:
+                shutil.rmtree(self._kv_dir, ignore_errors=True)

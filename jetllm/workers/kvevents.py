@@ -1,0 +1,548 @@
+"""The KV-event relay: the engine's prefix-cache block events, republished into JetStream.
+
+vLLM publishes each engine step's block events on a ZMQ PUB socket per data-parallel rank. PUB/SUB
+drops messages whenever a reader lags, so the relay checks vLLM's batch numbers, fetches what it
+missed from vLLM's replay socket, and when that is gone too it publishes a resync rather than
+leave a silent hole. Batches go out one at a time with acked publishes, so the instance's `seq`
+has no gaps, and a retried publish (same Nats-Msg-Id) is dropped by the server as a duplicate.
+
+A resync is a KvCleared per rank followed by the blocks the relay believes cached. That is the
+relay's own view, built from the events it saw (vLLM cannot be asked for its block set): after
+an engine gap, blocks stored in the lost batches are missing from it until stored again, and
+blocks removed in them linger.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from array import array
+from collections import deque
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import msgspec
+import nats.errors
+import nats.js.errors
+
+from ..schemas import ControlDone, ErrorCode, KvCleared, KvEvent, KvEventBatch, KvRemoved, KvResync, KvStored
+from ..subjects import codec
+from ..subjects.setup import ensure_kv_events_stream
+from .control import ControlError
+from .engine import KvEventSource
+
+if TYPE_CHECKING:
+    from .runtime import Worker
+
+log = logging.getLogger(__name__)
+
+MAX_PENDING = 10_000
+"""Batches held while JetStream is slow or away; beyond that they are dropped for a resync."""
+QUIET = 1.0
+"""Seconds of engine silence after which the relay asks the replay socket for a lost last batch."""
+REPLAY_TIMEOUT = 5.0
+RESYNC_WAIT = 10.0
+"""How long the kv-resync verb waits for JetStream to acknowledge the snapshot."""
+
+_HASH_MASK = (1 << 64) - 1
+_END = -1
+
+
+# vLLM's wire format (vllm/distributed/kv_events.py): the batch is an array, events are tagged
+# maps (arrays in older releases). Unknown fields and event types are skipped, not fatal.
+
+class _VStored(msgspec.Struct, tag_field="type", tag="BlockStored"):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+
+
+class _VRemoved(msgspec.Struct, tag_field="type", tag="BlockRemoved"):
+    block_hashes: list[int | bytes]
+    medium: str | None = None
+
+
+class _VCleared(msgspec.Struct, tag_field="type", tag="AllBlocksCleared"):
+    pass
+
+
+class _VStoredA(_VStored, array_like=True):
+    pass
+
+
+class _VRemovedA(_VRemoved, array_like=True):
+    pass
+
+
+class _VClearedA(_VCleared, array_like=True):
+    pass
+
+
+class _VBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+_batch_decoder = msgspec.msgpack.Decoder(_VBatch)
+_event_decoders = (
+    msgspec.msgpack.Decoder(_VStored | _VRemoved | _VCleared),
+    msgspec.msgpack.Decoder(_VStoredA | _VRemovedA | _VClearedA),
+)
+_batch_reader = codec.Decoder(KvEventBatch)
+
+
+def _hash(value: int | bytes) -> int:
+    """vLLM sends 64-bit ints by default and raw digests otherwise; both become an unsigned 64-bit id."""
+    if isinstance(value, bytes):
+        return int.from_bytes(value, "big") & _HASH_MASK
+    return value & _HASH_MASK
+
+
+def decode_engine_batch(payload: bytes) -> tuple[float, int | None, list[KvEvent]]:
+    """(timestamp, dp rank, events) of one vLLM batch; raises msgspec errors when unreadable."""
+    raw = _batch_decoder.decode(payload)
+    events: list[KvEvent] = []
+    for item in raw.events:
+        ev: Any = None
+        for decoder in _event_decoders:
+            try:
+                ev = decoder.decode(item)
+                break
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                continue
+        if isinstance(ev, _VStored):
+            events.append(KvStored(
+                block_hashes=[_hash(h) for h in ev.block_hashes],
+                parent_block_hash=None if ev.parent_block_hash is None else _hash(ev.parent_block_hash),
+                token_ids=ev.token_ids, block_size=ev.block_size, lora_name=ev.lora_name, medium=ev.medium,
+            ))
+        elif isinstance(ev, _VRemoved):
+            events.append(KvRemoved(block_hashes=[_hash(h) for h in ev.block_hashes], medium=ev.medium))
+        elif isinstance(ev, _VCleared):
+            events.append(KvCleared())
+        else:
+            log.debug("skipping a KV event of a kind this relay does not know")
+    return raw.ts, raw.data_parallel_rank, events
+
+
+class _Block:
+    __slots__ = ("parent", "tokens", "lora", "medium")
+
+    def __init__(self, parent: int | None, tokens: array, lora: str | None, medium: str | None) -> None:
+        self.parent = parent
+        self.tokens = tokens
+        self.lora = lora
+        self.medium = medium
+
+
+class BlockSet:
+    """The blocks of one rank as the events describe them, in the order they were stored."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[tuple[str | None, int], _Block] = {}
+
+    def apply(self, events: list[KvEvent]) -> None:
+        for ev in events:
+            if isinstance(ev, KvStored):
+                parent = ev.parent_block_hash
+                size = ev.block_size
+                for i, h in enumerate(ev.block_hashes):
+                    key = (ev.medium, h)
+                    self.blocks.pop(key, None)
+                    self.blocks[key] = _Block(parent, array("q", ev.token_ids[i * size:(i + 1) * size]),
+                                              ev.lora_name, ev.medium)
+                    parent = h
+            elif isinstance(ev, KvRemoved):
+                for h in ev.block_hashes:
+                    self.blocks.pop((ev.medium, h), None)
+            else:
+                self.blocks.clear()
+
+    def as_events(self) -> list[KvEvent]:
+        """A KvCleared, then the blocks as chains of stored events (a child after its parent)."""
+        out: list[KvEvent] = [KvCleared()]
+        chain: KvStored | None = None
+        for (medium, h), b in self.blocks.items():
+            size = len(b.tokens)
+            if (chain is not None and b.parent == chain.block_hashes[-1] and chain.medium == medium
+                    and chain.lora_name == b.lora and chain.block_size == size):
+                chain.block_hashes.append(h)
+                chain.token_ids.extend(b.tokens)
+            else:
+                chain = KvStored(block_hashes=[h], parent_block_hash=b.parent, token_ids=list(b.tokens),
+                                 block_size=size, lora_name=b.lora, medium=medium)
+                out.append(chain)
+        return out
+
+
+def _size(ev: KvEvent) -> int:
+    """An upper bound of the event's msgpack size (token ids < 2**32)."""
+    if isinstance(ev, KvStored):
+        return 96 + 9 * len(ev.block_hashes) + 5 * len(ev.token_ids) + len(ev.lora_name or "")
+    if isinstance(ev, KvRemoved):
+        return 48 + 9 * len(ev.block_hashes)
+    return 24
+
+
+def _split_stored(ev: KvStored, limit: int) -> Iterator[KvStored]:
+    per = max(1, (limit - 96) // (9 + 5 * max(1, ev.block_size)))
+    parent = ev.parent_block_hash
+    for i in range(0, len(ev.block_hashes), per):
+        hashes = ev.block_hashes[i:i + per]
+        yield KvStored(block_hashes=hashes, parent_block_hash=parent,
+                       token_ids=ev.token_ids[i * ev.block_size:(i + len(hashes)) * ev.block_size],
+                       block_size=ev.block_size, lora_name=ev.lora_name, medium=ev.medium)
+        parent = hashes[-1]
+
+
+def chunks(events: list[KvEvent], limit: int) -> list[list[KvEvent]]:
+    """The events in order, in groups whose encoding stays under `limit` bytes (NATS max_payload)."""
+    out: list[list[KvEvent]] = [[]]
+    used = 0
+    for ev in events:
+        parts: Any = [ev]
+        if _size(ev) > limit and isinstance(ev, KvStored):
+            parts = _split_stored(ev, limit)
+        for part in parts:
+            size = _size(part)
+            if out[-1] and used + size > limit:
+                out.append([])
+                used = 0
+            out[-1].append(part)
+            used += size
+    return out
+
+
+class _Pending:
+    __slots__ = ("rank", "engine_seq", "ts", "events")
+
+    def __init__(self, rank: int, engine_seq: int | None, ts: float, events: list[KvEvent]) -> None:
+        self.rank = rank
+        self.engine_seq = engine_seq
+        self.ts = ts
+        self.events = events
+
+
+def _connectable(endpoint: str) -> str:
+    """A bound wildcard address (`tcp://*:5557`) as a local address to connect to."""
+    return endpoint.replace("://*:", "://127.0.0.1:").replace("://[::]:", "://127.0.0.1:")
+
+
+class KvEventRelay:
+    def __init__(self, worker: Worker) -> None:
+        self.w = worker
+        self.sources: dict[int, KvEventSource] = dict(worker.engine.facts.kv_events)
+        self.subject = worker.names.kv_events(worker.model, worker.instance)
+        self.running = False
+        self.seq = 0
+        """The last seq JetStream acknowledged."""
+        self.sets: dict[int, BlockSet] = {rank: BlockSet() for rank in self.sources}
+        self.counters = {"engine_batches": 0, "replayed": 0, "engine_gaps": 0, "undecodable": 0,
+                         "published": 0, "resyncs": 0, "dropped_for_backlog": 0}
+        self._pending: deque[_Pending] = deque()
+        self._wake = anyio.Event()
+        self._resync_asked = 0
+        self._resync_done = 0
+        self._resync_reason = "start"
+        self._resynced = anyio.Event()
+        self.last_resync: tuple[int, int, int] | None = None
+        """(first seq, last seq, blocks) of the last snapshot published."""
+        worker.control.add("kv-resync", self.resync_verb)
+        if self.sources:
+            worker.services.append(self.run)
+
+    # the worker's side
+
+    async def run(self) -> None:
+        try:
+            import zmq.asyncio  # noqa: F401
+        except ImportError:
+            log.error("KV-cache events are not relayed: pyzmq is not installed")
+            return
+        await self._load_last_seq()
+        self.ask_resync("start")
+        self.running = True
+        log.info("relaying KV-cache events of %d rank(s) to %s from seq %d", len(self.sources), self.subject,
+                 self.seq + 1)
+        try:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._guarded, "publisher", self._publish_loop)
+                for rank, source in self.sources.items():
+                    tg.start_soon(self._guarded, f"rank {rank} receiver", self._receive, rank, source)
+        finally:
+            self.running = False
+
+    def ask_resync(self, reason: str) -> int:
+        """Publish a snapshot as soon as the publisher is free; returns a ticket for `wait_resync`."""
+        self._resync_asked += 1
+        self._resync_reason = reason
+        self._wake.set()
+        return self._resync_asked
+
+    async def wait_resync(self, ticket: int) -> None:
+        while self._resync_done < ticket:
+            await self._resynced.wait()
+
+    def engine_cleared(self) -> None:
+        """The engine dropped its prefix cache. vLLM reports that only with its next step, so the
+        relay says it at once; the engine's own event follows (a harmless repeat)."""
+        if not self.running:
+            return
+        for rank, blocks in self.sets.items():
+            blocks.apply([KvCleared()])
+            self._enqueue(_Pending(rank, None, time.time(), [KvCleared()]))
+
+    async def resync_verb(self, body: bytes, encoding: Any) -> ControlDone:
+        if not self.sources:
+            raise ControlError(ErrorCode.CONFLICT, "this worker publishes no KV-cache events (start it with --kv-events)")
+        if not self.running:
+            raise ControlError(ErrorCode.CONFLICT, "the KV-event relay is not running yet; try again shortly")
+        ticket = self.ask_resync("requested")
+        detail = f"resync queued: JetStream did not acknowledge it within {RESYNC_WAIT:.0f}s"
+        with anyio.move_on_after(RESYNC_WAIT):
+            await self.wait_resync(ticket)
+            assert self.last_resync is not None
+            first, last, blocks = self.last_resync
+            detail = f"resync published as seq {first}..{last}: {blocks} blocks"
+        return ControlDone(instance=self.w.instance, verb="kv-resync", detail=detail, state=self.w.public_state())
+
+    async def _guarded(self, what: str, fn: Any, *args: Any) -> None:
+        """A bug or a broken socket must not take the worker down: log, resync, start again."""
+        while True:
+            try:
+                await fn(*args)
+                return
+            except Exception:
+                log.exception("KV-event relay: %s failed; restarting it", what)
+                self.ask_resync("engine-gap")
+                await anyio.sleep(1.0)
+
+    # engine side
+
+    async def _receive(self, rank: int, source: KvEventSource) -> None:
+        import zmq
+        import zmq.asyncio
+
+        ctx = zmq.asyncio.Context()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 100_000)
+        sub.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
+        sub.connect(_connectable(source.endpoint))
+        replay = _Replay(ctx, source.replay_endpoint)
+        last = -1
+        try:
+            last = await self._catch_up(rank, replay, last)  # whatever came before the SUB connected
+            probed = True
+            while True:
+                frames = None
+                with anyio.move_on_after(QUIET if not probed else None):
+                    frames = await sub.recv_multipart()
+                if frames is None:
+                    last = await self._catch_up(rank, replay, last)  # a lost last batch would wait forever
+                    probed = True
+                    continue
+                probed = False
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    self.counters["undecodable"] += 1
+                    continue
+                seq = int.from_bytes(frames[1], "big")
+                if seq <= last:
+                    continue
+                if seq > last + 1:
+                    last = await self._catch_up(rank, replay, last)
+                    if seq <= last:
+                        continue
+                    if seq > last + 1:
+                        self._engine_gap(rank, last + 1, seq - 1)
+                self._take(rank, seq, frames[2])
+                last = seq
+        finally:
+            sub.close(linger=0)
+            replay.close()
+            ctx.term()
+
+    async def _catch_up(self, rank: int, replay: _Replay, last: int) -> int:
+        """Take the batches after `last` from vLLM's replay buffer; returns the last one taken."""
+        if not replay.available:
+            return last
+        try:
+            with anyio.fail_after(REPLAY_TIMEOUT):
+                async for seq, payload in replay.since(last + 1):
+                    if seq <= last:
+                        continue
+                    if seq > last + 1:
+                        self._engine_gap(rank, last + 1, seq - 1)  # older than vLLM's replay buffer
+                    self.counters["replayed"] += 1
+                    self._take(rank, seq, payload)
+                    last = seq
+        except TimeoutError:
+            log.warning("KV events, rank %d: the engine's replay socket did not answer in %.0fs", rank, REPLAY_TIMEOUT)
+            replay.reset()
+        return last
+
+    def _engine_gap(self, rank: int, first: int, last: int) -> None:
+        log.warning("KV events, rank %d: engine batches %d..%d are lost; publishing a resync", rank, first, last)
+        self.counters["engine_gaps"] += 1
+        self.ask_resync("engine-gap")
+
+    def _take(self, rank: int, seq: int, payload: bytes) -> None:
+        try:
+            ts, batch_rank, events = decode_engine_batch(payload)
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            log.warning("KV events, rank %d: batch %d is unreadable (%s); publishing a resync", rank, seq, exc)
+            self.counters["undecodable"] += 1
+            self.ask_resync("engine-gap")
+            return
+        self.counters["engine_batches"] += 1
+        if not events:
+            return
+        rank = batch_rank if batch_rank is not None else rank
+        self.sets.setdefault(rank, BlockSet()).apply(events)
+        self._enqueue(_Pending(rank, seq, ts, events))
+
+    def _enqueue(self, item: _Pending) -> None:
+        if len(self._pending) >= MAX_PENDING:
+            log.warning("KV events: JetStream is %d batches behind; a resync replaces them", len(self._pending))
+            self.counters["dropped_for_backlog"] += len(self._pending)
+            self._pending.clear()
+            self.ask_resync("backlog")
+            return
+        self._pending.append(item)
+        self._wake.set()
+
+    # JetStream side
+
+    async def _load_last_seq(self) -> None:
+        """Continue the instance's numbering: a restarted worker with the same id must not reuse seqs."""
+        delay = 0.2
+        while True:
+            try:
+                raw = await self.w.js.get_last_msg(self.w.names.kv_events_stream, self.subject)
+                self.seq = _batch_reader.decode(raw.data or b"").seq
+                return
+            except nats.js.errors.NotFoundError:
+                self.seq = 0
+                return
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                log.error("KV events: the last batch on %s is unreadable (%s); numbering from 1", self.subject, exc)
+                self.seq = 0
+                return
+            except Exception as exc:
+                log.warning("KV events: cannot read the last batch yet (%s)", exc)
+                await anyio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    async def _publish_loop(self) -> None:
+        while True:
+            while not self._pending and self._resync_done >= self._resync_asked:
+                self._wake = anyio.Event()
+                await self._wake.wait()
+            if self._resync_done < self._resync_asked:
+                await self._publish_resync()
+            else:
+                item = self._pending.popleft()
+                for events in chunks(item.events, self._limit()):
+                    await self._send(KvEventBatch(
+                        instance=self.w.instance, model=self.w.model, dp_rank=item.rank, seq=self.seq + 1,
+                        engine_seq=item.engine_seq, engine_ts=item.ts, events=events,
+                    ))
+
+    async def _publish_resync(self) -> None:
+        ticket, reason = self._resync_asked, self._resync_reason
+        self._pending.clear()  # the snapshot holds everything received so far
+        now = time.time()
+        parts = [(rank, events) for rank in sorted(self.sets)
+                 for events in chunks(self.sets[rank].as_events(), self._limit())]
+        blocks = sum(len(b.blocks) for b in self.sets.values())
+        first = self.seq + 1
+        for i, (rank, events) in enumerate(parts, 1):
+            await self._send(KvEventBatch(
+                instance=self.w.instance, model=self.w.model, dp_rank=rank, seq=self.seq + 1, engine_ts=now,
+                events=events, resync=KvResync(reason=reason, part=i, parts=len(parts), blocks=blocks),
+            ))
+        self.counters["resyncs"] += 1
+        self.last_resync = (first, self.seq, blocks)
+        if reason != "start":
+            log.info("KV events: resync (%s) published as seq %d..%d, %d blocks", reason, first, self.seq, blocks)
+        self._resync_done = ticket
+        self._resynced.set()
+        self._resynced = anyio.Event()
+
+    def _limit(self) -> int:
+        return max(4096, (self.w.nc.max_payload or 1 << 20) * 3 // 4)
+
+    async def _send(self, batch: KvEventBatch) -> None:
+        """Publish until JetStream acknowledges; only then does `seq` move on."""
+        data = codec.encode(batch)
+        msg_id = f"{self.w.instance}:{batch.seq}"
+        delay = 0.1
+        failures = 0
+        while True:
+            try:
+                await self.w.js.publish(self.subject, data, stream=self.w.names.kv_events_stream,
+                                        headers={"Nats-Msg-Id": msg_id}, timeout=5.0)
+                break
+            except (nats.js.errors.NoStreamResponseError, nats.errors.NoRespondersError):
+                await self._recreate_stream()
+            except Exception as exc:
+                failures += 1
+                if failures in (1, 10) or failures % 100 == 0:
+                    log.warning("KV events: publishing seq %d failed %d times (%s); retrying", batch.seq, failures,
+                                exc)
+            await anyio.sleep(delay)
+            delay = min(delay * 2, 5.0)
+        self.seq = batch.seq
+        self.counters["published"] += 1
+
+    async def _recreate_stream(self) -> None:
+        """Someone deleted the stream (or the server lost it): put it back rather than spin."""
+        try:
+            await ensure_kv_events_stream(self.w.js, self.w.names, self.w.config.policy)
+            log.warning("KV events: stream %s was missing; created it again", self.w.names.kv_events_stream)
+        except Exception as exc:
+            log.warning("KV events: stream %s is missing and cannot be created (%s)", self.w.names.kv_events_stream,
+                        exc)
+
+
+class _Replay:
+    """A DEALER on vLLM's replay ROUTER: send a start seq, read (seq, payload) until seq -1."""
+
+    def __init__(self, ctx: Any, endpoint: str | None) -> None:
+        self._ctx = ctx
+        self._endpoint = _connectable(endpoint) if endpoint else None
+        self._sock: Any = None
+        self.available = endpoint is not None
+        self.reset()
+
+    def reset(self) -> None:
+        """A fresh socket, so late answers to an abandoned request cannot be taken for new ones."""
+        import zmq
+
+        self.close()
+        if self._endpoint:
+            self._sock = self._ctx.socket(zmq.DEALER)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.connect(self._endpoint)
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+
+    async def since(self, start: int) -> Any:
+        await self._sock.send_multipart([b"", start.to_bytes(8, "big")])
+        while True:
+            frames = await self._sock.recv_multipart()
+            if len(frames) != 4 or len(frames[2]) != 8:
+                continue
+            seq = int.from_bytes(frames[2], "big", signed=True)
+            if seq == _END:
+                return
+            yield seq, frames[3]
