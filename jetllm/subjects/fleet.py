@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import anyio
 import nats.errors
@@ -18,26 +19,31 @@ ControlReply = ControlDone | ControlFailed | HealthReport
 _reply_decoder = codec.Decoder(ControlReply)
 
 
-async def worker_statuses(nc: NATS, names: Names, timeout: float = 0.5) -> list[WorkerStatus]:
-    """Every worker that answers within `timeout`, sorted by instance id."""
+async def _gather(nc: NATS, subject: str, body: bytes, decoder: Any, timeout: float, expected: int = 0) -> list:
+    """Publish once, collect the decodable replies until `timeout` (or until `expected` arrived)."""
     inbox = nc.new_inbox()
-    replies: list[WorkerStatus] = []
+    replies: list = []
     sub = await nc.subscribe(inbox)
     try:
-        await nc.publish(names.control("status"), codec.encode(StatusRequest()), reply=inbox)
+        await nc.publish(subject, body, reply=inbox)
         deadline = time.monotonic() + timeout
-        while (left := deadline - time.monotonic()) > 0:
+        while (left := deadline - time.monotonic()) > 0 and not (expected and len(replies) >= expected):
             try:
                 msg = await sub.next_msg(timeout=left)
             except Exception:
                 break
             try:
-                replies.append(_decoder.decode(msg.data))
+                replies.append(decoder.decode(msg.data))
             except Exception:
                 continue
     finally:
         await sub.unsubscribe()
-    return sorted(replies, key=lambda s: s.instance)
+    return sorted(replies, key=lambda r: r.instance)
+
+
+async def worker_statuses(nc: NATS, names: Names, timeout: float = 0.5) -> list[WorkerStatus]:
+    """Every worker that answers within `timeout`, sorted by instance id."""
+    return await _gather(nc, names.control("status"), codec.encode(StatusRequest()), _decoder, timeout)
 
 
 async def wait_for_workers(
@@ -75,22 +81,6 @@ async def ask(
             raise LookupError(f"no instance {instance!r} answers (not running, or not serving yet)") from None
         return [_reply_decoder.decode(msg.data)]
     expected = len(await instances(nc.jetstream(), names, model=model))
-    inbox = nc.new_inbox()
-    sub = await nc.subscribe(inbox)
-    replies: list[ControlReply] = []
-    try:
-        await nc.publish(names.model_control(model, verb), body, reply=inbox)
-        # Nothing registered (registry unreachable, or workers just starting): take what comes in 1 s.
-        deadline = time.monotonic() + (timeout if expected else min(timeout, 1.0))
-        while (left := deadline - time.monotonic()) > 0 and (not expected or len(replies) < expected):
-            try:
-                msg = await sub.next_msg(timeout=left)
-            except Exception:
-                break
-            try:
-                replies.append(_reply_decoder.decode(msg.data))
-            except Exception:
-                continue
-    finally:
-        await sub.unsubscribe()
-    return sorted(replies, key=lambda r: r.instance)
+    # Nothing registered (registry unreachable, or workers just starting): take what comes in 1 s.
+    return await _gather(nc, names.model_control(model, verb), body, _reply_decoder,
+                         timeout if expected else min(timeout, 1.0), expected)
