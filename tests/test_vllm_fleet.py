@@ -81,6 +81,8 @@ async def test_registry_health_metrics_and_sleep_on_a_real_worker(nats_url, name
                 - _total(before, "jetllm_jobs_total", event="acked")) == 8
         assert any(n == "vllm:kv_cache_usage_perc" for n, _ in after)
         assert _total(after, "jetllm_ready") == 1
+        assert _total(after, "jetllm_kv_events_total", event="published") > _total(
+            before, "jetllm_kv_events_total", event="published")  # the KV-event relay (on by default)
 
         traced = req(TINY, [5, 6, 7], max_tokens=4)
         await c.complete(traced, traceparent="00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01")

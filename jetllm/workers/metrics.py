@@ -35,6 +35,13 @@ class PlaneCollector(Collector):
         for code, n in w.errors.items():
             errors.add_metric([*ids, str(code)], n)
         yield errors
+        relay = getattr(w, "kv_events", None)
+        if relay is not None and relay.running:
+            kv = CounterMetricFamily("jetllm_kv_events", "KV-event relay: engine batches read, published, "
+                                     "replayed, gaps, resyncs", labels=[*labels, "event"])
+            for event, n in relay.counters.items():
+                kv.add_metric([*ids, event], n)
+            yield kv
         for name, doc, value in (
             ("jetllm_in_flight", "Jobs held now (pulled, not yet settled)", w._busy),
             ("jetllm_slots", "Jobs this worker runs at once", w.slots),
