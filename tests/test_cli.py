@@ -83,3 +83,12 @@ def test_demo_runs_the_whole_path():
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.count("line ") == 8
     assert "8 lines, 1 errors" in r.stderr and "worker stopped (exit code 0)" in r.stderr
+
+
+def test_fleet_commands_name_an_instance_that_does_not_answer(nats_url, namespace):
+    for args in (["health", "--instance", "gone-1", "--timeout", "2"], ["ctl", "wake", "--instance", "gone-1"]):
+        out = jetllm(*args, "--nats", nats_url, "--namespace", namespace, timeout=60)
+        assert out.returncode == 1 and "no instance 'gone-1' answers" in out.stderr, out.stderr
+        assert "Traceback" not in out.stderr
+    out = jetllm("status", "--nats", nats_url, "--namespace", namespace, timeout=60)
+    assert out.returncode == 0 and "(no live instances)" in out.stdout

@@ -8,6 +8,7 @@ import sys
 import time
 
 import msgspec
+import nats.errors
 
 from ..aio import run
 from ..schemas import ControlFailed, HealthCheck, HealthReport, InstanceRecord, SleepRequest
@@ -76,6 +77,15 @@ def _target(args: argparse.Namespace) -> dict:
     raise SystemExit("name --instance or --model")
 
 
+async def _ask(nc, names: Names, verb: str, body: bytes, timeout: float, **target: str) -> list:
+    """The replies, or none with a one-line reason (an unknown instance, no answer in time)."""
+    try:
+        return await ask(nc, names, verb, body, timeout=timeout, **target)
+    except (LookupError, nats.errors.TimeoutError) as exc:
+        print(str(exc) or f"no answer within {timeout:.0f}s", file=sys.stderr)
+        return []
+
+
 async def _health(args: argparse.Namespace) -> int:
     nc = await connect(nats_url(args))
     names = Names(args.namespace)
@@ -87,7 +97,7 @@ async def _health(args: argparse.Namespace) -> int:
         body = codec.encode(HealthCheck(canary=not args.no_canary, stall_timeout=args.stall_timeout))
         replies = []
         for t in targets:
-            replies += await ask(nc, names, "health", body, timeout=args.timeout, **t)
+            replies += await _ask(nc, names, "health", body, args.timeout, **t)
     finally:
         await nc.close()
     bad = 0
@@ -112,7 +122,7 @@ async def _ctl(args: argparse.Namespace) -> int:
     nc = await connect(nats_url(args))
     body = codec.encode(SleepRequest(level=args.level)) if args.verb == "sleep" else b""
     try:
-        replies = await ask(nc, Names(args.namespace), args.verb, body, timeout=args.timeout, **_target(args))
+        replies = await _ask(nc, Names(args.namespace), args.verb, body, args.timeout, **_target(args))
     finally:
         await nc.close()
     for r in replies:
