@@ -493,18 +493,19 @@ class Worker:
             if run.superseded:
                 self.counters["superseded"] += 1  # the job belongs to a newer delivery now
             return
+        # Counted before the awaits below: a status reader never sees the request gone but uncounted.
         if run.hand_back:
+            self.counters["handed_back"] += 1
             await self._pulling_stopped()
             if not self._engine_dead:  # a planned move; an engine death counts against the budget
                 await self.log.write(rid, Handoff(attempt=job.attempt, reason="worker draining"))
             await job.nak()
-            self.counters["handed_back"] += 1
         elif run.cancel_reason is not None:
+            self.counters["cancelled"] += 1
             err = run.frames.error_frame(ErrorCode.CANCELLED, run.cancel_reason)
             await self._store_result(rid, Result(attempt=job.attempt, error=err, worker=self.instance))
             await run.frames.send(err)
             await job.term()
-            self.counters["cancelled"] += 1
 
     async def _store_result(self, rid: str, result: Result) -> None:
         """Store a request's end before acking its job, so a redelivery answers from it, not reruns."""
