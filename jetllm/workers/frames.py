@@ -6,6 +6,7 @@ import logging
 import time
 from typing import Any
 
+import anyio
 from nats.aio.client import Client as NATS
 
 from ..schemas import (
@@ -54,6 +55,17 @@ class FrameSink:
         self.resumed_tokens = 0
         self.ended_with: str | None = None
         """The finish reason or error code of the last frame, once sent."""
+        self._held: anyio.Event | None = None
+
+    def hold(self) -> None:
+        """Token frames wait (unnumbered, unlogged) until release(): the request is not claimed yet."""
+        if self._held is None:
+            self._held = anyio.Event()
+
+    def release(self) -> None:
+        if self._held is not None:
+            self._held.set()
+            self._held = None
 
     async def _send(self, frame: Any) -> None:
         self.last_sent = time.monotonic()
@@ -93,6 +105,8 @@ class FrameSink:
         logprobs: list[float] | None = None,
         top_logprobs: list[dict[int, float]] | None = None,
     ) -> None:
+        if self._held is not None:
+            await self._held.wait()
         frame = TokensFrame(
             seq=self._next(), attempt=self.attempt, index=index, token_ids=token_ids, text=text,
             logprobs=logprobs, top_logprobs=top_logprobs,

@@ -41,6 +41,7 @@ from ..subjects.names import Names
 from ..subjects.setup import QueuePolicy, ensure_consumer, ensure_streams
 from .adapterqueues import AdapterQueues
 from .control import ControlServer, reply_encoding
+from .earlystart import EarlyStart
 from .embeds import EmbedsLoader
 from .engine import Engine, EnginePrompt
 from .enginecontrol import EngineControl
@@ -51,7 +52,7 @@ from .lora import LoraManager, LoraSettings
 from .puller import Puller
 from .registry import RegistryKeeper, instance_record, load_reports, model_card
 from .requestlog import History, LogUnavailable, RequestLog, analyze
-from .roles import GenerateRole
+from .roles import GenerateRole, Outcome
 from .tracing import Hop, TracePublisher
 
 log = logging.getLogger(__name__)
@@ -357,9 +358,13 @@ class Worker:
         rid = req.request_id
         run = _Running(job, frames)
         self._running[rid] = run
+        assert self._jobs_tg is not None
+        early: EarlyStart[Outcome] = EarlyStart(
+            self._jobs_tg.start_soon, frames, lambda prompt: self._generate(req, frames, prompt, History())
+        )
         try:
             with run.scope:
-                history, prompt_ids = await self._prepare(req)
+                history, prompt_ids = await self._prepare(req, early)
                 if history.result is not None:
                     await self._replay_result(job, frames, history.result)
                     return
@@ -399,8 +404,10 @@ class Worker:
                     self.instance, self.model, job_ack=job.msg.reply,
                     resumed_tokens=sum(len(f.token_ids) for f in history.frames if f.index == 0),
                 )
-                async with self.lora.use(req) as adapter:
-                    outcome = await self.role.run(req, frames, prompt_ids, history, adapter)
+                if early.started:
+                    outcome = await early.outcome()
+                else:
+                    outcome = await self._generate(req, frames, prompt_ids, history)
                 final = frames.final_frame(outcome.choices, outcome.usage)
                 run.ended = True
                 await self._store_result(rid, Result(
@@ -428,18 +435,28 @@ class Worker:
             log.exception("request %s failed inside jetllm", rid)
             await self._reject(job, frames, RequestRejected(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"), rid)
         finally:
+            with anyio.CancelScope(shield=True):
+                await early.close()
             self._running.pop(rid, None)
             self.counters["frames_sent"] += frames.frames_sent
             with anyio.CancelScope(shield=True):
                 await self._settle_interrupted(job, run, rid)
+
+    async def _generate(self, req: GenerateRequest, frames: FrameSink, prompt: EnginePrompt, history: History) -> Outcome:
+        async with self.lora.use(req) as adapter:
+            return await self.role.run(req, frames, prompt, history, adapter)
 
     def _outcome_of(self, frames: FrameSink, job: Job) -> str:
         if frames.ended_with is not None:
             return "completed" if frames.ended_with in ("stop", "length") else frames.ended_with
         return {"nak": "handed_back", "term": "terminated", "ack": "completed"}.get(job.settled_how or "", "superseded")
 
-    async def _prepare(self, req: GenerateRequest) -> tuple[History, EnginePrompt]:
-        """The request's history and its rendered prompt, looked up side by side."""
+    async def _prepare(self, req: GenerateRequest, early: EarlyStart[Outcome]) -> tuple[History, EnginePrompt]:
+        """The request's history and its rendered prompt, looked up side by side.
+
+        The engine starts on the prompt at once (see earlystart.py) unless the log already
+        showed the request is not fresh.
+        """
         self.role.check_model(req)
         got: dict[str, Any] = {}
 
@@ -448,6 +465,9 @@ class Worker:
                 got[name] = await fn()
             except Exception as exc:  # re-raised below, unwrapped
                 got[name] = exc
+                return
+            if name == "prompt" and got.get("last") is None:  # the log is not read yet, or empty
+                early.start(got["prompt"])
 
         prompt = req.prompt
         async with anyio.create_task_group() as tg:
@@ -456,9 +476,11 @@ class Worker:
                 tg.start_soon(fetch, "prompt", lambda: self.embeds.load(prompt))
             else:
                 tg.start_soon(fetch, "prompt", lambda: self.engine.render(prompt))
-        if isinstance(got["last"], Exception):
-            raise got["last"]
         last = got["last"]
+        if last is not None:
+            await early.close()
+        if isinstance(last, Exception):
+            raise last
         if last is None:
             history = History()
         elif isinstance(last, Result):

@@ -1,5 +1,5 @@
 """One module per worker role."""
 
-from .generate import GenerateRole
+from .generate import GenerateRole, Outcome
 
-__all__ = ["GenerateRole"]
+__all__ = ["GenerateRole", "Outcome"]
