@@ -173,7 +173,7 @@ def test_batches_too_big_for_one_message_are_split_along_block_boundaries():
 
 
 def test_older_vllm_array_events_and_unknown_kinds_are_read():
-    from jetllm.workers.kvevents import decode_engine_batch
+    from jetllm.workers.kvsource import decode_engine_batch
 
     payload = msgspec.msgpack.encode([1.0, [["BlockStored", [2**64 - 1], None, [1, 2], 2, None, "GPU"],
                                             {"type": "SomethingNew", "x": 1}, ["AllBlocksCleared"]], None])

@@ -47,13 +47,11 @@ from ..schemas import (
     Frame,
     GenerateRequest,
     HeartbeatFrame,
-    Record,
     Result,
-    Step,
     TokensFrame,
     Usage,
 )
-from . import codec, tracecontext
+from . import codec, results, tracecontext
 from .connection import connect
 from .direct import subscribe_direct
 from .embeds import embeds_store, upload
@@ -78,28 +76,6 @@ class Completion(msgspec.Struct, kw_only=True):
     worker: str
     choices: list[Completion] = []
     """For n > 1: one entry per choice (index order); the top-level fields are choice 0's."""
-
-
-_record_decoder = codec.Decoder(Record)
-
-
-def _rest_of(result: Result, seen: list[TokensFrame], last_seq: int) -> list[Frame]:
-    """The part of a finished request's output that `seen` lacks, as frames after `last_seq`."""
-    frames: list[Frame] = []
-    seq = last_seq
-    for index, ids in enumerate(result.token_ids):
-        have = [f for f in seen if f.index == index]
-        n_ids = sum(len(f.token_ids) for f in have)
-        text = None
-        if result.text:
-            text = result.text[index][len("".join(f.text or "" for f in have)):]
-        if ids[n_ids:] or text:
-            seq += 1
-            frames.append(TokensFrame(seq=seq, attempt=result.attempt, index=index, token_ids=ids[n_ids:], text=text))
-    end = result.final or result.error
-    if end is not None:
-        frames.append(msgspec.structs.replace(end, seq=seq + 1))
-    return frames
 
 
 class _Inbox:
@@ -302,74 +278,12 @@ class Client:
 
     async def result(self, request_id: str) -> Result | None:
         """How the request ended, if it has (stored for `results_max_age`)."""
-        try:
-            raw = await self.js.get_last_msg(self.names.requests_stream, self.names.request_log(request_id), direct=True)
-        except nats.js.errors.NotFoundError:
-            return None
-        if not raw.data:
-            return None
-        record = _record_decoder.decode(raw.data)
-        if isinstance(record, Cancelled):  # a cancel that came after the end changes nothing
-            return await self._result_before_cancel(request_id)
-        return record if isinstance(record, Result) else None
+        return await results.result(self.js, self.names, request_id)
 
-    async def _result_before_cancel(self, request_id: str) -> Result | None:
-        sub = await self.js.subscribe(self.names.request_log(request_id), stream=self.names.requests_stream,
-                                      ordered_consumer=True)
-        found = None
-        try:
-            while True:
-                msg = await sub.next_msg(timeout=2)
-                record = _record_decoder.decode(msg.data)
-                if isinstance(record, Result):
-                    found = record
-                if msg.metadata.num_pending == 0:
-                    return found
-        except Exception:
-            return found
-        finally:
-            with anyio.CancelScope(shield=True):
-                try:
-                    await sub.unsubscribe()
-                except Exception:
-                    pass
-
-    async def attach(self, request_id: str) -> AsyncIterator[Frame]:
+    def attach(self, request_id: str) -> AsyncIterator[Frame]:
         """The frames of a request someone else submitted (or an earlier run of this program),
         read from the request log: everything delivered so far, then live until it ends."""
-        done = await self.result(request_id)
-        if done is not None:
-            for frame in _rest_of(done, [], 0):
-                yield frame
-            return
-        seen: list[TokensFrame] = []
-        contiguous = True
-        async with aclosing(self._records(request_id)) as records:
-            async for record in records:
-                if isinstance(record, Step) and contiguous:
-                    if record.frame.seq == len(seen) + 1:
-                        seen.append(record.frame)
-                        yield record.frame
-                    elif record.frame.seq > len(seen) + 1:
-                        contiguous = False  # compacted under us: the result has the rest
-                elif isinstance(record, Result):
-                    for frame in _rest_of(record, seen, len(seen)):
-                        yield frame
-                    return
-
-    async def _records(self, request_id: str) -> AsyncIterator[Record]:
-        """The request log of `request_id` from its start, then live."""
-        sub = await self.js.subscribe(self.names.request_log(request_id), stream=self.names.requests_stream,
-                                      ordered_consumer=True)
-        try:
-            async for msg in sub.messages:
-                yield _record_decoder.decode(msg.data)
-        finally:
-            with anyio.CancelScope(shield=True):
-                try:
-                    await sub.unsubscribe()
-                except Exception:  # the connection is closing anyway
-                    pass
+        return results.attach(self.js, self.names, request_id)
 
     async def wait_result(self, request_id: str, timeout: float | None = None) -> Result:
         with anyio.fail_after(timeout):
@@ -441,9 +355,9 @@ class Client:
                             f"request {req.request_id}: no frame for {self.heartbeat_timeout:.1f}s "
                             "after the worker accepted it"
                         )
-                    ended = await self._result_quietly(req.request_id)
+                    ended = await results.result_quietly(self.js, self.names, req.request_id)
                     if ended is not None:  # it finished while its last frames were lost (a reconnect)
-                        for missed in _rest_of(ended, seen, last_seq):
+                        for missed in results.rest_of(ended, seen, last_seq):
                             last_seq = missed.seq
                             finished = finished or isinstance(missed, (FinalFrame, ErrorFrame))
                             yield missed
@@ -485,7 +399,8 @@ class Client:
                     continue  # a duplicate (replayed by a worker that took the job over)
                 before = frame.seq + 1 if beat else frame.seq  # a heartbeat carries the last seq sent
                 if before > last_seq + 1:
-                    for missed in await self._fill(req.request_id, seen, last_seq, before):
+                    filled = await results.fill_gap(self.js, self.names, req.request_id, seen, last_seq, before)
+                    for missed in filled:
                         last_seq = missed.seq
                         if isinstance(missed, TokensFrame):
                             seen.append(missed)
@@ -526,46 +441,6 @@ class Client:
             return True
         except Exception:
             return False
-
-    async def _result_quietly(self, request_id: str) -> Result | None:
-        try:
-            return await self.result(request_id)
-        except Exception:  # the log is unreachable for now; the watchdog asks again
-            return None
-
-    async def _fill(self, request_id: str, seen: list[TokensFrame], after: int, before: int) -> list[Frame]:
-        """Frames lost on the way (seq in (after, before)), recovered from the request log; if the
-        request has ended, everything after `after` up to its final frame. Waits a few seconds
-        for records a worker is still rewriting after a reconnect."""
-        steps: dict[int, TokensFrame] = {}
-        ended = await self._result_quietly(request_id)
-        with anyio.move_on_after(5):
-            while ended is None:
-                try:
-                    async with aclosing(self._records(request_id)) as records:
-                        async for record in records:
-                            if isinstance(record, Result):
-                                ended = record
-                                break
-                            if isinstance(record, Step) and after < record.frame.seq < before:
-                                steps[record.frame.seq] = record.frame
-                                if len(steps) == before - after - 1:
-                                    break
-                except Exception as exc:  # the server is still recovering its streams
-                    log.info("request %s: request log not readable yet: %s", request_id, exc)
-                if len(steps) == before - after - 1:
-                    break
-                await anyio.sleep(0.2)
-        if ended is not None:
-            found = _rest_of(ended, seen, after)
-        else:
-            found = []
-            for seq in range(after + 1, before):
-                if seq not in steps:
-                    break
-                found.append(steps[seq])
-        log.warning("request %s: recovered %d lost frames from the request log", request_id, len(found))
-        return found
 
     async def complete(self, req: GenerateRequest, **kwargs: Any) -> Completion:
         """Run `req` to the end and return the assembled result; error frames raise RequestFailed."""

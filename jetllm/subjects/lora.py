@@ -46,7 +46,7 @@ from .adapterfiles import (
     read_safetensors_header,
 )
 from .names import Names
-from .registry import instances, keys_matching
+from .registry import entries_matching, instances
 
 _spec = codec.Decoder(AdapterSpec)
 _manifest = codec.Decoder(AdapterManifest)
@@ -149,7 +149,7 @@ class LoraAdmin:
 
     async def desired(self, model: str) -> list[AdapterSpec]:
         kv = await ensure_lora_bucket(self.js, self.names)
-        keys = await keys_matching(kv, self.names.lora_keys_of(model))
+        keys = [e.key for e in await entries_matching(kv, self.names.lora_keys_of(model), meta_only=True)]
         specs = []
         for key in keys:
             entry = await _get(kv, key)

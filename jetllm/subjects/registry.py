@@ -45,16 +45,15 @@ async def ensure_registry(js: JetStreamContext, names: Names, *, replicas: int =
         return await js.key_value(names.registry_bucket)
 
 
-async def keys_matching(kv: KeyValue, pattern: str) -> list[str]:
-    """Keys matching a subject pattern (`i.*`). nats-py's `keys(filters=...)` matches substrings,
-    so `i.*` would find nothing; a filtered watch asks the server instead."""
-    watcher = await kv.watch(pattern, ignore_deletes=True, meta_only=True)
+async def entries_matching(kv: KeyValue, pattern: str, *, meta_only: bool = False) -> list[KeyValue.Entry]:
+    """The keys matching a subject pattern (`i.*`) as they are now, with their values unless `meta_only`.
+    nats-py's `keys(filters=...)` matches substrings, so `i.*` would find nothing; a filtered watch
+    asks the server instead."""
+    watcher = await kv.watch(pattern, ignore_deletes=True, meta_only=meta_only)
     found = []
     try:
-        async for entry in watcher:
-            if entry is None:
-                break
-            found.append(entry.key)
+        while (entry := await watcher.updates(timeout=5.0)) is not None:
+            found.append(entry)
     finally:
         await watcher.stop()
     return found
@@ -66,23 +65,12 @@ def alive(record: InstanceRecord, now: float | None = None) -> bool:
 
 
 async def _latest(js: JetStreamContext, names: Names, pattern: str) -> list[bytes]:
-    """Current values of the keys matching `pattern` (the bucket's initial state, via a watcher:
-    nats-py's filtered `keys()` finds nothing on these servers)."""
+    """Current values of the registry keys matching `pattern`; none before any worker made the bucket."""
     try:
         kv = await js.key_value(names.registry_bucket)
     except nats.js.errors.BucketNotFoundError:
         return []
-    watcher = await kv.watch(pattern, ignore_deletes=True)
-    values = []
-    try:
-        while True:
-            entry = await watcher.updates(timeout=5.0)
-            if entry is None:  # end of the initial values
-                return values
-            if entry.value:
-                values.append(entry.value)
-    finally:
-        await watcher.stop()
+    return [entry.value for entry in await entries_matching(kv, pattern) if entry.value]
 
 
 async def instances(js: JetStreamContext, names: Names, *, model: str | None = None) -> list[InstanceRecord]:

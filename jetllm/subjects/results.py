@@ -1,0 +1,166 @@
+"""Reading a request's outcome from its log in JetStream rather than from a producer's inbox.
+
+Frames on the inbox reach only the producer listening at that moment; the request log keeps every
+token record and the result (for `results_max_age`). So a producer that went away, another
+program, or a stream that lost frames to a reconnect can still get the whole output.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
+
+import anyio
+import msgspec
+import nats.js.errors
+from nats.js import JetStreamContext
+
+from ..schemas import Cancelled, Frame, Record, Result, Step, TokensFrame
+from . import codec
+from .names import Names
+
+log = logging.getLogger(__name__)
+
+_record_decoder = codec.Decoder(Record)
+
+
+async def result(js: JetStreamContext, names: Names, request_id: str) -> Result | None:
+    """How the request ended, if it has (stored for `results_max_age`)."""
+    try:
+        raw = await js.get_last_msg(names.requests_stream, names.request_log(request_id), direct=True)
+    except nats.js.errors.NotFoundError:
+        return None
+    if not raw.data:
+        return None
+    record = _record_decoder.decode(raw.data)
+    if isinstance(record, Cancelled):  # a cancel that came after the end changes nothing
+        return await _result_before_cancel(js, names, request_id)
+    return record if isinstance(record, Result) else None
+
+
+async def result_quietly(js: JetStreamContext, names: Names, request_id: str) -> Result | None:
+    try:
+        return await result(js, names, request_id)
+    except Exception:  # the log is unreachable for now; the watchdog asks again
+        return None
+
+
+async def attach(js: JetStreamContext, names: Names, request_id: str) -> AsyncIterator[Frame]:
+    """The frames of a request someone else submitted (or an earlier run of this program),
+    read from the request log: everything delivered so far, then live until it ends."""
+    done = await result(js, names, request_id)
+    if done is not None:
+        for frame in rest_of(done, [], 0):
+            yield frame
+        return
+    seen: list[TokensFrame] = []
+    contiguous = True
+    async with aclosing(_records(js, names, request_id)) as records:
+        async for record in records:
+            if isinstance(record, Step) and contiguous:
+                if record.frame.seq == len(seen) + 1:
+                    seen.append(record.frame)
+                    yield record.frame
+                elif record.frame.seq > len(seen) + 1:
+                    contiguous = False  # compacted under us: the result has the rest
+            elif isinstance(record, Result):
+                for frame in rest_of(record, seen, len(seen)):
+                    yield frame
+                return
+
+
+async def fill_gap(
+    js: JetStreamContext, names: Names, request_id: str, seen: list[TokensFrame], after: int, before: int
+) -> list[Frame]:
+    """Frames lost on the way (seq in (after, before)), recovered from the request log; if the
+    request has ended, everything after `after` up to its final frame. Waits a few seconds
+    for records a worker is still rewriting after a reconnect."""
+    steps: dict[int, TokensFrame] = {}
+    ended = await result_quietly(js, names, request_id)
+    with anyio.move_on_after(5):
+        while ended is None:
+            try:
+                async with aclosing(_records(js, names, request_id)) as records:
+                    async for record in records:
+                        if isinstance(record, Result):
+                            ended = record
+                            break
+                        if isinstance(record, Step) and after < record.frame.seq < before:
+                            steps[record.frame.seq] = record.frame
+                            if len(steps) == before - after - 1:
+                                break
+            except Exception as exc:  # the server is still recovering its streams
+                log.info("request %s: request log not readable yet: %s", request_id, exc)
+            if len(steps) == before - after - 1:
+                break
+            await anyio.sleep(0.2)
+    if ended is not None:
+        found = rest_of(ended, seen, after)
+    else:
+        found = []
+        for seq in range(after + 1, before):
+            if seq not in steps:
+                break
+            found.append(steps[seq])
+    log.warning("request %s: recovered %d lost frames from the request log", request_id, len(found))
+    return found
+
+
+def rest_of(ended: Result, seen: list[TokensFrame], last_seq: int) -> list[Frame]:
+    """The part of a finished request's output that `seen` lacks, as frames after `last_seq`."""
+    frames: list[Frame] = []
+    seq = last_seq
+    for index, ids in enumerate(ended.token_ids):
+        have = [f for f in seen if f.index == index]
+        n_ids = sum(len(f.token_ids) for f in have)
+        text = None
+        if ended.text:
+            text = ended.text[index][len("".join(f.text or "" for f in have)):]
+        if ids[n_ids:] or text:
+            seq += 1
+            frames.append(TokensFrame(seq=seq, attempt=ended.attempt, index=index, token_ids=ids[n_ids:],
+                                      text=text))
+    end = ended.final or ended.error
+    if end is not None:
+        frames.append(msgspec.structs.replace(end, seq=seq + 1))
+    return frames
+
+
+async def _result_before_cancel(js: JetStreamContext, names: Names, request_id: str) -> Result | None:
+    found = None
+    async with _subscribed(js, names, request_id) as sub:
+        try:
+            while True:
+                msg = await sub.next_msg(timeout=2)
+                record = _record_decoder.decode(msg.data)
+                if isinstance(record, Result):
+                    found = record
+                if msg.metadata.num_pending == 0:
+                    return found
+        except Exception:
+            return found
+
+
+async def _records(js: JetStreamContext, names: Names, request_id: str) -> AsyncIterator[Record]:
+    """The request log of `request_id` from its start, then live."""
+    async with _subscribed(js, names, request_id) as sub:
+        async for msg in sub.messages:
+            yield _record_decoder.decode(msg.data)
+
+
+@asynccontextmanager
+async def _subscribed(
+    js: JetStreamContext, names: Names, request_id: str
+) -> AsyncIterator[JetStreamContext.PushSubscription]:
+    """The request's log from its start; the subscription ends even when the reader is cancelled."""
+    subject = names.request_log(request_id)
+    sub = await js.subscribe(subject, stream=names.requests_stream, ordered_consumer=True)
+    try:
+        yield sub
+    finally:
+        with anyio.CancelScope(shield=True):
+            try:
+                await sub.unsubscribe()
+            except Exception:  # the connection is closing anyway
+                pass
