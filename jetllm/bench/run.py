@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import math
 import os
 import platform
 import statistics
 import sys
 import tempfile
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 
 import msgspec
@@ -42,6 +44,13 @@ def ratios(rows: list[Summary]) -> str:
         lines.append(f"- jetllm / direct throughput: **{j.tokens_per_s / d.tokens_per_s:.3f}x** (target >= 0.95x)")
         lines.append(f"- TTFT p50 added by jetllm: **{j.ttft_p50_ms - d.ttft_p50_ms:+.1f} ms** (target <= 5 ms)")
         lines.append(f"- ITL p50 added by jetllm: {j.itl_p50_ms - d.itl_p50_ms:+.2f} ms")
+        if j.queued_p50_ms is not None and j.worker_ttft_p50_ms is not None:
+            lines.append(
+                f"- where jetllm's TTFT goes (p50, from the workers' trace records): {j.queued_p50_ms:.1f} ms "
+                f"from JetStream storing the job to a worker pulling it, {j.worker_ttft_p50_ms:.1f} ms from the "
+                f"pull to the first token frame sent (direct TTFT: {d.ttft_p50_ms:.1f} ms); the rest is the "
+                "producer's publish and the frame's way back"
+            )
     if j and o:
         lines.append(f"- jetllm / vLLM OpenAI server throughput: **{j.tokens_per_s / o.tokens_per_s:.3f}x** (target >= 1x)")
         lines.append(f"- TTFT p50 jetllm vs OpenAI server: {j.ttft_p50_ms - o.ttft_p50_ms:+.1f} ms")
@@ -73,8 +82,15 @@ def combine(runs: list[Summary]) -> Summary:
         seconds=med("seconds"), tokens_per_s=med("tokens_per_s"), ttft_p50_ms=med("ttft_p50_ms"),
         ttft_p99_ms=med("ttft_p99_ms"), itl_p50_ms=med("itl_p50_ms"), itl_p99_ms=med("itl_p99_ms"),
         errors=sum(r.errors for r in runs),
+        queued_p50_ms=_median_of(r.queued_p50_ms for r in runs),
+        worker_ttft_p50_ms=_median_of(r.worker_ttft_p50_ms for r in runs),
         note=f"median of {len(runs)} rounds; tok/s per round: " + ", ".join(f"{r.tokens_per_s:,.0f}" for r in runs),
     )
+
+
+def _median_of(values: Iterable[float | None]) -> float | None:
+    present = [v for v in values if v is not None and not math.isnan(v)]
+    return statistics.median(present) if present else None
 
 
 async def _run(args: argparse.Namespace, work: Workload, opts: EngineOptions, log_dir: Path) -> list[Summary]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import anyio
 
 from ..workers.engine import EngineOptions
-from .workload import Recorder, Summary, Timing, Workload, summarize
+from .workload import Recorder, Summary, Timing, Workload, percentile, summarize
 
 
 async def _drive(prompts: list[list[int]], concurrency: int, one) -> tuple[list[Timing], float, int]:
@@ -92,6 +92,7 @@ async def run_jetllm(opts: EngineOptions, work: Workload, url: str, log_dir: Pat
     )
     from ..subjects import Client
     from ..subjects.fleet import wait_for_workers
+    from ..subjects.traces import trace_records
 
     namespace = f"bench-{uuid.uuid4().hex[:8]}"
     cmd = [sys.executable, "-m", "jetllm", "worker", "--nats", url, "--namespace", namespace,
@@ -105,12 +106,15 @@ async def run_jetllm(opts: EngineOptions, work: Workload, url: str, log_dir: Pat
         async with Client(url, namespace=namespace, heartbeat_timeout=60) as client:
             await wait_for_workers(client.nc, client.names, model=opts.name, timeout=600)
 
+            measured: set[str] = set()
+
             async def one(prompt: list[int]) -> Timing:
                 req = GenerateRequest(
                     request_id=uuid.uuid4().hex, model=opts.name, prompt=TokensPrompt(prompt),
                     sampling=SamplingOptions(temperature=0),
                     stop=StopConditions(max_tokens=work.output_len, ignore_eos=True),
                 )
+                measured.add(req.request_id)
                 rec = Recorder(time.perf_counter())
                 async for frame in client.generate(req):
                     if isinstance(frame, TokensFrame):
@@ -118,7 +122,10 @@ async def run_jetllm(opts: EngineOptions, work: Workload, url: str, log_dir: Pat
                 return rec.done(time.perf_counter())
 
             await _drive(work.prompts(vocab, work.warmup, offset=1), work.concurrency, one)
+            measured.clear()
             timings, seconds, errors = await _drive(work.prompts(vocab), work.concurrency, one)
+            await anyio.sleep(0.5)  # the last trace records are published after the final frames
+            hops = [r for r in await trace_records(client.js, client.names) if r.request_id in measured]
     finally:
         proc.terminate()
         try:
@@ -126,7 +133,12 @@ async def run_jetllm(opts: EngineOptions, work: Workload, url: str, log_dir: Pat
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
-    return summarize("through jetllm", timings, seconds, errors)
+    summary = summarize("through jetllm", timings, seconds, errors)
+    summary.queued_p50_ms = percentile([r.pulled_at - r.queued_at for r in hops], 50) * 1000
+    summary.worker_ttft_p50_ms = percentile(
+        [r.first_token_at - r.pulled_at for r in hops if r.first_token_at is not None], 50
+    ) * 1000
+    return summary
 
 
 async def run_openai(opts: EngineOptions, work: Workload, log_dir: Path, vocab: int) -> Summary:

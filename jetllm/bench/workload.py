@@ -44,6 +44,10 @@ class Summary(msgspec.Struct, kw_only=True):
     itl_p99_ms: float
     errors: int = 0
     note: str = ""
+    queued_p50_ms: float | None = None
+    """jetllm only, from the workers' trace records: JetStream stored the job -> a worker pulled it."""
+    worker_ttft_p50_ms: float | None = None
+    """jetllm only: a worker pulled the job -> it sent the first token frame."""
 
 
 def percentile(values: list[float], q: float) -> float:
