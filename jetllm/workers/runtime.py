@@ -22,7 +22,6 @@ from anyio.abc import TaskGroup
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from .. import __version__
 from ..errors import EngineDead, EngineRequestError, RequestRejected
 from ..schemas import (
     CancelRequest,
@@ -54,7 +53,8 @@ from .registry import RegistryKeeper, instance_record, load_reports, model_card
 from .requestlog import History, LogUnavailable, RequestLog, analyze
 from .roles import GenerateRole, Outcome
 from .running import Running, RunningRequests, runs_it
-from .tracing import Hop, TracePublisher
+from .status import worker_status
+from .tracing import Hop, TracePublisher, outcome_of
 
 log = logging.getLogger(__name__)
 
@@ -180,7 +180,7 @@ class Worker:
                     tg.start_soon(self._watch_signals)
                 with anyio.fail_after(self.config.health_timeout):
                     await self.engine.check_health()  # ready means the engine answered, too
-                tg.start_soon(self._monitor_engine)
+                tg.start_soon(self.engine_control.monitor)
                 tg.start_soon(self._running.tick, self.config.heartbeat_interval, self.config.policy.ack_wait)
                 tg.start_soon(resync_after_reconnects, self.nc, self.log, self.instance, self._running)
                 await self.control.start(tg)
@@ -264,16 +264,6 @@ class Worker:
                     log.info("%s again: handing back running jobs now", signal.Signals(signum).name)
                     self._running.hand_back_all()
 
-    async def _monitor_engine(self) -> None:
-        while True:
-            await anyio.sleep(self.config.health_interval)
-            try:
-                with anyio.fail_after(self.config.health_timeout):
-                    await self.engine.check_health()
-            except (EngineDead, TimeoutError) as exc:
-                self._on_engine_dead(str(exc) or "health check timed out")
-                return
-
     def _on_engine_dead(self, why: str) -> None:
         if self._engine_dead:
             return
@@ -318,7 +308,7 @@ class Worker:
             await self._serve(job, req, frames)
             self._spawn(self.traces.publish, hop.record(
                 request_id=req.request_id, instance=self.instance, model=self.model, attempt=frames.attempt,
-                frames=frames, outcome=self._outcome_of(frames, job),
+                frames=frames, outcome=outcome_of(frames, job.settled_how),
             ))
         finally:
             self._busy -= 1
@@ -422,11 +412,6 @@ class Worker:
         async with self.lora.use(req) as adapter:
             return await self.role.run(req, frames, prompt, history, adapter)
 
-    def _outcome_of(self, frames: FrameSink, job: Job) -> str:
-        if frames.ended_with is not None:
-            return "completed" if frames.ended_with in ("stop", "length") else frames.ended_with
-        return {"nak": "handed_back", "term": "terminated", "ack": "completed"}.get(job.settled_how or "", "superseded")
-
     async def _prepare(self, req: GenerateRequest, early: EarlyStart[Outcome]) -> tuple[History, EnginePrompt]:
         """The request's history and its rendered prompt, looked up side by side.
 
@@ -472,17 +457,7 @@ class Worker:
     async def _replay_result(self, job: Job, frames: FrameSink, result: Result) -> None:
         """The request already finished (this is a redelivery or a resubmission): answer from its result."""
         log.info("request %s already finished; answering from its stored result", frames.request_id)
-        end = result.final or result.error
-        frames.log_subject = None  # the log already ends with this result
-        frames.seq = 0
-        await frames.accepted(self.instance, self.model, job_ack=job.msg.reply)
-        if result.final is not None:
-            for index, ids in enumerate(result.token_ids):
-                text = result.text[index] if result.text else None
-                if ids or text:
-                    await frames.tokens(index, ids, text)
-        if end is not None:
-            await frames.send(msgspec.structs.replace(end, seq=frames.seq + 1, attempt=frames.attempt))
+        await frames.replay_result(result, self.instance, self.model, job_ack=job.msg.reply)
         await job.ack()
         self.counters["acked"] += 1
 
@@ -519,29 +494,7 @@ class Worker:
     # control
 
     def status(self) -> WorkerStatus:
-        load = self.engine.load()
-        return WorkerStatus(
-            instance=self.instance,
-            role=self.role.role,
-            model=self.model,
-            state=self.state,
-            slots=self.slots,
-            in_flight=self._busy,
-            request_ids=sorted(self._running),
-            engine_unfinished=load.unfinished,
-            started_at=self.started_at,
-            version=__version__,
-            host=socket.gethostname(),
-            pid=os.getpid(),
-            extra={
-                "engine": self.engine.facts.engine,
-                "engine_running": str(load.running),
-                "engine_waiting": str(load.waiting),
-                "max_model_len": str(self.engine.facts.max_model_len),
-                **{k: str(v) for k, v in self.counters.items()},
-                **{f"kv_{k}": str(v) for k, v in self.kv_events.counters.items() if self.kv_events.running},
-            },
-        )
+        return worker_status(self)
 
     async def _on_status(self, msg: Msg) -> None:
         if msg.reply:
