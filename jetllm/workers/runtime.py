@@ -2,11 +2,17 @@
 
 Every task belongs to one task group owned by `Worker.serve`; jobs run in a nested group so
 that stopping can wait for them, then hand back the ones still running.
+
+Only the lifecycle and the job path live here, so that a job's way from pull to settle reads in
+one place. Beside it: the running set, with cancel, ping and heartbeats (running.py),
+dead-lettering (deadletters.py), the log resync after reconnects (recovery.py), and the status
+reply (status.py).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import signal
@@ -119,9 +125,8 @@ class Worker:
         self.log = RequestLog(nc, self.names)
         self.counters = {
             "pulled": 0, "acked": 0, "completed": 0, "deferred": 0, "resumed": 0, "handed_back": 0,
-            "dead_lettered": 0, "cancelled": 0, "superseded": 0, "duplicates": 0,
+            "dead_lettered": 0, "cancelled": 0, "superseded": 0, "duplicates": 0, "frames_sent": 0,
         }
-        self.counters["frames_sent"] = 0
         self.errors: collections.Counter[str] = collections.Counter()
         self.dead_letters = DeadLetters(self)
         self.metrics_url: str | None = None
@@ -150,18 +155,15 @@ class Worker:
 
             self.metrics_url = serve_metrics(self, self.config.metrics_port)
         consumer = await ensure_consumer(self.js, self.names, self.role.role, self.model, self.config.policy)
-        subs = [
-            await self.nc.subscribe(self.names.cancel_all, cb=self._running.on_cancel),
-            await self.nc.subscribe(self.names.control("status"), cb=self._on_status),
-            await self.nc.subscribe(self.names.instance_control(self.instance, "status"), cb=self._on_status),
-            await self.nc.subscribe(
-                self.names.instance_control(self.instance, "ping"), cb=self._running.on_ping
-            ),
-            await self.nc.subscribe(
-                self.names.max_deliveries_advisory(self.role.role, self.model),
-                cb=self.dead_letters.on_max_deliveries,
-            ),
-        ]
+        handlers = {
+            self.names.cancel_all: self._running.on_cancel,
+            self.names.control("status"): self._on_status,
+            self.names.instance_control(self.instance, "status"): self._on_status,
+            self.names.instance_control(self.instance, "ping"): self._running.on_ping,
+            self.names.max_deliveries_advisory(self.role.role, self.model):
+                self.dead_letters.on_max_deliveries,
+        }
+        subs = [await self.nc.subscribe(subject, cb=cb) for subject, cb in handlers.items()]
         self._puller = Puller(
             self.nc,
             self.names.jobs_stream,
@@ -202,14 +204,10 @@ class Worker:
                 await self.control.stop()
                 await self.registry.remove(self.instance)
                 for sub in subs:
-                    try:
+                    with contextlib.suppress(Exception):
                         await sub.unsubscribe()
-                    except Exception:
-                        pass
-                try:
+                with contextlib.suppress(Exception):
                     await self.nc.flush(timeout=5)
-                except Exception:
-                    pass
         self.state = "engine_dead" if self._engine_dead else "stopped"
         log.info("worker %s stopped (%s), exit code %d", self.instance, self.state, self.exit_code)
         return self.exit_code
