@@ -1,5 +1,5 @@
 """Control verbs that act on the engine: health (with a canary generation), clearing the prefix
-cache, sleep and wake.
+cache, sleep and wake; and the periodic health check, which judges the engine the same way.
 
 Sleep has no half-states: the worker stops pulling, lets running requests finish (those still
 running after the grace period are handed back and migrate), then pauses the engine; only then
@@ -50,6 +50,18 @@ class EngineControl:
         worker.control.add("reset-prefix-cache", self.reset_prefix_cache)
         worker.control.add("sleep", self.sleep)
         worker.control.add("wake", self.wake)
+
+    async def monitor(self) -> None:
+        """The periodic check: a dead or hung engine stops the worker, which hands every job back."""
+        w = self.w
+        while True:
+            await anyio.sleep(w.config.health_interval)
+            try:
+                with anyio.fail_after(w.config.health_timeout):
+                    await w.engine.check_health()
+            except (EngineDead, TimeoutError) as exc:
+                w._on_engine_dead(str(exc) or "health check timed out")
+                return
 
     async def health(self, body: bytes, encoding: Any) -> HealthReport:
         check = _health_check.decode(body, encoding) if body else HealthCheck()

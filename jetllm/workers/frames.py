@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 import anyio
+import msgspec
 from nats.aio.client import Client as NATS
 
 from ..schemas import (
@@ -16,6 +17,7 @@ from ..schemas import (
     ErrorFrame,
     FinalFrame,
     HeartbeatFrame,
+    Result,
     Step,
     TokensFrame,
     Usage,
@@ -96,6 +98,20 @@ class FrameSink:
         for frame in frames:
             await self._send(frame)
         self.seq = max(self.seq, frames[-1].seq if frames else 0)
+
+    async def replay_result(self, result: Result, worker: str, model: str, *, job_ack: str | None) -> None:
+        """Answer a request that already finished from its stored result, as this attempt's frames."""
+        end = result.final or result.error
+        self.log_subject = None  # the log already ends with this result
+        self.seq = 0
+        await self.accepted(worker, model, job_ack=job_ack)
+        if result.final is not None:
+            for index, ids in enumerate(result.token_ids):
+                text = result.text[index] if result.text else None
+                if ids or text:
+                    await self.tokens(index, ids, text)
+        if end is not None:
+            await self.send(msgspec.structs.replace(end, seq=self.seq + 1, attempt=self.attempt))
 
     async def tokens(
         self,

@@ -132,6 +132,14 @@ class RequestLog:
                 delay = min(delay * 2, 2.0)
         raise LogUnavailable(f"request log: could not store a {type(record).__name__} record in {within:.0f}s")
 
+    async def store_result(self, request_id: str, result: Result) -> None:
+        """Store a request's end before acking its job, so a redelivery answers from it, not reruns."""
+        try:
+            await self.write_stored(request_id, result)
+        except LogUnavailable as exc:
+            log.warning("request %s: its result is not in the log (%s); a redelivery would run it again",
+                        request_id, exc)
+
     async def last(self, request_id: str) -> Record | None:
         try:
             raw = await self.js.get_last_msg(self.names.requests_stream, self.names.request_log(request_id), direct=True)

@@ -2,11 +2,17 @@
 
 Every task belongs to one task group owned by `Worker.serve`; jobs run in a nested group so
 that stopping can wait for them, then hand back the ones still running.
+
+Only the lifecycle and the job path live here, so that a job's way from pull to settle reads in
+one place. Beside it: the running set, with cancel, ping and heartbeats (running.py),
+dead-lettering (deadletters.py), the log resync after reconnects (recovery.py), and the status
+reply (status.py).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
 import signal
@@ -22,18 +28,15 @@ from anyio.abc import TaskGroup
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from .. import __version__
 from ..errors import EngineDead, EngineRequestError, RequestRejected
 from ..schemas import (
     CancelRequest,
     Claim,
-    DeadLetter,
     EmbedsPrompt,
     ErrorCode,
     GenerateRequest,
     Handoff,
     Result,
-    Step,
     WorkerStatus,
 )
 from ..subjects import codec
@@ -41,19 +44,23 @@ from ..subjects.names import Names
 from ..subjects.setup import QueuePolicy, ensure_consumer, ensure_streams
 from .adapterqueues import AdapterQueues
 from .control import ControlServer, reply_encoding
+from .deadletters import DeadLetters
 from .earlystart import EarlyStart
 from .embeds import EmbedsLoader
 from .engine import Engine, EnginePrompt
 from .enginecontrol import EngineControl
 from .frames import FrameSink
-from .jobs import Job, RejectedJob, dead_letter_record, decode_request
+from .jobs import Job, RejectedJob, decode_request
 from .kvevents import KvEventRelay
 from .lora import LoraManager, LoraSettings
 from .puller import Puller
+from .recovery import resync_after_reconnects
 from .registry import RegistryKeeper, instance_record, load_reports, model_card
 from .requestlog import History, LogUnavailable, RequestLog, analyze
 from .roles import GenerateRole, Outcome
-from .tracing import Hop, TracePublisher
+from .running import Running, RunningRequests, runs_it
+from .status import worker_status
+from .tracing import Hop, TracePublisher, outcome_of
 
 log = logging.getLogger(__name__)
 
@@ -91,20 +98,6 @@ def new_instance_id() -> str:
     return f"{host}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-class _Running:
-    __slots__ = ("job", "frames", "scope", "hand_back", "cancel_reason", "superseded", "ended")
-
-    def __init__(self, job: Job, frames: FrameSink) -> None:
-        self.job = job
-        self.frames = frames
-        self.scope = anyio.CancelScope()
-        self.hand_back = False
-        self.cancel_reason: str | None = None
-        self.superseded = False
-        self.ended = False
-        """Its result is being stored: the log must get no record after it (compaction keeps the last)."""
-
-
 class Worker:
     def __init__(self, nc: NATS, engine: Engine, config: WorkerConfig) -> None:
         self.nc = nc
@@ -122,7 +115,7 @@ class Worker:
         self._paused = False
         self.started_at = time.time()
         self._busy = 0
-        self._running: dict[str, _Running] = {}
+        self._running = RunningRequests(nc)
         self._jobs_tg: TaskGroup | None = None
         self._idle = anyio.Event()
         self._stop = anyio.Event()
@@ -132,10 +125,10 @@ class Worker:
         self.log = RequestLog(nc, self.names)
         self.counters = {
             "pulled": 0, "acked": 0, "completed": 0, "deferred": 0, "resumed": 0, "handed_back": 0,
-            "dead_lettered": 0, "cancelled": 0, "superseded": 0, "duplicates": 0,
+            "dead_lettered": 0, "cancelled": 0, "superseded": 0, "duplicates": 0, "frames_sent": 0,
         }
-        self.counters["frames_sent"] = 0
         self.errors: collections.Counter[str] = collections.Counter()
+        self.dead_letters = DeadLetters(self)
         self.metrics_url: str | None = None
         self.adapters: list[str] = []
         self.control = ControlServer(nc, self.names, self.instance, self.model)
@@ -162,15 +155,15 @@ class Worker:
 
             self.metrics_url = serve_metrics(self, self.config.metrics_port)
         consumer = await ensure_consumer(self.js, self.names, self.role.role, self.model, self.config.policy)
-        subs = [
-            await self.nc.subscribe(self.names.cancel_all, cb=self._on_cancel),
-            await self.nc.subscribe(self.names.control("status"), cb=self._on_status),
-            await self.nc.subscribe(self.names.instance_control(self.instance, "status"), cb=self._on_status),
-            await self.nc.subscribe(self.names.instance_control(self.instance, "ping"), cb=self._on_ping),
-            await self.nc.subscribe(
-                self.names.max_deliveries_advisory(self.role.role, self.model), cb=self._on_max_deliveries
-            ),
-        ]
+        handlers = {
+            self.names.cancel_all: self._running.on_cancel,
+            self.names.control("status"): self._on_status,
+            self.names.instance_control(self.instance, "status"): self._on_status,
+            self.names.instance_control(self.instance, "ping"): self._running.on_ping,
+            self.names.max_deliveries_advisory(self.role.role, self.model):
+                self.dead_letters.on_max_deliveries,
+        }
+        subs = [await self.nc.subscribe(subject, cb=cb) for subject, cb in handlers.items()]
         self._puller = Puller(
             self.nc,
             self.names.jobs_stream,
@@ -189,9 +182,9 @@ class Worker:
                     tg.start_soon(self._watch_signals)
                 with anyio.fail_after(self.config.health_timeout):
                     await self.engine.check_health()  # ready means the engine answered, too
-                tg.start_soon(self._monitor_engine)
-                tg.start_soon(self._tick)
-                tg.start_soon(self._resync_after_reconnects)
+                tg.start_soon(self.engine_control.monitor)
+                tg.start_soon(self._running.tick, self.config.heartbeat_interval, self.config.policy.ack_wait)
+                tg.start_soon(resync_after_reconnects, self.nc, self.log, self.instance, self._running)
                 await self.control.start(tg)
                 for service in self.services:
                     tg.start_soon(service)
@@ -211,14 +204,10 @@ class Worker:
                 await self.control.stop()
                 await self.registry.remove(self.instance)
                 for sub in subs:
-                    try:
+                    with contextlib.suppress(Exception):
                         await sub.unsubscribe()
-                    except Exception:
-                        pass
-                try:
+                with contextlib.suppress(Exception):
                     await self.nc.flush(timeout=5)
-                except Exception:
-                    pass
         self.state = "engine_dead" if self._engine_dead else "stopped"
         log.info("worker %s stopped (%s), exit code %d", self.instance, self.state, self.exit_code)
         return self.exit_code
@@ -232,7 +221,7 @@ class Worker:
         self._puller.stop()
         self.adapter_queues.stop()
         if self._engine_dead:
-            self._hand_back_all()
+            self._running.hand_back_all()
             return
         self.state = "draining"
         self.registry.beat_now()
@@ -258,15 +247,10 @@ class Worker:
                 await self._idle.wait()
         if self._running:
             log.info("handing back %d running jobs", len(self._running))
-            self._hand_back_all()
+            self._running.hand_back_all()
         while self._busy:
             self._idle = anyio.Event()
             await self._idle.wait()
-
-    def _hand_back_all(self) -> None:
-        for run in self._running.values():
-            run.hand_back = True
-            run.scope.cancel()
 
     async def _watch_signals(self) -> None:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -276,17 +260,7 @@ class Worker:
                     self.stop()
                 else:
                     log.info("%s again: handing back running jobs now", signal.Signals(signum).name)
-                    self._hand_back_all()
-
-    async def _monitor_engine(self) -> None:
-        while True:
-            await anyio.sleep(self.config.health_interval)
-            try:
-                with anyio.fail_after(self.config.health_timeout):
-                    await self.engine.check_health()
-            except (EngineDead, TimeoutError) as exc:
-                self._on_engine_dead(str(exc) or "health check timed out")
-                return
+                    self._running.hand_back_all()
 
     def _on_engine_dead(self, why: str) -> None:
         if self._engine_dead:
@@ -295,20 +269,8 @@ class Worker:
         self._engine_dead = True
         self.exit_code = EXIT_ENGINE_DEAD
         self.state = "engine_dead"
-        self._hand_back_all()
+        self._running.hand_back_all()
         self.stop()
-
-    async def _tick(self) -> None:
-        """Heartbeat frames for quiet requests and in-progress acks for long ones."""
-        every = min(self.config.heartbeat_interval, self.config.policy.ack_wait / 3) / 2
-        progress_every = self.config.policy.ack_wait / 3
-        while True:
-            await anyio.sleep(every)
-            now = time.monotonic()
-            for run in list(self._running.values()):
-                await run.frames.heartbeat_if_idle(now, self.config.heartbeat_interval)
-                if now - run.job.last_progress >= progress_every:
-                    await run.job.in_progress()
 
     # jobs
 
@@ -327,7 +289,7 @@ class Worker:
             except RejectedJob as exc:
                 frames = FrameSink(self.nc, exc.reply_to, exc.encoding, exc.request_id or "", attempt=job.attempt,
                                    headers=hop.header)
-                await self._reject(job, frames, exc, exc.request_id)
+                await self.dead_letters.reject(job, frames, exc, exc.request_id)
                 return
             if req.model != self.model and req.adapter is None and self.adapter_queues.serves(req.model):
                 req = msgspec.structs.replace(req, model=self.model, adapter=req.model)  # from the adapter's queue
@@ -344,7 +306,7 @@ class Worker:
             await self._serve(job, req, frames)
             self._spawn(self.traces.publish, hop.record(
                 request_id=req.request_id, instance=self.instance, model=self.model, attempt=frames.attempt,
-                frames=frames, outcome=self._outcome_of(frames, job),
+                frames=frames, outcome=outcome_of(frames, job.settled_how),
             ))
         finally:
             self._busy -= 1
@@ -356,7 +318,7 @@ class Worker:
 
     async def _serve(self, job: Job, req: GenerateRequest, frames: FrameSink) -> None:
         rid = req.request_id
-        run = _Running(job, frames)
+        run = Running(job, frames)
         self._running[rid] = run
         assert self._jobs_tg is not None
         early: EarlyStart[Outcome] = EarlyStart(
@@ -371,10 +333,11 @@ class Worker:
                 if history.cancelled is not None:
                     run.cancel_reason = history.cancelled.reason or "cancelled before it started"
                     return
-                if history.owner not in (None, self.instance) and await self._runs_it(history.owner, rid):
+                owner = history.owner
+                if owner not in (None, self.instance) and await runs_it(self.nc, self.names, owner, rid):
                     # Redelivered while its worker still runs it (a restored broker does this):
                     # leave it there; that worker's ack settles this delivery too.
-                    log.info("request %s still runs on %s; leaving it there", rid, history.owner)
+                    log.info("request %s still runs on %s; leaving it there", rid, owner)
                     self.counters["deferred"] += 1
                     await job.nak(delay=self.config.policy.ack_wait)
                     return
@@ -410,7 +373,7 @@ class Worker:
                     outcome = await self._generate(req, frames, prompt_ids, history)
                 final = frames.final_frame(outcome.choices, outcome.usage)
                 run.ended = True
-                await self._store_result(rid, Result(
+                await self.log.store_result(rid, Result(
                     attempt=job.attempt, final=final, token_ids=outcome.token_ids, text=outcome.text,
                     worker=self.instance, migrations=history.deaths + history.handoffs,
                 ))
@@ -425,15 +388,16 @@ class Worker:
             with anyio.CancelScope(shield=True):
                 await job.nak(delay=1.0)
         except RequestRejected as exc:
-            await self._reject(job, frames, exc, rid)
+            await self.dead_letters.reject(job, frames, exc, rid)
         except EngineRequestError as exc:
-            await self._reject(job, frames, exc, rid, code=ErrorCode.ENGINE_ERROR)
+            await self.dead_letters.reject(job, frames, exc, rid, code=ErrorCode.ENGINE_ERROR)
         except EngineDead as exc:
             run.hand_back = True
             self._on_engine_dead(str(exc))
         except Exception as exc:  # a bug: tell the producer, keep the job for inspection
             log.exception("request %s failed inside jetllm", rid)
-            await self._reject(job, frames, RequestRejected(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}"), rid)
+            bug = RequestRejected(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
+            await self.dead_letters.reject(job, frames, bug, rid)
         finally:
             with anyio.CancelScope(shield=True):
                 await early.close()
@@ -445,11 +409,6 @@ class Worker:
     async def _generate(self, req: GenerateRequest, frames: FrameSink, prompt: EnginePrompt, history: History) -> Outcome:
         async with self.lora.use(req) as adapter:
             return await self.role.run(req, frames, prompt, history, adapter)
-
-    def _outcome_of(self, frames: FrameSink, job: Job) -> str:
-        if frames.ended_with is not None:
-            return "completed" if frames.ended_with in ("stop", "length") else frames.ended_with
-        return {"nak": "handed_back", "term": "terminated", "ack": "completed"}.get(job.settled_how or "", "superseded")
 
     async def _prepare(self, req: GenerateRequest, early: EarlyStart[Outcome]) -> tuple[History, EnginePrompt]:
         """The request's history and its rendered prompt, looked up side by side.
@@ -496,21 +455,11 @@ class Worker:
     async def _replay_result(self, job: Job, frames: FrameSink, result: Result) -> None:
         """The request already finished (this is a redelivery or a resubmission): answer from its result."""
         log.info("request %s already finished; answering from its stored result", frames.request_id)
-        end = result.final or result.error
-        frames.log_subject = None  # the log already ends with this result
-        frames.seq = 0
-        await frames.accepted(self.instance, self.model, job_ack=job.msg.reply)
-        if result.final is not None:
-            for index, ids in enumerate(result.token_ids):
-                text = result.text[index] if result.text else None
-                if ids or text:
-                    await frames.tokens(index, ids, text)
-        if end is not None:
-            await frames.send(msgspec.structs.replace(end, seq=frames.seq + 1, attempt=frames.attempt))
+        await frames.replay_result(result, self.instance, self.model, job_ack=job.msg.reply)
         await job.ack()
         self.counters["acked"] += 1
 
-    async def _settle_interrupted(self, job: Job, run: _Running, rid: str) -> None:
+    async def _settle_interrupted(self, job: Job, run: Running, rid: str) -> None:
         if job.settled or run.superseded:
             if run.superseded:
                 self.counters["superseded"] += 1  # the job belongs to a newer delivery now
@@ -525,58 +474,9 @@ class Worker:
         elif run.cancel_reason is not None:
             self.counters["cancelled"] += 1
             err = run.frames.error_frame(ErrorCode.CANCELLED, run.cancel_reason)
-            await self._store_result(rid, Result(attempt=job.attempt, error=err, worker=self.instance))
+            await self.log.store_result(rid, Result(attempt=job.attempt, error=err, worker=self.instance))
             await run.frames.send(err)
             await job.term()
-
-    async def _store_result(self, rid: str, result: Result) -> None:
-        """Store a request's end before acking its job, so a redelivery answers from it, not reruns."""
-        try:
-            await self.log.write_stored(rid, result)
-        except LogUnavailable as exc:
-            log.warning("request %s: its result is not in the log (%s); a redelivery would run it again", rid, exc)
-
-    async def _resync_after_reconnects(self) -> None:
-        """After a reconnect, put back the log records a recovering server may have dropped.
-
-        Token frames are logged with plain publishes for speed; while a restarted server is still
-        loading its streams those are dropped, and a later attempt would regenerate tokens the
-        producer already has.
-        """
-        seen = self.nc.stats["reconnects"]
-        while True:
-            await anyio.sleep(0.5)
-            if self.nc.stats["reconnects"] == seen or not self.nc.is_connected:
-                continue
-            seen = self.nc.stats["reconnects"]
-            for rid, run in list(self._running.items()):
-                for delay in (0.5, 1, 2, 4, 8, None):
-                    try:
-                        await self._resync(rid, run)
-                        break
-                    except LogUnavailable as exc:
-                        if delay is None:
-                            log.warning("request %s: log not resynchronised after a reconnect: %s", rid, exc)
-                        else:
-                            await anyio.sleep(delay)
-
-    async def _resync(self, rid: str, run: _Running) -> None:
-        frames = run.frames
-        if frames.log_subject is None or run.job.settled or run.ended:
-            return
-        history = await self.log.history(rid)
-        if history.last_attempt > run.job.attempt or history.result is not None or run.ended:
-            return  # superseded (the newer attempt owns the log), or ended meanwhile
-        stored = {f.seq for f in history.frames}
-        missing = [f for f in list(frames.logged) if f.seq not in stored]
-        if history.last_attempt < run.job.attempt:
-            await self.log.write_stored(rid, Claim(attempt=run.job.attempt, worker=self.instance, at=time.time()))
-        for frame in missing:
-            if run.ended:
-                return
-            await self.log.write_stored(rid, Step(attempt=run.job.attempt, frame=frame))
-        if missing:
-            log.info("request %s: rewrote %d token records the server lost", rid, len(missing))
 
     def _spawn(self, fn, *args) -> None:
         if self._jobs_tg is not None:
@@ -589,135 +489,10 @@ class Worker:
                 for puller in [self._puller, *self.adapter_queues.pullers]:
                     await puller.done.wait()
 
-    async def _reject(
-        self, job: Job, frames: FrameSink, exc: RequestRejected, request_id: str | None,
-        code: ErrorCode | None = None,
-    ) -> None:
-        """Error frame to the producer, the job to the dead-letter stream, then terminate it."""
-        code = code or exc.code
-        self.errors[code.value] += 1
-        log.info("request %s rejected: %s: %s", request_id or f"seq {job.stream_seq}", code.value, exc.message)
-        with anyio.CancelScope(shield=True):
-            err = frames.error_frame(code, exc.message, field=exc.field)
-            if request_id:
-                await self._store_result(request_id, Result(attempt=job.attempt, error=err, worker=self.instance))
-            await frames.send(err)
-            record = dead_letter_record(job.msg, code, exc.message, self.instance, job.attempt, request_id,
-                                        self.nc.max_payload)
-            try:
-                await self.js.publish(
-                    self.names.dlq(self.role.role, self.model),
-                    codec.encode(record),
-                    headers={"Nats-Msg-Id": f"dlq-{self.names.jobs_stream}-{job.stream_seq}"},
-                )
-            except Exception as exc2:  # keep the job rather than lose it
-                log.error("dead-lettering seq %d failed (%s); handing it back", job.stream_seq, exc2)
-                await job.nak(delay=self.config.policy.ack_wait)
-                return
-            self.counters["dead_lettered"] += 1
-            await job.term()
-
     # control
 
-    async def _on_cancel(self, msg: Msg) -> None:
-        try:
-            cancel = codec.Decoder(CancelRequest).decode(msg.data, codec.encoding_of(msg.headers))
-        except Exception:
-            return
-        run = self._running.get(cancel.request_id)
-        if run is None or run.cancel_reason is not None or run.superseded:
-            return
-        if cancel.below_attempt is not None:
-            if run.job.attempt < cancel.below_attempt:
-                log.warning("request %s: delivery %d took it over; stopping here", cancel.request_id,
-                            cancel.below_attempt)
-                run.superseded = True
-                run.scope.cancel()
-            return
-        log.info("request %s cancelled by its producer", cancel.request_id)
-        run.cancel_reason = cancel.reason or "cancelled by the producer"
-        run.scope.cancel()
-
     def status(self) -> WorkerStatus:
-        load = self.engine.load()
-        return WorkerStatus(
-            instance=self.instance,
-            role=self.role.role,
-            model=self.model,
-            state=self.state,
-            slots=self.slots,
-            in_flight=self._busy,
-            request_ids=sorted(self._running),
-            engine_unfinished=load.unfinished,
-            started_at=self.started_at,
-            version=__version__,
-            host=socket.gethostname(),
-            pid=os.getpid(),
-            extra={
-                "engine": self.engine.facts.engine,
-                "engine_running": str(load.running),
-                "engine_waiting": str(load.waiting),
-                "max_model_len": str(self.engine.facts.max_model_len),
-                **{k: str(v) for k, v in self.counters.items()},
-                **{f"kv_{k}": str(v) for k, v in self.kv_events.counters.items() if self.kv_events.running},
-            },
-        )
-
-    async def _on_ping(self, msg: Msg) -> None:
-        """Empty: "alive". With a request id: whether this worker runs it ("running" or "idle")."""
-        if not msg.reply:
-            return
-        if not msg.data:
-            await self.nc.publish(msg.reply, b"")
-            return
-        run = self._running.get(msg.data.decode(errors="replace"))
-        await self.nc.publish(msg.reply, b"running" if run is not None and not run.job.settled else b"idle")
-
-    async def _runs_it(self, worker: str, request_id: str) -> bool:
-        try:
-            reply = await self.nc.request(self.names.instance_control(worker, "ping"), request_id.encode(), timeout=1.0)
-        except Exception:  # no responders (dead), or no answer in time (stalled): take it over
-            return False
-        return reply.data == b"running"
-
-    async def _on_max_deliveries(self, msg: Msg) -> None:
-        """JetStream gave up on a job: dead-letter it and tell its producer (every worker of the
-        model hears this; the dead letter's message id makes the copies collapse into one)."""
-        try:
-            seq = int(msgspec.json.decode(msg.data)["stream_seq"])
-            raw = await self.js.get_msg(self.names.jobs_stream, seq)
-        except Exception:
-            return
-        reason = f"JetStream delivered the job {self.config.policy.max_deliver} times and no worker finished it"
-        request_id = reply_to = None
-        encoding: Any = "msgpack"
-        try:
-            req, encoding = decode_request(raw.data, raw.headers)
-            request_id, reply_to = req.request_id, req.reply_to
-        except RejectedJob as exc:
-            request_id, reply_to, encoding = exc.request_id, exc.reply_to, exc.encoding
-        frames = FrameSink(self.nc, reply_to, encoding, request_id or "")
-        frames.seq = 1_000_000  # after anything the producer saw
-        err = frames.error_frame(ErrorCode.DELIVERIES_EXHAUSTED, reason)
-        record = DeadLetter(
-            code=ErrorCode.DELIVERIES_EXHAUSTED, reason=reason, subject=raw.subject,
-            deliveries=self.config.policy.max_deliver, worker=self.instance, failed_at=time.time(),
-            request_id=request_id, headers=dict(raw.headers or {}), payload=bytes(raw.data),
-        )
-        try:
-            await self.js.publish(
-                self.names.dlq(self.role.role, self.model), codec.encode(record),
-                headers={"Nats-Msg-Id": f"dlq-{self.names.jobs_stream}-{seq}"},
-            )
-            if request_id:
-                await self._store_result(request_id, Result(attempt=0, error=err, worker=self.instance))
-            await frames.send(err)
-            await self.js.delete_msg(self.names.jobs_stream, seq)
-        except Exception as exc:
-            log.warning("dead-lettering exhausted job seq %d failed: %s", seq, exc)
-            return
-        self.counters["dead_lettered"] += 1
-        log.warning("job seq %d (request %s) ran out of deliveries: dead-lettered", seq, request_id)
+        return worker_status(self)
 
     async def _on_status(self, msg: Msg) -> None:
         if msg.reply:

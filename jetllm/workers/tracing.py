@@ -51,6 +51,15 @@ class Hop:
         )
 
 
+def outcome_of(frames: Any, settled_how: str | None) -> str:
+    """A hop that sent no end frame still has an outcome: what became of its job (handed back, or
+    superseded by a newer delivery when this hop did not settle it)."""
+    if frames.ended_with is not None:
+        return "completed" if frames.ended_with in ("stop", "length") else frames.ended_with
+    settled = {"nak": "handed_back", "term": "terminated", "ack": "completed"}
+    return settled.get(settled_how or "", "superseded")
+
+
 class TracePublisher:
     def __init__(self, nc: NATS, names: Names) -> None:
         self.nc = nc
