@@ -7,11 +7,13 @@ import subprocess
 import sys
 
 import anyio
+import nats.errors
 import pytest
 
 from jetllm.errors import RequestFailed
 from jetllm.schemas import ErrorCode
 from jetllm.subjects import Client
+from jetllm.subjects.setup import QueuePolicy
 
 from .conftest import inproc_worker
 from .fake_engine import FakeEngine
@@ -47,3 +49,41 @@ async def test_list_show_and_replay_after_the_cause_is_fixed(nats_url, namespace
         after = await anyio.to_thread.run_sync(lambda: jetllm("dlq", "list", *common, "--json"))
         assert after.stdout.strip() == ""  # replayed records leave the stream
         assert ErrorCode.CONTEXT_LENGTH_EXCEEDED.value in shown.stdout
+
+
+async def test_a_job_no_worker_finishes_is_dead_lettered_and_its_producer_told(nats_url, namespace):
+    """JetStream gives up after max_deliver deliveries (here: a stalled consumer that never acks);
+    the producer still gets one clear error, and the job waits in the dead-letter stream."""
+    policy = QueuePolicy(ack_wait=1.0, max_deliver=2)
+    request = req("fake", max_tokens=4)
+    async with Client(nats_url, namespace=namespace, heartbeat_timeout=60) as c:
+        async with inproc_worker(nats_url, FakeEngine(), namespace=namespace, policy=policy, pull_expires=1.0) as w:
+            w.pause_pulling(True)  # it only listens for JetStream's advisory
+            await anyio.sleep(1.5)  # its outstanding pull requests expire
+            stalled = await c.js.pull_subscribe_bind(
+                durable=c.names.consumer("generate", "fake"), stream=c.names.jobs_stream
+            )
+            failed: list[RequestFailed] = []
+
+            async def produce() -> None:
+                with pytest.raises(RequestFailed) as info:
+                    await c.complete(request)
+                failed.append(info.value)
+
+            with anyio.fail_after(60):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(produce)
+                    for delivery in (1, 2):
+                        (msg,) = await stalled.fetch(1, timeout=10)  # taken, never acked
+                        assert msg.metadata.num_delivered == delivery
+                    with pytest.raises(nats.errors.TimeoutError):
+                        await stalled.fetch(1, timeout=3)  # no third delivery
+            await stalled.unsubscribe()
+            dead = await wait_dead_letter(c.nc, c.names, lambda d: d.request_id == request.request_id)
+            assert w.counters["dead_lettered"] == 1
+        (err,) = failed
+        assert err.code == ErrorCode.DELIVERIES_EXHAUSTED and "2 times" in err.remote_message
+        assert dead.code == ErrorCode.DELIVERIES_EXHAUSTED and dead.deliveries == 2
+        stored = await c.result(request.request_id)
+        assert stored is not None and stored.error is not None
+        assert stored.error.code == ErrorCode.DELIVERIES_EXHAUSTED
