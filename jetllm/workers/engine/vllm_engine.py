@@ -258,6 +258,11 @@ class VllmEngine:
             llm = AsyncLLM.from_engine_args(
                 args, usage_context=UsageContext.ENGINE_CONTEXT, stat_loggers=[recorder.factory]
             )
+            # vLLM's engine processes cache their environment once started; its front end, which
+            # lives in this process, otherwise reads os.environ for every output of every step.
+            from vllm import envs as vllm_envs
+
+            vllm_envs.enable_envs_cache()
         except BaseException:
             if kv_dir:
                 shutil.rmtree(kv_dir, ignore_errors=True)
