@@ -10,14 +10,18 @@ import anyio
 import nats.errors
 import pytest
 
+from jetllm import tinymodel
 from jetllm.errors import RequestFailed
 from jetllm.schemas import ErrorCode
 from jetllm.subjects import Client
+from jetllm.subjects.lora import LoraAdmin
 from jetllm.subjects.setup import QueuePolicy
+from jetllm.workers.lora import LoraSettings
 
 from .conftest import inproc_worker
 from .fake_engine import FakeEngine
 from .jobs import req, wait_dead_letter
+from .test_lora_plane import TINY_FACTS
 
 pytestmark = pytest.mark.anyio
 
@@ -51,17 +55,37 @@ async def test_list_show_and_replay_after_the_cause_is_fixed(nats_url, namespace
         assert ErrorCode.CONTEXT_LENGTH_EXCEEDED.value in shown.stdout
 
 
-async def test_a_job_no_worker_finishes_is_dead_lettered_and_its_producer_told(nats_url, namespace):
+
+@pytest.mark.parametrize("queue", ["model", "adapter"])
+async def test_a_job_no_worker_finishes_is_dead_lettered_and_its_producer_told(nats_url, namespace, tmp_path, queue):
     """JetStream gives up after max_deliver deliveries (here: a stalled consumer that never acks);
-    the producer still gets one clear error, and the job waits in the dead-letter stream."""
+    the producer still gets one clear error, and the job waits in the dead-letter stream. Also for
+    a job naming an adapter as its model, which waits in the adapter's own queue."""
     policy = QueuePolicy(ack_wait=1.0, max_deliver=2)
-    request = req("fake", max_tokens=4)
+    engine = FakeEngine()
+    lora = LoraSettings()
+    if queue == "adapter":
+        engine.facts.lora = TINY_FACTS
+        tinymodel.build_lora(tmp_path / "allowed" / "a", seed=1)
+        lora = LoraSettings(dirs=[str(tmp_path / "allowed")], cache_dir=str(tmp_path / "cache"), load_wait=5)
+    model = "a" if queue == "adapter" else "fake"
+    request = req(model, max_tokens=4)
     async with Client(nats_url, namespace=namespace, heartbeat_timeout=60) as c:
-        async with inproc_worker(nats_url, FakeEngine(), namespace=namespace, policy=policy, pull_expires=1.0) as w:
+        async with inproc_worker(nats_url, engine, namespace=namespace, policy=policy, pull_expires=1.0,
+                                 lora=lora) as w:
+            if queue == "adapter":
+                admin = LoraAdmin(c.nc, c.names, timeout=10)
+                with anyio.fail_after(10):
+                    while not (await admin.list("fake")).replies:
+                        await anyio.sleep(0.05)
+                await admin.load("fake", "a", source="path", ref=str(tmp_path / "allowed" / "a"))
+                with anyio.fail_after(10):
+                    while not w.adapter_queues.serves("a"):
+                        await anyio.sleep(0.05)
             w.pause_pulling(True)  # it only listens for JetStream's advisory
             await anyio.sleep(1.5)  # its outstanding pull requests expire
             stalled = await c.js.pull_subscribe_bind(
-                durable=c.names.consumer("generate", "fake"), stream=c.names.jobs_stream
+                durable=c.names.consumer("generate", model), stream=c.names.jobs_stream
             )
             failed: list[RequestFailed] = []
 
@@ -84,6 +108,7 @@ async def test_a_job_no_worker_finishes_is_dead_lettered_and_its_producer_told(n
         (err,) = failed
         assert err.code == ErrorCode.DELIVERIES_EXHAUSTED and "2 times" in err.remote_message
         assert dead.code == ErrorCode.DELIVERIES_EXHAUSTED and dead.deliveries == 2
+        assert dead.subject == c.names.jobs("generate", model)  # a replay goes back to the same queue
         stored = await c.result(request.request_id)
         assert stored is not None and stored.error is not None
         assert stored.error.code == ErrorCode.DELIVERIES_EXHAUSTED

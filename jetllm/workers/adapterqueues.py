@@ -12,6 +12,7 @@ import logging
 from typing import TYPE_CHECKING
 
 import anyio
+from nats.aio.subscription import Subscription
 
 from ..subjects.setup import ensure_consumer
 from .puller import Puller
@@ -26,6 +27,7 @@ class AdapterQueues:
     def __init__(self, worker: Worker) -> None:
         self.w = worker
         self._pullers: dict[str, Puller] = {}
+        self._advisories: dict[str, Subscription] = {}
         self._stopped = False
         self._lock = anyio.Lock()
 
@@ -44,16 +46,30 @@ class AdapterQueues:
     async def _sync(self, adapters: list[str]) -> None:
         for name in [n for n in self._pullers if n not in adapters]:
             self._pullers.pop(name).stop()
+            await self._unsubscribe(name)
             log.info("no longer pulling jobs for adapter %r", name)
         for name in adapters:
             if name in self._pullers or self._stopped or self.w._jobs_tg is None:
                 continue
             try:
                 consumer = await ensure_consumer(self.w.js, self.w.names, self.w.role.role, name, self.w.config.policy)
+                # A job of this queue that JetStream gives up on is dead-lettered like any other.
+                self._advisories[name] = await self.w.nc.subscribe(
+                    self.w.names.max_deliveries_advisory(self.w.role.role, name),
+                    cb=self.w.dead_letters.on_max_deliveries,
+                )
             except Exception as exc:
                 log.warning("adapter %r: its queue is not pulled (%s); jobs naming it as the model wait", name, exc)
                 continue
             self._start(name, consumer)
+
+    async def _unsubscribe(self, name: str) -> None:
+        sub = self._advisories.pop(name, None)
+        if sub is not None:
+            try:
+                await sub.unsubscribe()
+            except Exception as exc:
+                log.debug("adapter %r: advisory subscription not closed: %s", name, exc)
 
     def _start(self, name: str, consumer: str) -> None:
         w = self.w
