@@ -159,12 +159,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_bytes(msgspec.json.encode(rows))
     if args.write:
-        write_section(Path(args.write), text)
+        write_section(Path(args.write), text, section_marks(args.section))
     print(f"(logs in {log_dir})", file=sys.stderr)
     return 0
 
 
 MARKS = ("<!-- bench:begin -->", "<!-- bench:end -->")
+
+
+def section_marks(name: str) -> tuple[str, str]:
+    if not name.replace("-", "").isalnum():
+        raise SystemExit(f"--section {name!r}: letters, digits and dashes only")
+    return (f"<!-- {name}:begin -->", f"<!-- {name}:end -->")
 
 
 def write_section(path: Path, text: str, marks: tuple[str, str] = MARKS) -> None:
@@ -206,4 +212,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nats", default=None, help="use this NATS server instead of an embedded one")
     p.add_argument("--json", default=None, help="also write the summaries as JSON here")
     p.add_argument("--write", default=None, help="replace the figures section of this markdown file")
+    p.add_argument("--section", default="bench",
+                   help="which section --write replaces: the one between <!-- NAME:begin --> and <!-- NAME:end -->")
     p.set_defaults(func=cmd_bench)
