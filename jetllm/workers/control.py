@@ -65,6 +65,7 @@ class ControlServer:
                 subjects.append(self.names.model_control(self.model, verb))
             for subject in subjects:
                 self._subs.append(await self.nc.subscribe(subject, cb=self._callback(verb, handler)))
+        await self.nc.flush()  # the server knows every subscription before anyone is told we serve
 
     async def stop(self) -> None:
         """Stop answering (a draining or dead worker must not look available)."""
