@@ -11,6 +11,7 @@ import time
 from importlib import resources
 from pathlib import Path
 
+from . import reaper
 from .subjects.setup import check_version
 
 CONFIG = "nats-server.conf"
@@ -81,6 +82,7 @@ class NatsServer:
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )
         log.close()
+        reaper.watch_pid(self.proc.pid)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

@@ -165,8 +165,8 @@ class WorkerProcess:
             return ""
 
     def signal(self, sig: int) -> None:
-        """SIGKILL takes the whole process group, as a dying machine or container would: vLLM's
-        engine processes outlive a worker killed alone (docs/operations.md)."""
+        """SIGKILL takes the whole process group, as a dying machine or container would (a worker
+        killed alone is tested on its own: its watchdog ends the engine, which takes seconds)."""
         if self.proc.poll() is not None:
             return
         if sig == signal.SIGKILL:

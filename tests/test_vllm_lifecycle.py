@@ -84,3 +84,22 @@ async def test_dead_engine_hands_jobs_back_and_the_worker_exits_nonzero(nats_url
         with anyio.fail_after(120):
             while (await c.nc.jetstream().stream_info(c.names.jobs_stream)).state.messages:
                 await anyio.sleep(0.1)
+
+
+async def test_a_worker_killed_alone_takes_its_engine_processes_with_it(nats_url, namespace, start_worker):
+    """The OOM killer or `kill -9` hits the worker's pid only: vLLM's engine processes must not
+    live on holding their memory (they did, before engine/lifetime.py)."""
+    import psutil
+
+    async with Client(nats_url, namespace=namespace, heartbeat_timeout=60) as c:
+        worker = start_worker(namespace)
+        await worker.wait_ready(nats_url)
+        await c.submit(req(TINY, [5, 6, 7], stop=StopConditions(max_tokens=480, ignore_eos=True)))
+        with anyio.fail_after(30):
+            while (await consumer_counts(c.nc, c.names, TINY))[1] != 1:
+                await anyio.sleep(0.02)
+        engine = psutil.Process(worker.proc.pid).children(recursive=True)
+        assert len(engine) >= 2, [p.name() for p in engine]  # EngineCore and its model runner
+        os.kill(worker.proc.pid, signal.SIGKILL)
+        _, alive = await anyio.to_thread.run_sync(lambda: psutil.wait_procs(engine, timeout=60))
+        assert not alive, [(p.pid, p.name()) for p in alive]

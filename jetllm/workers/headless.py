@@ -23,6 +23,7 @@ def run_headless(opts: EngineOptions) -> int:
     from vllm.v1.engine.utils import CoreEngineProcManager
     from vllm.v1.executor import Executor
 
+    from .. import reaper
     from .engine.vllm_engine import engine_args
 
     if opts.data_parallel_size < 2 or not opts.data_parallel_size_local or opts.data_parallel_start_rank is None:
@@ -44,6 +45,7 @@ def run_headless(opts: EngineOptions) -> int:
     leader = get_tcp_uri(parallel.data_parallel_master_ip, parallel.data_parallel_rpc_port)
     log.info("headless: ranks %d..%d of %d for the leader at %s", parallel.data_parallel_rank,
              parallel.data_parallel_rank + parallel.data_parallel_size_local - 1, parallel.data_parallel_size, leader)
+    before = reaper.descendants()
     manager = CoreEngineProcManager(
         local_engine_count=parallel.data_parallel_size_local,
         start_index=parallel.data_parallel_rank,
@@ -54,6 +56,7 @@ def run_headless(opts: EngineOptions) -> int:
         executor_class=Executor.get_class(config),
         log_stats=not args.disable_log_stats,
     )
+    reaper.watch(reaper.descendants() - before)
     try:
         manager.monitor_engine_liveness()
     except SystemExit:

@@ -11,6 +11,7 @@ from typing import Any
 
 import anyio
 
+from ... import reaper
 from ...errors import EngineDead, EngineRequestError, RequestRejected
 from ...schemas import (
     ChatPrompt,
@@ -255,9 +256,11 @@ class VllmEngine:
             from vllm.v1.engine.async_llm import AsyncLLM
 
             recorder = _LoadRecorder()
+            before = reaper.descendants()
             llm = AsyncLLM.from_engine_args(
                 args, usage_context=UsageContext.ENGINE_CONTEXT, stat_loggers=[recorder.factory]
             )
+            reaper.watch(reaper.descendants() - before)
             # vLLM's engine processes cache their environment once started; its front end, which
             # lives in this process, otherwise reads os.environ for every output of every step.
             from vllm import envs as vllm_envs
