@@ -204,9 +204,10 @@ class WorkerProcess:
         return w
 
     def engine_pids(self) -> list[int]:
-        """The engine's child processes (EngineCore and its model worker)."""
-        out = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
-        return [int(p) for p in out.split()]
+        """The engine's processes among the worker's children (EngineCore; not its watchdog)."""
+        import psutil
+
+        return [p.pid for p in psutil.Process(self.proc.pid).children() if p.name().startswith("VLLM")]
 
 
 class FakeWorkerProcess(WorkerProcess):
