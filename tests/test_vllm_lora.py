@@ -76,7 +76,8 @@ async def test_adapters_load_validate_reload_reach_later_workers_and_unload(nats
     weights.write_bytes(weights.read_bytes()[:-1000])
     os.symlink(outside / "evil", allowed / "sneaky")
 
-    first = start_worker(namespace, *lora_args(allowed, tmp_path / "cache1"))
+    # a cache limit of 1 byte: every load prunes all copies the engine does not hold
+    first = start_worker(namespace, *lora_args(allowed, tmp_path / "cache1"), "--lora-cache-max-bytes", "1")
     await first.wait_ready(nats_url)
     async with Client(nats_url, namespace=namespace, heartbeat_timeout=30) as c:
         admin = LoraAdmin(c.nc, c.names, timeout=60)
@@ -138,6 +139,12 @@ async def test_adapters_load_validate_reload_reach_later_workers_and_unload(nats
         assert new_alpha.usage.cached_tokens == 0, "blocks cached for the old weights were reused"
         assert new_alpha.token_ids != with_alpha.token_ids
         assert one(await admin.load(TINY, "alpha", source="path", ref=str(alpha)), "unchanged")
+        # the old weights' copy left the cache; what the engine holds stayed and still serves
+        with anyio.fail_after(10):
+            while {p.name for p in (tmp_path / "cache1").iterdir()} != {reloaded.adapter.sha256, pushed.sha256}:
+                await anyio.sleep(0.1)
+        assert (await run(c, "alpha")).token_ids == new_alpha.token_ids
+        assert (await run(c, "beta")).token_ids == with_beta.token_ids
 
         # a worker started later loads the desired set by itself and serves it
         second = start_worker(namespace, *lora_args(allowed, tmp_path / "cache2"))

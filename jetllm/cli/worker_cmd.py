@@ -54,6 +54,9 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
                     help="directory path sources may come from (repeatable); none: path sources are refused")
     lo.add_argument("--lora-cache-dir", default=None, metavar="DIR",
                     help="where verified adapter copies are kept by content hash (default: jetllm's cache directory)")
+    lo.add_argument("--lora-cache-max-bytes", type=int, default=10 << 30, metavar="N",
+                    help="above this size, copies no worker on this host uses are removed, oldest use first "
+                         "(0: never)")
     lo.add_argument("--lora-allow-hub", action="store_true",
                     help="allow hub sources (the worker downloads them; needs network access)")
     w = p.add_argument_group("worker")
@@ -138,7 +141,8 @@ def worker_config(args: argparse.Namespace, slots: int | None = None):
         metrics_port=None if args.no_metrics else args.metrics_port,
         registry_interval=args.registry_interval,
         max_embeds_bytes=args.max_embeds_bytes,
-        lora=LoraSettings(dirs=args.lora_dir, cache_dir=args.lora_cache_dir, allow_hub=args.lora_allow_hub),
+        lora=LoraSettings(dirs=args.lora_dir, cache_dir=args.lora_cache_dir, allow_hub=args.lora_allow_hub,
+                          cache_max_bytes=args.lora_cache_max_bytes),
         policy=QueuePolicy(
             ack_wait=args.ack_wait, max_deliver=args.max_deliver, max_age=args.max_age,
             replicas=args.replicas,

@@ -3,8 +3,8 @@
 Every source ends as `<cache>/<sha256>/`: a private copy that was hashed after copying. The
 engine only ever gets such a copy, so a file changed, moved or deleted at the source after the
 load can neither reach the engine unnoticed nor pull a path out from under it (a vLLM engine
-dies when a request's adapter path is gone). Copies are never deleted while workers run; they
-are small, and an operator may prune the cache of stopped workers.
+dies when a request's adapter path is gone). A copy is removed only when the cache outgrows its
+limit and no worker on this host holds it (cache.py).
 """
 
 from __future__ import annotations

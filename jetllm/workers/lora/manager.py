@@ -43,6 +43,7 @@ from ...subjects.lora import ensure_lora_bucket
 from ...tinymodel import default_cache_dir
 from ..control import ControlError
 from ..engine import EngineAdapter
+from .cache import Held, hold, prune
 from .files import AdapterFiles
 from .validate import validate
 
@@ -62,6 +63,8 @@ class LoraSettings(msgspec.Struct, kw_only=True):
     cache_dir: str | None = None
     """Where verified copies live, by content hash (default: jetllm's cache directory)."""
     allow_hub: bool = False
+    cache_max_bytes: int = 10 << 30
+    """Copies nobody on this host uses are removed, oldest use first, above this size (0: never)."""
     load_wait: float = 60.0
     """How long a job for an adapter that is still being loaded here waits for it."""
 
@@ -78,6 +81,8 @@ class _Loaded(msgspec.Struct, kw_only=True):
     """The desired revision this load satisfies."""
     action: str
     """What reconciling that revision did (every caller asking about it hears the same)."""
+    held: Held
+    """Keeps the cached copy from being pruned while the engine may read it."""
 
 
 class LoraManager:
@@ -203,36 +208,62 @@ class LoraManager:
         assert self.facts is not None
         if cur is not None and spec.sha256 is not None and cur.info.sha256 == spec.sha256:
             return self._unchanged(name, revision, spec, cur)
+        path, sha, held = await self._fetch(name, spec)
         try:
-            path, sha = await self.files.fetch(spec)
             if cur is not None and cur.info.sha256 == sha:
+                held.release()  # the loaded copy is held already
                 return self._unchanged(name, revision, spec, cur)
-            await anyio.to_thread.run_sync(validate, path, self.facts)
-        except AdapterFileError as exc:
-            raise ControlError(exc.code, f"adapter {name!r}: {exc.message}") from None
-        except OSError as exc:
-            raise ControlError(ErrorCode.ADAPTER_NOT_FOUND, f"adapter {name!r}: {exc}") from None
-        engine = EngineAdapter(name=f"{name}@{sha[:12]}", id=adapter_id(name, sha), path=str(path))
-        async with self._slots:
-            if cur is None and len(self._loaded) >= self.facts.capacity:
-                raise ControlError(ErrorCode.NO_ADAPTER_SLOT,
-                                   f"adapter {name!r}: this instance holds {len(self._loaded)} adapters, its limit "
-                                   f"(--max-loras) is {self.facts.capacity}; unload one first")
             try:
-                await self.w.engine.add_adapter(engine)
-            except EngineRequestError as exc:
-                raise ControlError(ErrorCode.ADAPTER_INVALID, f"adapter {name!r}: {exc.message}") from None
-            self.w.counters["lora_loads"] = self.w.counters.get("lora_loads", 0) + 1  # idempotent calls do not count
-            info = LoadedAdapter(name=name, sha256=sha, lora_id=engine.id, source=spec.source, version=spec.version,
-                                 loaded_at=time.time())
-            action = "reloaded" if cur else "loaded"
-            self._loaded[name] = _Loaded(info=info, engine=engine, revision=revision, action=action)
-            self._failed.pop(name, None)
+                await anyio.to_thread.run_sync(validate, path, self.facts)
+            except AdapterFileError as exc:
+                raise ControlError(exc.code, f"adapter {name!r}: {exc.message}") from None
+            engine = EngineAdapter(name=f"{name}@{sha[:12]}", id=adapter_id(name, sha), path=str(path))
+            async with self._slots:
+                if cur is None and len(self._loaded) >= self.facts.capacity:
+                    raise ControlError(ErrorCode.NO_ADAPTER_SLOT,
+                                       f"adapter {name!r}: this instance holds {len(self._loaded)} adapters, its "
+                                       f"limit (--max-loras) is {self.facts.capacity}; unload one first")
+                try:
+                    await self.w.engine.add_adapter(engine)
+                except EngineRequestError as exc:
+                    raise ControlError(ErrorCode.ADAPTER_INVALID, f"adapter {name!r}: {exc.message}") from None
+                self.w.counters["lora_loads"] = self.w.counters.get("lora_loads", 0) + 1  # idempotent calls do not count
+                info = LoadedAdapter(name=name, sha256=sha, lora_id=engine.id, source=spec.source,
+                                     version=spec.version, loaded_at=time.time())
+                action = "reloaded" if cur else "loaded"
+                self._loaded[name] = _Loaded(info=info, engine=engine, revision=revision, action=action, held=held)
+                self._failed.pop(name, None)
+        except BaseException:
+            if self._loaded.get(name) is None or self._loaded[name].held is not held:
+                held.release()
+            raise
         self._published()
         log.info("adapter %r %s: sha256 %s, lora id %d", name, action, sha[:12], engine.id)
         if cur is not None:
             await self._retire(cur)
+        self.w._spawn(self._prune)
         return self._reply(name, action, info)
+
+    async def _fetch(self, name: str, spec: AdapterSpec) -> tuple[Path, str, Held]:
+        """The verified copy, held; fetched again if a pruner on this host took it meanwhile."""
+        for _ in range(3):
+            try:
+                path, sha = await self.files.fetch(spec)
+            except AdapterFileError as exc:
+                raise ControlError(exc.code, f"adapter {name!r}: {exc.message}") from None
+            except OSError as exc:
+                raise ControlError(ErrorCode.ADAPTER_NOT_FOUND, f"adapter {name!r}: {exc}") from None
+            held = await anyio.to_thread.run_sync(hold, path)
+            if held is not None:
+                return path, sha, held
+        raise ControlError(ErrorCode.ADAPTER_NOT_FOUND, f"adapter {name!r}: its cached copy kept being pruned")
+
+    async def _prune(self) -> None:
+        if self.settings.cache_max_bytes > 0:
+            removed = await anyio.to_thread.run_sync(prune, self.files.cache_dir, self.settings.cache_max_bytes)
+            if removed:
+                log.info("adapter cache over %d bytes: removed %d unused copies (%s)", self.settings.cache_max_bytes,
+                         len(removed), ", ".join(r[:12] for r in removed))
 
     def _unchanged(self, name: str, revision: int, spec: AdapterSpec, cur: _Loaded) -> AdapterReply:
         cur.revision = revision
@@ -246,7 +277,10 @@ class LoraManager:
         with anyio.move_on_after(self.w.config.grace_period):
             while self._users.get(old.engine.id):
                 await self._changed.wait()
-        await self.w.engine.remove_adapter(old.engine.id)
+        try:
+            await self.w.engine.remove_adapter(old.engine.id)
+        finally:
+            old.held.release()
 
     def _published(self) -> None:
         self.w.adapters = sorted(self._loaded)
