@@ -24,7 +24,7 @@ def run_headless(opts: EngineOptions) -> int:
     from vllm.v1.executor import Executor
 
     from .. import reaper
-    from .engine.vllm_engine import engine_args
+    from .engine.args import engine_args
 
     if opts.data_parallel_size < 2 or not opts.data_parallel_size_local or opts.data_parallel_start_rank is None:
         raise ValueError("--headless needs --data-parallel-size > 1, --data-parallel-size-local and "

@@ -21,6 +21,7 @@ from ...schemas import (
     TextPrompt,
     TokensPrompt,
 )
+from .args import engine_args
 from .base import (
     ChoiceDelta,
     EngineAdapter,
@@ -38,74 +39,6 @@ from .sampling import build_sampling_params, field_of
 log = logging.getLogger(__name__)
 
 _FINISH = {"stop": "stop", "length": "length", "abort": "cancelled", "error": "error", "repetition": "repetition"}
-
-
-def _quiet_defaults() -> None:
-    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-    os.environ.setdefault("DO_NOT_TRACK", "1")
-
-
-def kv_events_config(directory: str) -> Any:
-    """vLLM publishes on Unix sockets in a private directory: no ports to choose or collide.
-
-    With data parallelism vLLM derives rank r's address from rank 0's: it shifts a tcp port, adds
-    `_dp<r>` when the address contains "inproc", and refuses any other ipc address; hence the
-    socket names. The worker reads the addresses back from the engine (`get_kv_event_sources`).
-    """
-    from vllm.config.kv_events import KVEventsConfig
-
-    base = os.path.join(directory, "inproc")
-    if len(base) > 80:  # Unix socket paths end at ~107 bytes, and ranks add a suffix
-        raise ValueError(f"the temporary directory's path is too long for Unix sockets ({len(base)} bytes): "
-                         "point TMPDIR somewhere shorter")
-    return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"ipc://{base}-events",
-                          replay_endpoint=f"ipc://{base}-replay")
-
-
-def engine_args(opts: EngineOptions, kv_dir: str | None = None) -> Any:
-    """vLLM's engine arguments; `kv_dir` holds the KV-event sockets (a fresh temporary directory
-    when None and opts.kv_events is set)."""
-    _quiet_defaults()
-    from vllm import AsyncEngineArgs
-    from vllm.platforms import current_platform
-
-    on_cpu = current_platform.is_cpu()
-    kw: dict[str, Any] = dict(model=opts.model, seed=opts.seed, disable_log_stats=False)
-    if opts.served_model_name:
-        kw["served_model_name"] = opts.served_model_name
-    if opts.max_model_len:
-        kw["max_model_len"] = opts.max_model_len
-    dtype = opts.dtype or ("float32" if on_cpu else None)
-    if dtype:
-        kw["dtype"] = dtype
-    kv = opts.kv_cache_bytes or ((1 << 30) if on_cpu else None)
-    if kv and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-        kw["kv_cache_memory_bytes"] = kv
-    if opts.block_size:
-        kw["block_size"] = opts.block_size
-    if opts.max_num_seqs:
-        kw["max_num_seqs"] = opts.max_num_seqs
-    if opts.enable_prompt_embeds:
-        kw["enable_prompt_embeds"] = True
-    eager = opts.enforce_eager if opts.enforce_eager is not None else (True if on_cpu else None)
-    if eager is not None:
-        kw["enforce_eager"] = eager
-    if opts.data_parallel_size > 1:
-        kw["data_parallel_size"] = opts.data_parallel_size
-        for name in ("data_parallel_size_local", "data_parallel_start_rank", "data_parallel_address",
-                     "data_parallel_rpc_port"):
-            if getattr(opts, name) is not None:
-                kw[name] = getattr(opts, name)
-    if opts.enable_lora:
-        kw.update(enable_lora=True, max_loras=opts.max_loras, max_lora_rank=opts.max_lora_rank)
-    if opts.kv_events:
-        if opts.extra.get("enable_prefix_caching") is False:
-            raise ValueError("KV-cache events come from the prefix cache: they need enable_prefix_caching "
-                             "(drop enable_prefix_caching=false, or turn KV events off)")
-        kw["enable_prefix_caching"] = True
-        kw["kv_events_config"] = kv_events_config(kv_dir or tempfile.mkdtemp(prefix="jetllm-kv-"))
-    kw.update(opts.extra)
-    return AsyncEngineArgs(**kw)
 
 
 def _lora_facts(llm: Any, opts: EngineOptions) -> LoraFacts | None:
