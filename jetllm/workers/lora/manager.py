@@ -233,9 +233,8 @@ class LoraManager:
                 action = "reloaded" if cur else "loaded"
                 self._loaded[name] = _Loaded(info=info, engine=engine, revision=revision, action=action, held=held)
                 self._failed.pop(name, None)
-        except BaseException:
-            if self._loaded.get(name) is None or self._loaded[name].held is not held:
-                held.release()
+        except BaseException:  # not loaded: the copy is free to go
+            held.release()
             raise
         self._published()
         log.info("adapter %r %s: sha256 %s, lora id %d", name, action, sha[:12], engine.id)
@@ -260,7 +259,11 @@ class LoraManager:
 
     async def _prune(self) -> None:
         if self.settings.cache_max_bytes > 0:
-            removed = await anyio.to_thread.run_sync(prune, self.files.cache_dir, self.settings.cache_max_bytes)
+            try:
+                removed = await anyio.to_thread.run_sync(prune, self.files.cache_dir, self.settings.cache_max_bytes)
+            except OSError as exc:  # a full or read-only disk must not take the worker down
+                log.warning("adapter cache not pruned: %s", exc)
+                return
             if removed:
                 log.info("adapter cache over %d bytes: removed %d unused copies (%s)", self.settings.cache_max_bytes,
                          len(removed), ", ".join(r[:12] for r in removed))
