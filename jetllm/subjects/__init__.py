@@ -1,6 +1,7 @@
 """Subject and stream names, stream/consumer set-up, and the producer client."""
 
-from .client import Client, Completion
+from .client import Client
+from .completion import Completion
 from .embeds import embeds_prompt
 from .names import Names, decode_token, encode_token
 from .setup import QueuePolicy, check_server, ensure_consumer, ensure_streams

@@ -49,9 +49,9 @@ from ..schemas import (
     HeartbeatFrame,
     Result,
     TokensFrame,
-    Usage,
 )
 from . import codec, results, tracecontext
+from .completion import Completion, assemble
 from .connection import connect
 from .direct import subscribe_direct
 from .embeds import embeds_store, upload
@@ -62,20 +62,6 @@ log = logging.getLogger(__name__)
 
 HEADER_MARGIN = 512
 """Bytes kept free under max_payload for headers (nats-py only checks the body)."""
-
-
-class Completion(msgspec.Struct, kw_only=True):
-    """A finished request, assembled from its frames."""
-
-    request_id: str
-    token_ids: list[int]
-    text: str | None
-    finish_reason: str
-    stop_reason: str | int | None
-    usage: Usage
-    worker: str
-    choices: list[Completion] = []
-    """For n > 1: one entry per choice (index order); the top-level fields are choice 0's."""
 
 
 class _Inbox:
@@ -445,41 +431,4 @@ class Client:
     async def complete(self, req: GenerateRequest, **kwargs: Any) -> Completion:
         """Run `req` to the end and return the assembled result; error frames raise RequestFailed."""
         async with aclosing(self.generate(req, **kwargs)) as frames:
-            return await self._assemble(req, frames, req.sampling.n)
-
-    async def _assemble(self, req: GenerateRequest, frames: AsyncIterator[Frame], n: int) -> Completion:
-        tokens: list[list[int]] = [[] for _ in range(n)]
-        texts: list[list[str]] = [[] for _ in range(n)]
-        any_text = False
-        worker = ""
-        started = time.monotonic()
-        async for frame in frames:
-            if isinstance(frame, TokensFrame):
-                tokens[frame.index].extend(frame.token_ids)
-                if frame.text is not None:
-                    any_text = True
-                    texts[frame.index].append(frame.text)
-            elif isinstance(frame, AcceptedFrame):
-                worker = frame.worker
-            elif isinstance(frame, ErrorFrame):
-                raise RequestFailed(frame.code, frame.message, field=frame.field)
-            elif isinstance(frame, FinalFrame):
-                choices = [
-                    Completion(
-                        request_id=req.request_id,
-                        token_ids=tokens[c.index],
-                        text="".join(texts[c.index]) if any_text else None,
-                        finish_reason=c.finish_reason,
-                        stop_reason=c.stop_reason,
-                        usage=frame.usage,
-                        worker=worker,
-                    )
-                    for c in sorted(frame.choices, key=lambda c: c.index)
-                ]
-                first = choices[0]
-                return msgspec.structs.replace(first, choices=choices if n > 1 else [])
-        elapsed = time.monotonic() - started
-        raise RequestFailed(  # pragma: no cover - generate() always ends with final or error
-            ErrorCode.INTERNAL, f"{req.request_id} ended after {elapsed:.1f}s without a final frame"
-        )
-
+            return await assemble(req, frames, req.sampling.n)

@@ -3,10 +3,10 @@
 Every task belongs to one task group owned by `Worker.serve`; jobs run in a nested group so
 that stopping can wait for them, then hand back the ones still running.
 
-Only the lifecycle and the job path live here, so that a job's way from pull to settle reads in
-one place. Beside it: the running set, with cancel, ping and heartbeats (running.py),
-dead-lettering (deadletters.py), the log resync after reconnects (recovery.py), and the status
-reply (status.py).
+Only the lifecycle lives here: wiring, serving, pausing, draining, stopping. Beside it: one job's
+way from pull to settle (jobrun.py), the running set, with cancel, ping and heartbeats
+(running.py), dead-lettering (deadletters.py), the log resync after reconnects (recovery.py),
+and the status reply (status.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import socket
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import anyio
 import msgspec
@@ -28,15 +27,7 @@ from anyio.abc import TaskGroup
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from ..errors import EngineDead, EngineRequestError, RequestRejected
 from ..schemas import (
-    CancelRequest,
-    Claim,
-    EmbedsPrompt,
-    ErrorCode,
-    GenerateRequest,
-    Handoff,
-    Result,
     WorkerStatus,
 )
 from ..subjects import codec
@@ -45,22 +36,20 @@ from ..subjects.setup import QueuePolicy, ensure_consumer, ensure_streams
 from .adapterqueues import AdapterQueues
 from .control import ControlServer, reply_encoding
 from .deadletters import DeadLetters
-from .earlystart import EarlyStart
 from .embeds import EmbedsLoader
-from .engine import Engine, EnginePrompt
+from .engine import Engine
 from .enginecontrol import EngineControl
-from .frames import FrameSink
-from .jobs import Job, RejectedJob, decode_request
+from .jobrun import JobRunner
 from .kvevents import KvEventRelay
 from .lora import LoraManager, LoraSettings
 from .puller import Puller
 from .recovery import resync_after_reconnects
 from .registry import RegistryKeeper, instance_record, load_reports, model_card
-from .requestlog import History, LogUnavailable, RequestLog, analyze
-from .roles import GenerateRole, Outcome
-from .running import Running, RunningRequests, runs_it
+from .requestlog import RequestLog
+from .roles import GenerateRole
+from .running import RunningRequests
 from .status import worker_status
-from .tracing import Hop, TracePublisher, outcome_of
+from .tracing import TracePublisher
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +118,7 @@ class Worker:
         }
         self.errors: collections.Counter[str] = collections.Counter()
         self.dead_letters = DeadLetters(self)
+        self.jobs = JobRunner(self)
         self.metrics_url: str | None = None
         self.adapters: list[str] = []
         self.control = ControlServer(nc, self.names, self.instance, self.model)
@@ -282,32 +272,7 @@ class Worker:
 
     async def _run_job(self, msg: Msg) -> None:
         try:
-            job = Job(msg)
-            hop = Hop(msg)
-            try:
-                req, encoding = decode_request(msg.data, msg.headers)
-            except RejectedJob as exc:
-                frames = FrameSink(self.nc, exc.reply_to, exc.encoding, exc.request_id or "", attempt=job.attempt,
-                                   headers=hop.header)
-                await self.dead_letters.reject(job, frames, exc, exc.request_id)
-                return
-            if req.model != self.model and req.adapter is None and self.adapter_queues.serves(req.model):
-                req = msgspec.structs.replace(req, model=self.model, adapter=req.model)  # from the adapter's queue
-            if req.request_id in self._running:
-                # A second job with this id while the first runs here: let the first finish.
-                log.warning("request %s delivered again while running here; holding the copy", req.request_id)
-                self.counters["duplicates"] += 1
-                await job.nak(delay=self.config.policy.ack_wait)
-                return
-            frames = FrameSink(
-                self.nc, req.reply_to, encoding, req.request_id,
-                attempt=job.attempt, log_subject=self.names.request_log(req.request_id), headers=hop.header,
-            )
-            await self._serve(job, req, frames)
-            self._spawn(self.traces.publish, hop.record(
-                request_id=req.request_id, instance=self.instance, model=self.model, attempt=frames.attempt,
-                frames=frames, outcome=outcome_of(frames, job.settled_how),
-            ))
+            await self.jobs.run(msg)
         finally:
             self._busy -= 1
             if self._busy == 0:
@@ -315,168 +280,6 @@ class Worker:
             if self._puller is not None:
                 self._puller.wake()
             self.adapter_queues.wake()
-
-    async def _serve(self, job: Job, req: GenerateRequest, frames: FrameSink) -> None:
-        rid = req.request_id
-        run = Running(job, frames)
-        self._running[rid] = run
-        assert self._jobs_tg is not None
-        early: EarlyStart[Outcome] = EarlyStart(
-            self._jobs_tg.start_soon, frames, lambda prompt: self._generate(req, frames, prompt, History())
-        )
-        try:
-            with run.scope:
-                history, prompt_ids = await self._prepare(req, early)
-                if history.result is not None:
-                    await self._replay_result(job, frames, history.result)
-                    return
-                if history.cancelled is not None:
-                    run.cancel_reason = history.cancelled.reason or "cancelled before it started"
-                    return
-                owner = history.owner
-                if owner not in (None, self.instance) and await runs_it(self.nc, self.names, owner, rid):
-                    # Redelivered while its worker still runs it (a restored broker does this):
-                    # leave it there; that worker's ack settles this delivery too.
-                    log.info("request %s still runs on %s; leaving it there", rid, owner)
-                    self.counters["deferred"] += 1
-                    await job.nak(delay=self.config.policy.ack_wait)
-                    return
-                budget = self.config.max_migrations if req.max_migrations is None else req.max_migrations
-                if history.deaths > budget:
-                    raise RequestRejected(
-                        ErrorCode.MIGRATION_BUDGET_EXHAUSTED,
-                        f"workers died under this request {history.deaths} times; its migration budget is "
-                        f"{budget} (delivery {job.attempt})",
-                    )
-                if history.last_attempt >= job.attempt:
-                    job.attempt = frames.attempt = history.last_attempt + 1
-                if history.claimed:
-                    # An older attempt may still be alive (stalled, partitioned): it must stop.
-                    await self.nc.publish(
-                        self.names.cancel(rid),
-                        codec.encode(CancelRequest(request_id=rid, reason="superseded", below_attempt=job.attempt)),
-                    )
-                await self.log.write(rid, Claim(attempt=job.attempt, worker=self.instance, at=time.time()))
-                if history.frames:
-                    self.counters["resumed"] += 1
-                    log.info("request %s: continuing after %d delivered tokens (delivery %d)",
-                             rid, sum(len(f.token_ids) for f in history.frames), job.attempt)
-                    await frames.replay(history.frames)
-                frames.seq = history.last_seq
-                await frames.accepted(
-                    self.instance, self.model, job_ack=job.msg.reply,
-                    resumed_tokens=sum(len(f.token_ids) for f in history.frames if f.index == 0),
-                )
-                if early.started:
-                    outcome = await early.outcome()
-                else:
-                    outcome = await self._generate(req, frames, prompt_ids, history)
-                final = frames.final_frame(outcome.choices, outcome.usage)
-                run.ended = True
-                await self.log.store_result(rid, Result(
-                    attempt=job.attempt, final=final, token_ids=outcome.token_ids, text=outcome.text,
-                    worker=self.instance, migrations=history.deaths + history.handoffs,
-                ))
-                await frames.send(final)
-                await job.ack()
-                self.counters["acked"] += 1
-                self.counters["completed"] += 1
-                self._spawn(self.log.compact, rid)
-        except LogUnavailable as exc:
-            log.warning("request %s waits: %s", rid, exc)
-            self.counters["deferred"] += 1
-            with anyio.CancelScope(shield=True):
-                await job.nak(delay=1.0)
-        except RequestRejected as exc:
-            await self.dead_letters.reject(job, frames, exc, rid)
-        except EngineRequestError as exc:
-            await self.dead_letters.reject(job, frames, exc, rid, code=ErrorCode.ENGINE_ERROR)
-        except EngineDead as exc:
-            run.hand_back = True
-            self._on_engine_dead(str(exc))
-        except Exception as exc:  # a bug: tell the producer, keep the job for inspection
-            log.exception("request %s failed inside jetllm", rid)
-            bug = RequestRejected(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
-            await self.dead_letters.reject(job, frames, bug, rid)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await early.close()
-            self._running.pop(rid, None)
-            self.counters["frames_sent"] += frames.frames_sent
-            with anyio.CancelScope(shield=True):
-                await self._settle_interrupted(job, run, rid)
-
-    async def _generate(self, req: GenerateRequest, frames: FrameSink, prompt: EnginePrompt, history: History) -> Outcome:
-        async with self.lora.use(req) as adapter:
-            return await self.role.run(req, frames, prompt, history, adapter)
-
-    async def _prepare(self, req: GenerateRequest, early: EarlyStart[Outcome]) -> tuple[History, EnginePrompt]:
-        """The request's history and its rendered prompt, looked up side by side.
-
-        The engine starts on the prompt at once (see earlystart.py) unless the log already
-        showed the request is not fresh.
-        """
-        self.role.check_model(req)
-        got: dict[str, Any] = {}
-
-        async def fetch(name: str, fn: Any) -> None:
-            try:
-                got[name] = await fn()
-            except Exception as exc:  # re-raised below, unwrapped
-                got[name] = exc
-                return
-            if name == "prompt" and got.get("last") is None:  # the log is not read yet, or empty
-                early.start(got["prompt"])
-
-        prompt = req.prompt
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(fetch, "last", lambda: self.log.last(req.request_id))
-            if isinstance(prompt, EmbedsPrompt):
-                tg.start_soon(fetch, "prompt", lambda: self.embeds.load(prompt))
-            else:
-                tg.start_soon(fetch, "prompt", lambda: self.engine.render(prompt))
-        last = got["last"]
-        if last is not None:
-            await early.close()
-        if isinstance(last, Exception):
-            raise last
-        if last is None:
-            history = History()
-        elif isinstance(last, Result):
-            history = analyze([last])
-        else:
-            history = await self.log.history(req.request_id)
-        if isinstance(got["prompt"], Exception):
-            if history.result is not None or history.cancelled is not None:
-                return history, []  # it ended: its prompt (an expired embeddings object, say) is not needed
-            raise got["prompt"]
-        return history, got["prompt"]
-
-    async def _replay_result(self, job: Job, frames: FrameSink, result: Result) -> None:
-        """The request already finished (this is a redelivery or a resubmission): answer from its result."""
-        log.info("request %s already finished; answering from its stored result", frames.request_id)
-        await frames.replay_result(result, self.instance, self.model, job_ack=job.msg.reply)
-        await job.ack()
-        self.counters["acked"] += 1
-
-    async def _settle_interrupted(self, job: Job, run: Running, rid: str) -> None:
-        if job.settled or run.superseded:
-            if run.superseded:
-                self.counters["superseded"] += 1  # the job belongs to a newer delivery now
-            return
-        # Counted before the awaits below: a status reader never sees the request gone but uncounted.
-        if run.hand_back:
-            self.counters["handed_back"] += 1
-            await self._pulling_stopped()
-            if not self._engine_dead:  # a planned move; an engine death counts against the budget
-                await self.log.write(rid, Handoff(attempt=job.attempt, reason="worker draining"))
-            await job.nak()
-        elif run.cancel_reason is not None:
-            self.counters["cancelled"] += 1
-            err = run.frames.error_frame(ErrorCode.CANCELLED, run.cancel_reason)
-            await self.log.store_result(rid, Result(attempt=job.attempt, error=err, worker=self.instance))
-            await run.frames.send(err)
-            await job.term()
 
     def _spawn(self, fn, *args) -> None:
         if self._jobs_tg is not None:
