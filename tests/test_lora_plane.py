@@ -133,3 +133,44 @@ async def test_a_job_naming_an_adapter_as_its_model_runs_only_on_a_worker_holdin
             with anyio.fail_after(10):
                 while holder.adapter_queues.serves("a"):
                     await anyio.sleep(0.05)
+
+
+async def test_a_worker_stopped_while_it_starts_pulling_an_adapter_queue_still_stops(
+        nats_url, namespace, tmp_path, monkeypatch):
+    """Loading an adapter starts a pull on its queue; a stop that lands meanwhile must not leave a
+    puller behind that keeps the worker from ever exiting."""
+    from jetllm.subjects import Client
+    from jetllm.workers import adapterqueues
+
+    from .fake_engine import FakeEngine
+
+    allowed = tmp_path / "allowed"
+    tinymodel.build_lora(allowed / "a", seed=1)
+    settings = LoraSettings(dirs=[str(allowed)], cache_dir=str(tmp_path / "cache"), load_wait=5)
+    engine = FakeEngine()
+    engine.facts.lora = TINY_FACTS
+    setting_up, go_on = anyio.Event(), anyio.Event()
+    real_ensure = adapterqueues.ensure_consumer
+
+    async def slow_ensure(*args, **kwargs):
+        setting_up.set()
+        await go_on.wait()
+        return await real_ensure(*args, **kwargs)
+
+    monkeypatch.setattr(adapterqueues, "ensure_consumer", slow_ensure)
+    async with Client(nats_url, namespace=namespace, heartbeat_timeout=10) as c:
+        admin = LoraAdmin(c.nc, c.names, timeout=10)
+        async with inproc_worker(nats_url, engine, namespace=namespace, lora=settings) as w:
+            with anyio.fail_after(10):
+                while not (await admin.list("fake")).replies:
+                    await anyio.sleep(0.05)
+            await admin.load("fake", "a", source="path", ref=str(allowed / "a"))
+            with anyio.fail_after(10):
+                await setting_up.wait()
+            w.stop()
+            await anyio.sleep(0.2)  # the stop has begun: the worker is draining
+            go_on.set()
+            with anyio.fail_after(15):
+                while w.state != "stopped":
+                    await anyio.sleep(0.05)
+            assert not w.adapter_queues.serves("a")

@@ -61,6 +61,9 @@ class AdapterQueues:
             except Exception as exc:
                 log.warning("adapter %r: its queue is not pulled (%s); jobs naming it as the model wait", name, exc)
                 continue
+            if self._stopped:  # the worker began to stop while we set up: a puller now would never end
+                await self._unsubscribe(name)
+                continue
             self._start(name, consumer)
 
     async def _unsubscribe(self, name: str) -> None:

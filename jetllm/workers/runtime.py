@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 
 EXIT_OK = 0
 EXIT_ENGINE_DEAD = 3
+STOP_LEFTOVERS_TIMEOUT = 10.0
 
 
 class WorkerConfig(msgspec.Struct, kw_only=True):
@@ -188,6 +189,11 @@ class Worker:
                     await self._stop.wait()
                     self.ready = False
                     await self._wind_down()
+                    # Only short tasks may remain (pullers closing, log writes); a stop never hangs.
+                    jobs.cancel_scope.deadline = anyio.current_time() + STOP_LEFTOVERS_TIMEOUT
+                if jobs.cancel_scope.cancelled_caught:
+                    log.error("tasks still running %.0fs after the drain were cancelled", STOP_LEFTOVERS_TIMEOUT)
+                self._jobs_tg = None
                 tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
