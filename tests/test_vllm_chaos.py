@@ -201,7 +201,8 @@ async def test_cancel_reaches_the_engine_and_is_not_migrated(nats_url, namespace
 
 
 async def test_sigterm_with_long_requests_moves_them_without_an_error(nats_url, namespace, start_worker):
-    first = start_worker(namespace, "--grace-period", "1")
+    # 0.3 s is far less than the ~470 tokens left take on any CPU, so none can finish in time.
+    first = start_worker(namespace, "--grace-period", "0.3")
     second = start_worker(namespace)
     await first.wait_ready(nats_url)
     await second.wait_ready(nats_url)
@@ -216,7 +217,7 @@ async def test_sigterm_with_long_requests_moves_them_without_an_error(nats_url, 
                     trackers[r.request_id] = Tracker()
                     tg.start_soon(follow, c, r, trackers[r.request_id])
                 with anyio.fail_after(60):
-                    while sum(len(t.tokens) for t in trackers.values()) < 60:
+                    while min(len(t.tokens) for t in trackers.values()) < 2:  # all 6 are generating
                         await anyio.sleep(0.05)
                 second.signal(signal.SIGCONT)
                 first.signal(signal.SIGTERM)
