@@ -25,7 +25,7 @@ from jetllm.subjects.traces import trace_records
 
 from .conftest import inproc_worker
 from .fake_engine import FakeEngine
-from .jobs import req
+from .jobs import consumer_counts, req
 
 pytestmark = pytest.mark.anyio
 
@@ -113,8 +113,10 @@ async def _count(client, n: int):
 
 async def test_a_sleeping_worker_pulls_nothing_until_woken(nats_url, client, fake_engine):
     js, names = client.nc.jetstream(), client.names
-    async with inproc_worker(nats_url, fake_engine, namespace=names.namespace, registry_interval=0.2,
-                             pull_expires=1.0) as worker:
+    async with inproc_worker(nats_url, fake_engine, namespace=names.namespace, registry_interval=0.2) as worker:
+        with anyio.fail_after(5):
+            while not worker._puller.outstanding:  # it holds pull credit, as any idle worker does
+                await anyio.sleep(0.01)
         (done,) = await ask(client.nc, names, "sleep", instance=worker.instance)
         assert isinstance(done, ControlDone) and done.state == "sleeping" and "paused" in done.detail
         (record,) = await _wait_for(lambda: _sleeping(js, names))
@@ -129,11 +131,18 @@ async def test_a_sleeping_worker_pulls_nothing_until_woken(nats_url, client, fak
                 result["c"] = await client.complete(req("fake", max_tokens=3))
 
             tg.start_soon(run)
-            await anyio.sleep(2.5)  # over two pull expiries: a sleeping worker would have taken it by now
-            assert "c" not in result
-            assert worker.counters["pulled"] == 0  # left in JetStream
+            with anyio.fail_after(5):
+                while await consumer_counts(client.nc, names, "fake") == (0, 0):
+                    await anyio.sleep(0.01)
+            for _ in range(10):  # within the credit's expiry: the pause cancelled it, nothing is delivered
+                assert await consumer_counts(client.nc, names, "fake") == (1, 0)  # left in JetStream
+                await anyio.sleep(0.1)
+            assert "c" not in result and worker.counters["pulled"] == 0
             (woke,) = await ask(client.nc, names, "wake", instance=worker.instance)
             assert isinstance(woke, ControlDone) and woke.state == "serving"
+            with anyio.fail_after(5):  # not after an ack_wait: the job was never held by the sleeper
+                while "c" not in result:
+                    await anyio.sleep(0.01)
         assert len(result["c"].token_ids) == 3
         (record,) = await instances(js, names)
         assert record.state == "serving" and record.ready

@@ -210,9 +210,9 @@ async def test_cancel_aborts_the_engine_request_and_frees_the_slot(c, shared_vll
     status = None
     with anyio.fail_after(10):
         while True:
-            from jetllm.subjects.fleet import worker_statuses
+            from jetllm.subjects.fleet import instance_status
 
-            (status,) = [s for s in await worker_statuses(c.nc, c.names) if s.pid == shared_vllm.proc.pid]
+            status = await instance_status(c.nc, c.names, shared_vllm.instance)
             if req.request_id not in status.request_ids and status.engine_unfinished == 0:
                 break
             await anyio.sleep(0.05)
@@ -220,7 +220,7 @@ async def test_cancel_aborts_the_engine_request_and_frees_the_slot(c, shared_vll
     # the engine's own scheduler dropped it too
     with anyio.fail_after(10):
         while True:
-            (status,) = [s for s in await worker_statuses(c.nc, c.names) if s.pid == shared_vllm.proc.pid]
+            status = await instance_status(c.nc, c.names, shared_vllm.instance)
             if status.extra["engine_running"] == "0":
                 break
             await anyio.sleep(0.05)

@@ -14,7 +14,7 @@ from jetllm import tinymodel
 from jetllm.errors import RequestFailed
 from jetllm.schemas import AdapterList, AdapterReply, ControlFailed, ErrorCode, StopConditions
 from jetllm.subjects import Client
-from jetllm.subjects.fleet import worker_statuses
+from jetllm.subjects.fleet import instance_status
 from jetllm.subjects.lora import LoraAdmin
 from jetllm.workers.lora import adapter_id
 
@@ -57,10 +57,8 @@ def failure(out) -> ErrorCode:
 
 
 async def lora_loads(c: Client, instance: str) -> int:
-    for s in await worker_statuses(c.nc, c.names, 0.5):
-        if s.instance == instance:
-            return int(s.extra.get("lora_loads", "0"))
-    raise AssertionError(f"{instance} did not answer")
+    s = await instance_status(c.nc, c.names, instance)
+    return int(s.extra.get("lora_loads", "0"))
 
 
 async def test_adapters_load_validate_reload_reach_later_workers_and_unload(nats_url, namespace, start_worker,

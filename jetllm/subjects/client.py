@@ -256,8 +256,9 @@ class Client:
             self.names.cancel(request_id), codec.encode(CancelRequest(request_id=request_id, reason=reason)),
             headers={tracecontext.HEADER: traceparent} if traceparent else None,
         )
-        await self.nc.publish(
-            self.names.request_log(request_id), codec.encode(Cancelled(attempt=0, reason=reason))
+        # Stored before we return: a worker that pulls the job later must find it, even if we exit now.
+        await self.js.publish(
+            self.names.request_log(request_id), codec.encode(Cancelled(attempt=0, reason=reason)), timeout=2.0
         )
 
     # results of requests, whoever was listening

@@ -46,6 +46,17 @@ async def worker_statuses(nc: NATS, names: Names, timeout: float = 0.5) -> list[
     return await _gather(nc, names.control("status"), codec.encode(StatusRequest()), _decoder, timeout)
 
 
+async def instance_status(nc: NATS, names: Names, instance: str, timeout: float = 5.0) -> WorkerStatus:
+    """One worker's status, waiting as long as `timeout` for it (a busy worker may answer late);
+    raises LookupError when no such worker is listening."""
+    try:
+        msg = await nc.request(names.instance_control(instance, "status"), codec.encode(StatusRequest()),
+                               timeout=timeout)
+    except nats.errors.NoRespondersError:
+        raise LookupError(f"no worker {instance} answers") from None
+    return _decoder.decode(msg.data)
+
+
 async def wait_for_workers(
     nc: NATS, names: Names, *, model: str | None = None, count: int = 1, timeout: float = 120.0
 ) -> list[WorkerStatus]:

@@ -69,6 +69,7 @@ class ControlServer:
 
     async def stop(self) -> None:
         """Stop answering (a draining or dead worker must not look available)."""
+        self._tg = None
         subs, self._subs = self._subs, []
         for sub in subs:
             try:

@@ -133,6 +133,7 @@ class EngineControl:
                 raise ControlError(ErrorCode.CONFLICT, f"cannot sleep while {w.state}")
             w.pause_pulling(True)
             try:
+                await w.credit_returned()  # a job sent now would wait for ack_wait on a sleeping worker
                 await w.wait_idle(hand_back_after=w.config.grace_period)
                 detail = await w.engine.sleep(level)
             except BaseException as exc:

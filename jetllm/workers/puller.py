@@ -18,6 +18,7 @@ from collections.abc import Callable
 import anyio
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 
 from ..subjects.direct import subscribe_direct
 
@@ -56,7 +57,7 @@ class Puller:
         self._free_slots = free_slots
         self._on_job = on_job
         self._expires = expires
-        self._inbox = f"_INBOX.{uuid.uuid4().hex}"
+        self._inbox = ""
         self._pulls: dict[str, _Pull] = {}
         self._counter = 0
         self._wake = anyio.Event()
@@ -76,32 +77,58 @@ class Puller:
     async def run(self) -> None:
         """Pull until stop(); then drop all outstanding credit and hand back stray deliveries.
 
-        Unsubscribing the reply inbox is what cancels the outstanding pull requests: the server
-        drops a pull request whose reply subject has lost its interest.
+        Closing the reply inbox is what cancels outstanding pull requests: the server drops a pull
+        request whose reply subject has lost its interest. The inbox is drained, not just
+        unsubscribed, so a job the server sent before it saw the unsubscribe is still handled.
         """
-        sub = await subscribe_direct(self._nc, f"{self._inbox}.*", self._on_msg)
+        sub = await self._open_inbox()
         try:
             while not self._stopping:
                 self._expire(time.monotonic())
-                want = self._free_slots() - self.outstanding
+                free = self._free_slots()
+                if self.outstanding > max(free, 0):
+                    # Credit we cannot honour (paused, or another queue of this worker took the
+                    # slots): cancel it, so no job waits here for a slot until its ack_wait runs out.
+                    sub = await self._reopen_inbox(sub)
+                await self._hand_back_strays()
+                want = free - self.outstanding
                 if want > 0 and self._nc.is_connected:
                     await self._request(want)
                 with anyio.move_on_after(self._expires / 2):
                     await self._wake.wait()
                 self._wake = anyio.Event()
-            await anyio.sleep(0.05)  # deliveries already on the wire
         finally:
             with anyio.CancelScope(shield=True):
-                try:
-                    await sub.unsubscribe()
-                except Exception:
-                    pass
+                await self._close_inbox(sub)
                 self._pulls.clear()
                 self.outstanding = 0
-                for msg in self._strays:
-                    await _nak(msg)
-                self._strays.clear()
+                await self._hand_back_strays()
                 self.done.set()
+
+    async def _open_inbox(self) -> Subscription:
+        self._inbox = f"_INBOX.{uuid.uuid4().hex}"
+        return await subscribe_direct(self._nc, f"{self._inbox}.*", self._on_msg)
+
+    async def _reopen_inbox(self, old: Subscription) -> Subscription:
+        new = await self._open_inbox()
+        self._pulls.clear()
+        self.outstanding = 0
+        await self._close_inbox(old)
+        return new
+
+    async def _close_inbox(self, sub: Subscription) -> None:
+        try:
+            await sub.drain()
+        except Exception:
+            try:
+                await sub.unsubscribe()
+            except Exception:
+                pass
+
+    async def _hand_back_strays(self) -> None:
+        strays, self._strays = self._strays, []
+        for msg in strays:
+            await _nak(msg)
 
     def stop(self) -> None:
         self._stopping = True

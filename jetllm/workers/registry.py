@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
+import msgspec
 from nats.aio.client import Client as NATS
 from nats.js.kv import KeyValue
 
@@ -48,6 +49,7 @@ class RegistryKeeper:
         self.interval = interval
         self.load_interval = load_interval
         self._kv: KeyValue | None = None
+        self._card_every = 0.0
         self._wake = anyio.Event()
 
     def expires_after(self) -> float:
@@ -62,18 +64,29 @@ class RegistryKeeper:
             tg.start_soon(self._beat)
             tg.start_soon(self._publish_load)
 
+    async def announce(self, **fields: Any) -> None:
+        """Write the record (with `fields` changed) and the model card now, before the worker says
+        it serves: whoever sees it serving finds it in the registry too. A failed write is logged;
+        the heartbeat writes it again."""
+        try:
+            await self._write(msgspec.structs.replace(self._record(), **fields), with_card=True)
+        except Exception as exc:
+            log.warning("registry record not written: %s", exc)
+            self._kv = None
+
+    async def _write(self, record: InstanceRecord, *, with_card: bool) -> None:
+        if self._kv is None:
+            self._kv = await ensure_registry(self.js, self.names)
+        await self._kv.put(self.names.instance_key(record.instance), codec.encode(record))
+        if with_card:
+            card = self._card()
+            await self._kv.put(self.names.model_card_key(card.model), codec.encode(card))
+            self._card_every = time.monotonic() + RECORD_TTL / 2
+
     async def _beat(self) -> None:
-        card_every = 0.0
         while True:
             try:
-                if self._kv is None:
-                    self._kv = await ensure_registry(self.js, self.names)
-                record = self._record()
-                await self._kv.put(self.names.instance_key(record.instance), codec.encode(record))
-                if time.monotonic() >= card_every:
-                    card = self._card()
-                    await self._kv.put(self.names.model_card_key(card.model), codec.encode(card))
-                    card_every = time.monotonic() + RECORD_TTL / 2
+                await self._write(self._record(), with_card=time.monotonic() >= self._card_every)
             except Exception as exc:
                 log.warning("registry heartbeat not written: %s", exc)
                 self._kv = None

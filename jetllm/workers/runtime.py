@@ -183,6 +183,7 @@ class Worker:
                     self._jobs_tg = jobs
                     jobs.start_soon(self._puller.run)
                     jobs.start_soon(self.adapter_queues.sync, list(self.adapters))
+                    await self.registry.announce(state="serving", ready=True)
                     self.state = "serving"
                     self.ready = True
                     tg.start_soon(self.registry.run)
@@ -194,6 +195,7 @@ class Worker:
                 if jobs.cancel_scope.cancelled_caught:
                     log.error("tasks still running %.0fs after the drain were cancelled", STOP_LEFTOVERS_TIMEOUT)
                 self._jobs_tg = None
+                await self.control.stop()  # before the group closes: no verb may start in a closed group
                 tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
@@ -235,17 +237,21 @@ class Worker:
             self._puller.wake()
         self.adapter_queues.wake()
 
+    async def credit_returned(self) -> None:
+        """Until no puller holds pull credit (after a pause): no job can be delivered here any more."""
+        with anyio.move_on_after(self.config.pull_expires + 2):
+            while any(p.outstanding for p in [self._puller, *self.adapter_queues.pullers] if p is not None):
+                await anyio.sleep(0.01)
+
     async def wait_idle(self, hand_back_after: float) -> None:
         """Until no job runs here; jobs still running after `hand_back_after` seconds are handed back."""
         with anyio.move_on_after(hand_back_after):
             while self._busy:
-                self._idle = anyio.Event()
                 await self._idle.wait()
         if self._running:
             log.info("handing back %d running jobs", len(self._running))
             self._running.hand_back_all()
         while self._busy:
-            self._idle = anyio.Event()
             await self._idle.wait()
 
     async def _watch_signals(self) -> None:
@@ -281,8 +287,9 @@ class Worker:
             await self.jobs.run(msg)
         finally:
             self._busy -= 1
-            if self._busy == 0:
+            if self._busy == 0:  # wakes every waiter (a sleep and a drain may wait at once)
                 self._idle.set()
+                self._idle = anyio.Event()
             if self._puller is not None:
                 self._puller.wake()
             self.adapter_queues.wake()
