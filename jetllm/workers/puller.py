@@ -91,7 +91,7 @@ class Puller:
                     # slots): cancel it, so no job waits here for a slot until its ack_wait runs out.
                     sub = await self._reopen_inbox(sub)
                 await self._hand_back_strays()
-                want = free - self.outstanding
+                want = self._free_slots() - self.outstanding  # jobs may have arrived meanwhile
                 if want > 0 and self._nc.is_connected:
                     await self._request(want)
                 with anyio.move_on_after(self._expires / 2):
@@ -111,19 +111,22 @@ class Puller:
 
     async def _reopen_inbox(self, old: Subscription) -> Subscription:
         new = await self._open_inbox()
+        await self._close_inbox(old)  # the server has dropped the old pull requests once this returns
         self._pulls.clear()
         self.outstanding = 0
-        await self._close_inbox(old)
         return new
 
     async def _close_inbox(self, sub: Subscription) -> None:
-        try:
-            await sub.drain()
-        except Exception:
+        with anyio.move_on_after(self._expires):  # a round trip; bounded while the connection is down
             try:
-                await sub.unsubscribe()
+                await sub.drain()
+                return
             except Exception:
                 pass
+        try:
+            await sub.unsubscribe()
+        except Exception:
+            pass
 
     async def _hand_back_strays(self) -> None:
         strays, self._strays = self._strays, []
