@@ -168,9 +168,11 @@ async def test_a_worker_stopped_while_it_starts_pulling_an_adapter_queue_still_s
             with anyio.fail_after(10):
                 await setting_up.wait()
             w.stop()
-            await anyio.sleep(0.2)  # the stop has begun: the worker is draining
+            with anyio.fail_after(5):
+                while w.state != "draining":
+                    await anyio.sleep(0.01)
             go_on.set()
-            with anyio.fail_after(15):
+            with anyio.fail_after(8):  # below the 10 s after which leftovers are cancelled anyway
                 while w.state != "stopped":
                     await anyio.sleep(0.05)
             assert not w.adapter_queues.serves("a")

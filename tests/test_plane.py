@@ -237,6 +237,9 @@ async def test_graceful_stop_finishes_running_jobs_and_leaves_queued_ones(nats_u
                 while first.status().in_flight < 8:
                     await anyio.sleep(0.01)
             first.stop()  # what SIGTERM does
+            with anyio.fail_after(5):
+                while first.state != "draining":
+                    await anyio.sleep(0.01)
             engine.stalled = False
             with anyio.fail_after(20):
                 while first.state != "stopped" or len(results) < 8:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -209,7 +210,7 @@ async def test_sigterm_with_long_requests_moves_them_without_an_error(nats_url, 
     second.signal(signal.SIGSTOP)  # ready, but frozen until the first one drains
     await anyio.sleep(5)  # its outstanding pull requests expire on the server
     async with Client(nats_url, namespace=namespace) as c:
-        trackers = {}
+        trackers, engine = {}, []
         requests = [req(TINY, [20 + i, 3], stop=StopConditions(max_tokens=480, ignore_eos=True)) for i in range(6)]
         try:
             async with anyio.create_task_group() as tg:
@@ -221,6 +222,7 @@ async def test_sigterm_with_long_requests_moves_them_without_an_error(nats_url, 
                         await anyio.sleep(0.05)
                 second.signal(signal.SIGCONT)
                 engine = first.engine_pids()
+                assert engine
                 for pid in engine:  # frozen: however fast the machine, none can finish within the grace
                     os.kill(pid, signal.SIGSTOP)
                 first.signal(signal.SIGTERM)
@@ -231,8 +233,9 @@ async def test_sigterm_with_long_requests_moves_them_without_an_error(nats_url, 
                     os.kill(pid, signal.SIGCONT)
         finally:
             second.signal(signal.SIGCONT)
-            for pid in first.engine_pids() if first.proc.poll() is None else []:
-                os.kill(pid, signal.SIGCONT)
+            for pid in engine:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
         assert await anyio.to_thread.run_sync(first.wait, 60) == 0
     for t in trackers.values():
         assert not any(isinstance(f, ErrorFrame) for f in t.frames)

@@ -251,15 +251,19 @@ class Client:
             log.info("could not delete embeddings object %s: %s", name, exc)
 
     async def cancel(self, request_id: str, reason: str | None = None, *, traceparent: str | None = None) -> None:
-        """Stop a request wherever it is: running (live notice) or still queued (durable record)."""
-        await self.nc.publish(
-            self.names.cancel(request_id), codec.encode(CancelRequest(request_id=request_id, reason=reason)),
-            headers={tracecontext.HEADER: traceparent} if traceparent else None,
-        )
-        # Stored before we return: a worker that pulls the job later must find it, even if we exit now.
-        await self.js.publish(
-            self.names.request_log(request_id), codec.encode(Cancelled(attempt=0, reason=reason)), timeout=2.0
-        )
+        """Stop a request wherever it is: running (live notice) or still queued (durable record).
+
+        The record is stored first: a worker that pulls the job between the two finds it in the
+        request's history, and one that is already running it gets the notice."""
+        try:
+            await self.js.publish(
+                self.names.request_log(request_id), codec.encode(Cancelled(attempt=0, reason=reason)), timeout=2.0
+            )
+        finally:  # a running request stops even when the record could not be stored
+            await self.nc.publish(
+                self.names.cancel(request_id), codec.encode(CancelRequest(request_id=request_id, reason=reason)),
+                headers={tracecontext.HEADER: traceparent} if traceparent else None,
+            )
 
     # results of requests, whoever was listening
 

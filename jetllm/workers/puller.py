@@ -25,9 +25,14 @@ from ..subjects.direct import subscribe_direct
 log = logging.getLogger(__name__)
 
 
+STRAY_DELAY = 0.5
+"""A job that came with no slot for it goes back after this long, so it cannot bounce through
+its deliveries between workers' stale credit in a moment."""
+
+
 async def _nak(msg: Msg) -> None:
     try:
-        await msg.nak()
+        await msg.nak(delay=STRAY_DELAY)
     except Exception as exc:
         log.warning("could not hand back a stray job: %s", exc)
 
@@ -85,13 +90,14 @@ class Puller:
         try:
             while not self._stopping:
                 self._expire(time.monotonic())
-                free = self._free_slots()
-                if self.outstanding > max(free, 0):
+                if self.outstanding and self._free_slots() <= 0 and self._nc.is_connected:
                     # Credit we cannot honour (paused, or another queue of this worker took the
                     # slots): cancel it, so no job waits here for a slot until its ack_wait runs out.
                     sub = await self._reopen_inbox(sub)
                 await self._hand_back_strays()
-                want = self._free_slots() - self.outstanding  # jobs may have arrived meanwhile
+                if self._stopping:
+                    break
+                want = self._free_slots() - self.outstanding
                 if want > 0 and self._nc.is_connected:
                     await self._request(want)
                 with anyio.move_on_after(self._expires / 2):
@@ -110,23 +116,29 @@ class Puller:
         return await subscribe_direct(self._nc, f"{self._inbox}.*", self._on_msg)
 
     async def _reopen_inbox(self, old: Subscription) -> Subscription:
-        new = await self._open_inbox()
-        await self._close_inbox(old)  # the server has dropped the old pull requests once this returns
+        inbox = self._inbox
+        try:
+            new = await self._open_inbox()
+        except Exception as exc:  # connection closing or gone: the old credit lapses by itself
+            self._inbox = inbox
+            log.debug("pull inbox not renewed: %s", exc)
+            return old
+        await self._close_inbox(old)  # our server has dropped the old pull requests once this returns
         self._pulls.clear()
         self.outstanding = 0
         return new
 
     async def _close_inbox(self, sub: Subscription) -> None:
-        with anyio.move_on_after(self._expires):  # a round trip; bounded while the connection is down
-            try:
-                await sub.drain()
-                return
-            except Exception:
-                pass
+        """nats-py's drain, made to always let go of the subscription (its own keeps it registered,
+        and resubscribes it after a reconnect, when the round trip fails)."""
         try:
-            await sub.unsubscribe()
-        except Exception:
-            pass
+            with anyio.move_on_after(self._expires):
+                await self._nc._send_unsubscribe(sub._id)
+                await self._nc.flush()  # every job sent before the server saw the UNSUB has arrived
+        except Exception as exc:
+            log.debug("pull inbox closed without a round trip: %s", exc)
+        finally:
+            self._nc._remove_sub(sub._id)
 
     async def _hand_back_strays(self) -> None:
         strays, self._strays = self._strays, []
