@@ -112,15 +112,15 @@ class Puller:
                 self.done.set()
 
     async def _open_inbox(self) -> Subscription:
-        self._inbox = f"_INBOX.{uuid.uuid4().hex}"
-        return await subscribe_direct(self._nc, f"{self._inbox}.*", self._on_msg)
+        inbox = f"_INBOX.{uuid.uuid4().hex}"
+        sub = await subscribe_direct(self._nc, f"{inbox}.*", self._on_msg)
+        self._inbox = inbox
+        return sub
 
     async def _reopen_inbox(self, old: Subscription) -> Subscription:
-        inbox = self._inbox
         try:
             new = await self._open_inbox()
         except Exception as exc:  # connection closing or gone: the old credit lapses by itself
-            self._inbox = inbox
             log.debug("pull inbox not renewed: %s", exc)
             return old
         await self._close_inbox(old)  # our server has dropped the old pull requests once this returns

@@ -190,7 +190,7 @@ class Worker:
                     await self._stop.wait()
                     self.ready = False
                     await self._wind_down()
-                    # Only short tasks may remain (pullers closing, log writes); a stop never hangs.
+                    # Only housekeeping may remain (pullers closing, log writes); it cannot hang a stop.
                     jobs.cancel_scope.deadline = anyio.current_time() + STOP_LEFTOVERS_TIMEOUT
                 if jobs.cancel_scope.cancelled_caught:
                     log.error("tasks still running %.0fs after the drain were cancelled", STOP_LEFTOVERS_TIMEOUT)
