@@ -1,13 +1,16 @@
-"""Running jetllm's async entry points: anyio on asyncio, with uvloop when it is installed."""
+"""Running jetllm's async entry points (anyio on asyncio, with uvloop when it is installed), and
+keeping a background task's failure its own."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import anyio
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 def run(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
@@ -18,3 +21,36 @@ def run(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
     except ImportError:
         opts = {}
     return anyio.run(fn, *args, backend="asyncio", backend_options=opts)
+
+
+async def supervised(
+    what: str, fn: Callable[..., Awaitable[Any]], *args: Any, restart_after: float = 1.0,
+    on_failure: Callable[[], Any] | None = None,
+) -> None:
+    """Run a long-lived companion task for its owner's whole life: a bug or a broken socket in it
+    is logged with its traceback and the task starts again, instead of failing the owner's task
+    group (which would end the process over one bad message)."""
+    while True:
+        try:
+            await fn(*args)
+            return
+        except Exception:
+            log.exception("%s failed; starting it again in %.1fs", what, restart_after)
+            if on_failure is not None:
+                on_failure()
+            await anyio.sleep(restart_after)
+
+
+async def contained(what: str, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+    """Run a one-off background step (a trace record, a log compaction) whose failure must stay its own."""
+    try:
+        await fn(*args)
+    except Exception:
+        log.exception("%s failed", what)
+
+
+def describe(exc: BaseException) -> str:
+    """The first real cause inside task-group wrappers, as `Type: message`, for one log line."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return f"{type(exc).__name__}: {exc}"

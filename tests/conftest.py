@@ -124,14 +124,18 @@ def tiny_model() -> Path:
 class WorkerProcess:
     """`jetllm worker` as a child process, as an operator would run it."""
 
-    def __init__(self, url: str, namespace: str, model: Path, log_path: Path, *args: str, served: str = TINY) -> None:
+    def __init__(
+        self, url: str, namespace: str, model: Path, log_path: Path, *args: str, served: str = TINY,
+        module: str = "jetllm",
+    ) -> None:
+        """`module`: what `python -m` runs (tests/helpers/faulty_worker.py wraps the CLI)."""
         self.namespace = namespace
         self.served = served
         self.log_path = log_path
-        self._params = (url, namespace, model, args, served)
+        self._params = (url, namespace, model, args, served, module)
         self.restarts = 0
         cmd = [
-            sys.executable, "-m", "jetllm", "worker", "--nats", url, "--namespace", namespace,
+            sys.executable, "-m", module, "worker", "--nats", url, "--namespace", namespace,
             "--model", str(model), "--served-model-name", served, "--max-model-len", "512",
             "--kv-cache-bytes", str(128 << 20), "--block-size", "32", *args,
         ]
@@ -139,6 +143,7 @@ class WorkerProcess:
         self.proc = subprocess.Popen(
             cmd, stdout=self._log, stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
+            cwd=Path(__file__).resolve().parent.parent,
         )
         self.instance: str | None = None
 
@@ -196,10 +201,10 @@ class WorkerProcess:
 
     def restart(self) -> WorkerProcess:
         """A new process with the same arguments (after this one died), logging beside it."""
-        url, namespace, model, args, served = self._params
+        url, namespace, model, args, served, module = self._params
         self._log.close()
         w = WorkerProcess(url, namespace, model, self.log_path.with_name(f"{self.log_path.stem}.r{self.restarts + 1}.log"),
-                          *args, served=served)
+                          *args, served=served, module=module)
         w.restarts = self.restarts + 1
         return w
 

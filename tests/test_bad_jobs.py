@@ -122,3 +122,20 @@ async def test_a_good_job_between_bad_ones_is_answered(served):
         await publish_raw(c.nc, c.names, model, codec.encode(good))
         frames = await inbox.until_end()
     assert isinstance(frames[-1], FinalFrame)
+
+
+async def test_a_job_with_invalid_utf8_gets_a_typed_error_and_the_worker_serves_on(served):
+    """One mutated byte inside a JSON string used to end the worker (msgspec raises
+    UnicodeDecodeError, not a DecodeError); the redelivered job then ended the next one."""
+    c, model = served
+    async with RawInbox(c.nc, encoding="json") as inbox:
+        body = job_dict(model, inbox.subject, prompt={"type": "text", "text": "caf\u00e9"})
+        data = codec.encode(body, "json").replace("é".encode(), b"\x96")
+        await publish_raw(c.nc, c.names, model, data, {"Content-Type": "application/json"})
+        frames = await inbox.until_end()
+    err = frames[-1]
+    assert isinstance(err, ErrorFrame) and err.code == ErrorCode.MALFORMED, frames
+    assert "UTF-8" in err.message and err.request_id == body["request_id"]
+    dead = await wait_dead_letter(c.nc, c.names, lambda d: d.request_id == body["request_id"])
+    assert dead.code == ErrorCode.MALFORMED and dead.payload == data
+    await assert_still_serving(c, model)

@@ -158,7 +158,7 @@ def _engine_env() -> None:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     _engine_env()
-    from ..aio import run
+    from ..aio import describe, run
     from ..workers.main import EXIT_STARTUP_FAILED, run_worker
 
     try:
@@ -170,15 +170,15 @@ def cmd_worker(args: argparse.Namespace) -> int:
         return run(lambda: run_worker(nats_url(args), opts, config, nats_wait=args.nats_wait))
     except KeyboardInterrupt:
         return 0
-    except Exception as exc:
-        log.error("worker failed to start: %s", exc)
+    except Exception as exc:  # a worker that served ends inside serve(), with its own exit log
+        log.error("worker failed to start: %s", describe(exc), exc_info=exc)
         return EXIT_STARTUP_FAILED
 
 
 def cmd_up(args: argparse.Namespace) -> int:
     """Embedded NATS (unless --nats) plus one worker, until Ctrl-C."""
     _engine_env()
-    from ..aio import run
+    from ..aio import describe, run
     from ..natsserver import NatsServer
     from ..workers.main import EXIT_STARTUP_FAILED, run_worker
 
@@ -202,7 +202,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         return 0
     except Exception as exc:
-        log.error("up failed: %s", exc)
+        log.error("up failed: %s", describe(exc), exc_info=exc)
         return EXIT_STARTUP_FAILED
     finally:
         if server is not None:

@@ -62,7 +62,18 @@ class Decoder:
         self._js = msgspec.json.Decoder(type_)
 
     def decode(self, data: bytes, encoding: Encoding = "msgpack") -> Any:
-        return self._js.decode(data) if encoding == "json" else self._mp.decode(data)
+        """The message, or msgspec.DecodeError / ValidationError naming what is wrong.
+
+        msgspec reports invalid UTF-8 as UnicodeDecodeError and very deep nesting as
+        RecursionError; both are bad input like any other and become a DecodeError here, so a
+        caller that handles msgspec's errors handles every malformed message.
+        """
+        try:
+            return self._js.decode(data) if encoding == "json" else self._mp.decode(data)
+        except UnicodeDecodeError as exc:
+            raise msgspec.DecodeError(f"invalid UTF-8 at byte {exc.start}") from None
+        except RecursionError:
+            raise msgspec.DecodeError("nested too deeply") from None
 
 
 frame_decoder = Decoder(Frame)

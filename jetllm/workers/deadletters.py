@@ -17,11 +17,11 @@ import anyio
 import msgspec
 from nats.aio.msg import Msg
 
-from ..errors import RequestRejected
+from ..errors import JetllmError, RequestRejected
 from ..schemas import DeadLetter, ErrorCode, Result
 from ..subjects import codec
 from .frames import FrameSink
-from .jobs import Job, RejectedJob, dead_letter_record, decode_request
+from .jobs import Job, RejectedJob, dead_letter_record, decode_request, salvage
 
 if TYPE_CHECKING:
     from .runtime import Worker
@@ -34,10 +34,14 @@ class DeadLetters:
         self.w = worker
 
     async def reject(
-        self, job: Job, frames: FrameSink, exc: RequestRejected, request_id: str | None,
+        self, job: Job, frames: FrameSink, exc: JetllmError, request_id: str | None,
         code: ErrorCode | None = None,
     ) -> None:
-        """Error frame to the producer, the job to the dead-letter stream, then terminate it."""
+        """Error frame to the producer, the job to the dead-letter stream, then terminate it.
+
+        Never raises: a step that fails is logged and the rest still happens, and a job that
+        cannot be dead-lettered is handed back rather than lost.
+        """
         w = self.w
         code = code or exc.code
         w.errors[code.value] += 1
@@ -46,12 +50,14 @@ class DeadLetters:
         with anyio.CancelScope(shield=True):
             err = frames.error_frame(code, exc.message, field=exc.field)
             if request_id:
-                result = Result(attempt=job.attempt, error=err, worker=w.instance)
-                await w.log.store_result(request_id, result)
+                try:
+                    await w.log.store_result(request_id, Result(attempt=job.attempt, error=err, worker=w.instance))
+                except Exception as exc2:  # a resubmission may run again; the producer still hears why
+                    log.warning("request %s: error result not stored: %s", request_id, exc2)
             await frames.send(err)
-            record = dead_letter_record(job.msg, code, exc.message, w.instance, job.attempt, request_id,
-                                        w.nc.max_payload)
             try:
+                record = dead_letter_record(job.msg, code, exc.message, w.instance, job.attempt, request_id,
+                                            w.nc.max_payload)
                 await w.js.publish(
                     w.names.dlq(w.role.role, w.model),
                     codec.encode(record),
@@ -63,6 +69,26 @@ class DeadLetters:
                 return
             w.counters["dead_lettered"] += 1
             await job.term()
+
+    async def fail(self, job: Job, frames: FrameSink | None, exc: Exception, request_id: str | None) -> None:
+        """The fault barrier: an unexpected exception while handling one job fails that job only.
+
+        The producer gets one `internal` error frame saying what failed (none if it already had
+        its terminal frame), the job goes to the dead-letter stream with the exception's type, the
+        traceback is logged once, and the worker serves the next job.
+        """
+        what = f"jetllm failed while {job.stage}: {type(exc).__name__}: {exc}"[:2000]
+        which = request_id or f"seq {job.stream_seq}"
+        log.error("request %s: %s", which, what, exc_info=exc)
+        if job.settled:
+            return
+        try:
+            if frames is None:
+                request_id, reply_to, encoding = salvage(job.msg.data, job.msg.headers)
+                frames = FrameSink(self.w.nc, reply_to, encoding, request_id or "", attempt=job.attempt)
+            await self.reject(job, frames, RequestRejected(ErrorCode.INTERNAL, what), request_id)
+        except Exception:  # nothing more can be done here; JetStream redelivers after ack_wait
+            log.exception("request %s: the failed job could not be settled", which)
 
     async def on_max_deliveries(self, msg: Msg) -> None:
         """JetStream gave up on a job: dead-letter it and tell its producer (every worker of the

@@ -149,14 +149,16 @@ class FrameSink:
         )
 
     async def send(self, frame: FinalFrame | ErrorFrame) -> None:
+        """The request's one terminal frame; a second one (a failure after the end) is not sent."""
+        if self.ended_with is not None:
+            log.warning("request %s: ended (%s) already; %s frame not sent", self.request_id, self.ended_with,
+                        frame.code.value if isinstance(frame, ErrorFrame) else "final")
+            return
         self.ended_with = (
             frame.code.value if isinstance(frame, ErrorFrame)
             else frame.choices[0].finish_reason if frame.choices else "stop"
         )
         await self._send(frame)
-
-    async def error(self, code: ErrorCode, message: str, field: str | None = None, retryable: bool = False) -> None:
-        await self._send(self.error_frame(code, message, field, retryable))
 
     async def heartbeat_if_idle(self, now: float, interval: float) -> None:
         if now - self.last_sent >= interval:

@@ -41,33 +41,40 @@ class JobRunner:
         self.w = worker
 
     async def run(self, msg: Msg) -> None:
+        """One delivery, behind the fault barrier: whatever goes wrong fails this job only."""
         w = self.w
         job = Job(msg)
-        hop = Hop(msg)
+        frames: FrameSink | None = None
+        request_id: str | None = None
         try:
-            req, encoding = decode_request(msg.data, msg.headers)
-        except RejectedJob as exc:
-            frames = FrameSink(w.nc, exc.reply_to, exc.encoding, exc.request_id or "", attempt=job.attempt,
-                               headers=hop.header)
-            await w.dead_letters.reject(job, frames, exc, exc.request_id)
-            return
-        if req.model != w.model and req.adapter is None and w.adapter_queues.serves(req.model):
-            req = msgspec.structs.replace(req, model=w.model, adapter=req.model)  # from the adapter's queue
-        if req.request_id in w._running:
-            # A second job with this id while the first runs here: let the first finish.
-            log.warning("request %s delivered again while running here; holding the copy", req.request_id)
-            w.counters["duplicates"] += 1
-            await job.nak(delay=w.config.policy.ack_wait)
-            return
-        frames = FrameSink(
-            w.nc, req.reply_to, encoding, req.request_id,
-            attempt=job.attempt, log_subject=w.names.request_log(req.request_id), headers=hop.header,
-        )
-        await self._serve(job, req, frames)
-        w._spawn(w.traces.publish, hop.record(
-            request_id=req.request_id, instance=w.instance, model=w.model, attempt=frames.attempt,
-            frames=frames, outcome=outcome_of(frames, job.settled_how),
-        ))
+            hop = Hop(msg)
+            try:
+                req, encoding = decode_request(msg.data, msg.headers)
+            except RejectedJob as exc:
+                frames = FrameSink(w.nc, exc.reply_to, exc.encoding, exc.request_id or "", attempt=job.attempt,
+                                   headers=hop.header)
+                await w.dead_letters.reject(job, frames, exc, exc.request_id)
+                return
+            request_id = req.request_id
+            if req.model != w.model and req.adapter is None and w.adapter_queues.serves(req.model):
+                req = msgspec.structs.replace(req, model=w.model, adapter=req.model)  # from the adapter's queue
+            if req.request_id in w._running:
+                # A second job with this id while the first runs here: let the first finish.
+                log.warning("request %s delivered again while running here; holding the copy", req.request_id)
+                w.counters["duplicates"] += 1
+                await job.nak(delay=w.config.policy.ack_wait)
+                return
+            frames = FrameSink(
+                w.nc, req.reply_to, encoding, req.request_id,
+                attempt=job.attempt, log_subject=w.names.request_log(req.request_id), headers=hop.header,
+            )
+            await self._serve(job, req, frames)
+            w._spawn(w.traces.publish, hop.record(
+                request_id=req.request_id, instance=w.instance, model=w.model, attempt=frames.attempt,
+                frames=frames, outcome=outcome_of(frames, job.settled_how),
+            ))
+        except Exception as exc:
+            await w.dead_letters.fail(job, frames, exc, request_id)
 
     async def _serve(self, job: Job, req: GenerateRequest, frames: FrameSink) -> None:
         w = self.w
@@ -80,8 +87,10 @@ class JobRunner:
         )
         try:
             with run.scope:
+                job.stage = "reading its request log and rendering its prompt"
                 history, prompt_ids = await self._prepare(req, early)
                 if history.result is not None:
+                    job.stage = "answering from its stored result"
                     await self._replay_result(job, frames, history.result)
                     return
                 if history.cancelled is not None:
@@ -110,7 +119,9 @@ class JobRunner:
                         w.names.cancel(rid),
                         codec.encode(CancelRequest(request_id=rid, reason="superseded", below_attempt=job.attempt)),
                     )
+                job.stage = "claiming it in the request log"
                 await w.log.write(rid, Claim(attempt=job.attempt, worker=w.instance, at=time.time()))
+                job.stage = "sending its accepted frame and earlier tokens"
                 if history.frames:
                     w.counters["resumed"] += 1
                     log.info("request %s: continuing after %d delivered tokens (delivery %d)",
@@ -121,16 +132,19 @@ class JobRunner:
                     w.instance, w.model, job_ack=job.msg.reply,
                     resumed_tokens=sum(len(f.token_ids) for f in history.frames if f.index == 0),
                 )
+                job.stage = "running it on the engine"
                 if early.started:
                     outcome = await early.outcome()
                 else:
                     outcome = await self._generate(req, frames, prompt_ids, history)
                 final = frames.final_frame(outcome.choices, outcome.usage)
                 run.ended = True
+                job.stage = "storing its result"
                 await w.log.store_result(rid, Result(
                     attempt=job.attempt, final=final, token_ids=outcome.token_ids, text=outcome.text,
                     worker=w.instance, migrations=history.deaths + history.handoffs,
                 ))
+                job.stage = "sending its final frame"
                 await frames.send(final)
                 await job.ack()
                 w.counters["acked"] += 1
@@ -148,10 +162,6 @@ class JobRunner:
         except EngineDead as exc:
             run.hand_back = True
             w._on_engine_dead(str(exc))
-        except Exception as exc:  # a bug: tell the producer, keep the job for inspection
-            log.exception("request %s failed inside jetllm", rid)
-            bug = RequestRejected(ErrorCode.INTERNAL, f"{type(exc).__name__}: {exc}")
-            await w.dead_letters.reject(job, frames, bug, rid)
         finally:
             with anyio.CancelScope(shield=True):
                 await early.close()
@@ -227,11 +237,17 @@ class JobRunner:
             w.counters["handed_back"] += 1
             await w._pulling_stopped()
             if not w._engine_dead:  # a planned move; an engine death counts against the budget
-                await w.log.write(rid, Handoff(attempt=job.attempt, reason="worker draining"))
+                try:
+                    await w.log.write(rid, Handoff(attempt=job.attempt, reason="worker draining"))
+                except Exception:  # the next worker then counts a death against the budget; still moves
+                    log.exception("request %s: hand-off not recorded", rid)
             await job.nak()
         elif run.cancel_reason is not None:
             w.counters["cancelled"] += 1
             err = run.frames.error_frame(ErrorCode.CANCELLED, run.cancel_reason)
-            await w.log.store_result(rid, Result(attempt=job.attempt, error=err, worker=w.instance))
+            try:
+                await w.log.store_result(rid, Result(attempt=job.attempt, error=err, worker=w.instance))
+            except Exception:  # a resubmission may then run again; the producer still hears it ended
+                log.exception("request %s: cancelled result not stored", rid)
             await run.frames.send(err)
             await job.term()

@@ -30,11 +30,27 @@ class RejectedJob(RequestRejected):
         self.encoding = encoding
 
 
+def salvage(data: bytes, headers: dict[str, str] | None) -> tuple[str | None, str | None, codec.Encoding]:
+    """Request id, safe reply subject and encoding of a job that cannot be handled, as far as
+    they can be read: whom to tell that it failed."""
+    try:
+        encoding = codec.encoding_of(headers)
+    except codec.UnknownContentType:
+        return None, None, "msgpack"
+    _, rid, reply = _salvage(data, encoding)
+    return rid, reply, encoding
+
+
 def _salvage(data: bytes, encoding: codec.Encoding) -> tuple[object, str | None, str | None]:
     try:
         env = codec.envelope_decoder.decode(data, encoding)
     except Exception:
-        return None, None, None
+        if encoding != "json":
+            return None, None, None
+        try:  # invalid UTF-8 elsewhere in the job must not hide whom to tell
+            env = codec.envelope_decoder.decode(bytes(data).decode("utf-8", "replace").encode(), encoding)
+        except Exception:
+            return None, None, None
     rid = env.request_id if isinstance(env.request_id, str) and len(env.request_id) <= 200 else None
     reply = env.reply_to if isinstance(env.reply_to, str) and is_safe_reply_subject(env.reply_to) else None
     return env.v, rid, reply
@@ -62,8 +78,9 @@ def decode_request(data: bytes, headers: dict[str, str] | None) -> tuple[Generat
             request_id=rid, reply_to=reply, encoding=encoding,
         ) from None
     except msgspec.DecodeError as exc:
+        _, rid, reply = _salvage(data, encoding)
         raise RejectedJob(
-            ErrorCode.MALFORMED, f"not valid {encoding}: {exc}", encoding=encoding
+            ErrorCode.MALFORMED, f"not valid {encoding}: {exc}", request_id=rid, reply_to=reply, encoding=encoding
         ) from None
     if req.v not in SUPPORTED_VERSIONS:
         raise RejectedJob(
@@ -96,6 +113,8 @@ class Job:
         self.settled = False
         self.settled_how: str | None = None
         self.last_progress = time.monotonic()
+        self.stage = "decoding it"
+        """What the worker is doing with the job, for the message of an unexpected failure."""
 
     async def _settle(self, how: str, **kw: float) -> None:
         if self.settled:

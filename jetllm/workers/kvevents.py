@@ -25,6 +25,7 @@ import msgspec
 import nats.errors
 import nats.js.errors
 
+from ..aio import supervised
 from ..schemas import ControlDone, ErrorCode, KvCleared, KvEvent, KvEventBatch, KvRemoved, KvResync, KvStored
 from ..subjects import codec
 from ..subjects.setup import ensure_kv_events_stream
@@ -181,9 +182,9 @@ class KvEventRelay:
                  self.seq + 1)
         try:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(self._guarded, "publisher", self._publish_loop)
+                tg.start_soon(self._supervised, "publisher", self._publish_loop)
                 for rank, source in self.sources.items():
-                    tg.start_soon(self._guarded, f"rank {rank} receiver", RankReader(rank, source, self).run)
+                    tg.start_soon(self._supervised, f"rank {rank} receiver", RankReader(rank, source, self).run)
         finally:
             self.running = False
 
@@ -226,16 +227,9 @@ class KvEventRelay:
             detail = f"resync published as seq {first}..{last}: {blocks} blocks"
         return ControlDone(instance=self.w.instance, verb="kv-resync", detail=detail, state=self.w.public_state())
 
-    async def _guarded(self, what: str, fn: Any, *args: Any) -> None:
+    async def _supervised(self, what: str, fn: Any) -> None:
         """A bug or a broken socket must not take the worker down: log, resync, start again."""
-        while True:
-            try:
-                await fn(*args)
-                return
-            except Exception:
-                log.exception("KV-event relay: %s failed; restarting it", what)
-                self.ask_resync("engine-gap")
-                await anyio.sleep(1.0)
+        await supervised(f"KV-event relay: {what}", fn, on_failure=lambda: self.ask_resync("engine-gap"))
 
     def _enqueue(self, item: _Pending) -> None:
         if len(self._pending) >= MAX_PENDING:

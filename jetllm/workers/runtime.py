@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -27,9 +28,8 @@ from anyio.abc import TaskGroup
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from ..schemas import (
-    WorkerStatus,
-)
+from ..aio import contained, describe, supervised
+from ..schemas import WorkerStatus
 from ..subjects import codec
 from ..subjects.names import Names
 from ..subjects.setup import QueuePolicy, ensure_consumer, ensure_streams
@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 
 EXIT_OK = 0
 EXIT_ENGINE_DEAD = 3
+EXIT_CRASHED = 4
 STOP_LEFTOVERS_TIMEOUT = 10.0
 
 
@@ -112,6 +113,8 @@ class Worker:
         self._engine_dead = False
         self._puller: Puller | None = None
         self.exit_code = EXIT_OK
+        self.served_at: float | None = None
+        self.stop_reason = "stop requested"
         self.log = RequestLog(nc, self.names)
         self.counters = {
             "pulled": 0, "acked": 0, "completed": 0, "deferred": 0, "resumed": 0, "handed_back": 0,
@@ -154,7 +157,10 @@ class Worker:
             self.names.max_deliveries_advisory(self.role.role, self.model):
                 self.dead_letters.on_max_deliveries,
         }
-        subs = [await self.nc.subscribe(subject, cb=cb) for subject, cb in handlers.items()]
+        subs = [
+            await self.nc.subscribe(subject, cb=functools.partial(contained, f"handler of {subject}", cb))
+            for subject, cb in handlers.items()
+        ]
         self._puller = Puller(
             self.nc,
             self.names.jobs_stream,
@@ -173,20 +179,23 @@ class Worker:
                     tg.start_soon(self._watch_signals)
                 with anyio.fail_after(self.config.health_timeout):
                     await self.engine.check_health()  # ready means the engine answered, too
-                tg.start_soon(self.engine_control.monitor)
-                tg.start_soon(self._running.tick, self.config.heartbeat_interval, self.config.policy.ack_wait)
-                tg.start_soon(resync_after_reconnects, self.nc, self.log, self.instance, self._running)
+                tg.start_soon(supervised, "engine monitor", self.engine_control.monitor)
+                tg.start_soon(supervised, "heartbeats", self._running.tick, self.config.heartbeat_interval,
+                              self.config.policy.ack_wait)
+                tg.start_soon(supervised, "log resync", resync_after_reconnects, self.nc, self.log, self.instance,
+                              self._running)
                 await self.control.start(tg)
                 for service in self.services:
-                    tg.start_soon(service)
+                    tg.start_soon(supervised, getattr(service, "__qualname__", "service"), service)
                 async with anyio.create_task_group() as jobs:
                     self._jobs_tg = jobs
                     jobs.start_soon(self._puller.run)
-                    jobs.start_soon(self.adapter_queues.sync, list(self.adapters))
+                    jobs.start_soon(contained, "adapter queues", self.adapter_queues.sync, list(self.adapters))
                     await self.registry.announce(state="serving", ready=True)
                     self.state = "serving"
                     self.ready = True
-                    tg.start_soon(self.registry.run)
+                    self.served_at = time.time()
+                    tg.start_soon(supervised, "registry", self.registry.run)
                     await self._stop.wait()
                     self.ready = False
                     await self._wind_down()
@@ -197,6 +206,13 @@ class Worker:
                 self._jobs_tg = None
                 await self.control.stop()  # before the group closes: no verb may start in a closed group
                 tg.cancel_scope.cancel()
+        except Exception as exc:
+            if self.served_at is None:
+                raise  # never served: the caller reports a failed start
+            # Every job, verb and companion has its own barrier, so this is a bug in the runtime.
+            self.exit_code = EXIT_CRASHED
+            self.stop_reason = f"crashed after serving {time.time() - self.served_at:.0f}s: {describe(exc)}"
+            log.critical("worker %s %s", self.instance, self.stop_reason, exc_info=exc)
         finally:
             with anyio.CancelScope(shield=True):
                 await self.control.stop()
@@ -207,11 +223,14 @@ class Worker:
                 with contextlib.suppress(Exception):
                     await self.nc.flush(timeout=5)
         self.state = "engine_dead" if self._engine_dead else "stopped"
-        log.info("worker %s stopped (%s), exit code %d", self.instance, self.state, self.exit_code)
+        log.log(logging.INFO if self.exit_code == EXIT_OK else logging.ERROR,
+                "worker %s stopped (%s), exit code %d", self.instance, self.stop_reason, self.exit_code)
         return self.exit_code
 
-    def stop(self) -> None:
+    def stop(self, reason: str = "stop requested") -> None:
         """Begin a graceful stop: no more pulls, running requests get the grace period."""
+        if not self._stop.is_set():
+            self.stop_reason = reason
         self._stop.set()
 
     async def _wind_down(self) -> None:
@@ -259,7 +278,7 @@ class Worker:
             async for signum in signals:
                 if not self._stop.is_set():
                     log.info("%s: stopping gracefully", signal.Signals(signum).name)
-                    self.stop()
+                    self.stop(f"{signal.Signals(signum).name}: drained")
                 else:
                     log.info("%s again: handing back running jobs now", signal.Signals(signum).name)
                     self._running.hand_back_all()
@@ -272,7 +291,7 @@ class Worker:
         self.exit_code = EXIT_ENGINE_DEAD
         self.state = "engine_dead"
         self._running.hand_back_all()
-        self.stop()
+        self.stop(f"engine dead: {why}")
 
     # jobs
 
@@ -285,6 +304,8 @@ class Worker:
     async def _run_job(self, msg: Msg) -> None:
         try:
             await self.jobs.run(msg)
+        except Exception:  # the barrier inside run() failed too; JetStream redelivers after ack_wait
+            log.exception("a job could not be handled or failed")
         finally:
             self._busy -= 1
             if self._busy == 0:  # wakes every waiter (a sleep and a drain may wait at once)
@@ -296,7 +317,7 @@ class Worker:
 
     def _spawn(self, fn, *args) -> None:
         if self._jobs_tg is not None:
-            self._jobs_tg.start_soon(fn, *args)
+            self._jobs_tg.start_soon(contained, getattr(fn, "__qualname__", "a background step"), fn, *args)
 
     async def _pulling_stopped(self) -> None:
         """Wait (briefly) until this worker can receive no more jobs, so a handed-back job goes elsewhere."""
