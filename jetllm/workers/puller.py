@@ -2,9 +2,9 @@
 
 nats-py's `fetch(batch=n)` waits for the whole batch (or its timeout) before returning, which
 would hold the first job of a quiet queue for seconds. This puller instead sends raw pull
-requests, each with its own reply token, and hands every job over the moment it arrives. Each
-pull request's credit is tracked until it is used, expires (408) or is refused (409), so the
-worker always knows how many more jobs the server may still send it.
+requests, each with its own reply token, and hands every job over the moment it arrives. The
+credit of all its pull requests is tracked (`PullCredit`) until it is used, expires (408) or is
+refused (409), so the worker always knows how many more jobs the server may still send it.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from ..subjects.direct import subscribe_direct
+from .pullcredit import PullCredit
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +38,12 @@ async def _nak(msg: Msg) -> None:
         log.warning("could not hand back a stray job: %s", exc)
 
 
-class _Pull:
-    __slots__ = ("credit", "deadline")
-
-    def __init__(self, credit: int, deadline: float) -> None:
-        self.credit = credit
-        self.deadline = deadline
+def _pending(msg: Msg) -> int | None:
+    """What a pull request still had when a status ended it (the server says so on 408, some 409s)."""
+    try:
+        return int(msg.headers["Nats-Pending-Messages"]) if msg.headers else None
+    except (KeyError, ValueError):
+        return None
 
 
 class Puller:
@@ -63,17 +64,21 @@ class Puller:
         self._on_job = on_job
         self._expires = expires
         self._inbox = ""
-        self._pulls: dict[str, _Pull] = {}
+        self._credit = PullCredit()
         self._counter = 0
         self._wake = anyio.Event()
         self._stopping = False
         self._strays: list[Msg] = []
         self.done = anyio.Event()
         """Set once no more jobs can arrive: safe to hand jobs back without them bouncing to us."""
-        self.outstanding = 0
         self.bound = False
         """True once the first pull request was answered by the consumer."""
         self.pulled = 0
+
+    @property
+    def outstanding(self) -> int:
+        """Jobs the server may still send here."""
+        return self._credit.total
 
     def wake(self) -> None:
         """Call when a slot frees up."""
@@ -89,7 +94,7 @@ class Puller:
         sub = await self._open_inbox()
         try:
             while not self._stopping:
-                self._expire(time.monotonic())
+                self._credit.expire(time.monotonic())
                 if self.outstanding and self._free_slots() <= 0 and self._nc.is_connected:
                     # Credit we cannot honour (paused, or another queue of this worker took the
                     # slots): cancel it, so no job waits here for a slot until its ack_wait runs out.
@@ -106,8 +111,7 @@ class Puller:
         finally:
             with anyio.CancelScope(shield=True):
                 await self._close_inbox(sub)
-                self._pulls.clear()
-                self.outstanding = 0
+                self._credit.clear()
                 await self._hand_back_strays()
                 self.done.set()
 
@@ -124,8 +128,7 @@ class Puller:
             log.debug("pull inbox not renewed: %s", exc)
             return old
         await self._close_inbox(old)  # our server has dropped the old pull requests once this returns
-        self._pulls.clear()
-        self.outstanding = 0
+        self._credit.clear()
         return new
 
     async def _close_inbox(self, sub: Subscription) -> None:
@@ -152,41 +155,25 @@ class Puller:
     async def _request(self, batch: int) -> None:
         self._counter += 1
         token = str(self._counter)
-        self._pulls[token] = _Pull(batch, time.monotonic() + self._expires + 1.0)
-        self.outstanding += batch
+        self._credit.requested(token, batch, deadline=time.monotonic() + self._expires + 1.0)
         body = json.dumps({"batch": batch, "expires": int(self._expires * 1e9)}).encode()
         await self._nc.publish(self._next_subject, body, reply=f"{self._inbox}.{token}")
 
-    def _expire(self, now: float) -> None:
-        """Forget pull requests the server never closed (e.g. lost in a reconnect)."""
-        for token in [t for t, p in self._pulls.items() if p.deadline < now]:
-            self.outstanding -= self._pulls.pop(token).credit
-
-    def _end(self, token: str) -> None:
-        pull = self._pulls.pop(token, None)
-        if pull is not None:
-            self.outstanding -= pull.credit
-        self._wake.set()
-
     def _on_msg(self, msg: Msg) -> None:
-        token = msg.subject.rsplit(".", 1)[-1]
         status = msg.headers.get("Status") if msg.headers else None
         if status and not msg.data:
+            # A status comes to the pull's own reply subject; a job comes with the job's subject.
             self.bound = True
             if status == "100":
                 return
             if status not in ("404", "408"):
                 desc = msg.headers.get("Description", "") if msg.headers else ""
                 log.warning("pull request refused: %s %s", status, desc)
-            self._end(token)
+            self._credit.ended(msg.subject.rsplit(".", 1)[-1], _pending(msg))
+            self._wake.set()
             return
         self.bound = True
-        pull = self._pulls.get(token)
-        if pull is not None:
-            pull.credit -= 1
-            self.outstanding -= 1
-            if pull.credit <= 0:
-                del self._pulls[token]
+        self._credit.delivered()
         if self._stopping or self._free_slots() <= 0:
             # Not ours to run: a stray delivery after stop, or a forgotten pull that was honoured.
             self._strays.append(msg)
