@@ -17,7 +17,7 @@ import anyio
 import pytest
 from nats.aio.msg import Msg
 
-from jetllm.workers.pullcredit import PullCredit
+from jetllm.workers.pullcredit import PullCredit, Refusals
 from jetllm.workers.puller import STRAY_DELAY, Puller
 
 pytestmark = pytest.mark.anyio
@@ -351,3 +351,30 @@ async def test_stop_pulls_no_more_hands_back_strays_and_sets_done():
     assert w.nc.batches == [3] and len(w.running) == 1 and w.puller.pulled == 2
     assert w.nc.naks == [("$JS.ACK.JOBS.w.1.3.3.0.0", NAK)]
     assert w.nc.subs == {} and w.nc.waiting == [] and w.puller.outstanding == 0
+
+
+# fmt: off
+REFUSALS = [
+    # (events, delay after them): "r" a refusal, "a" an answer (a job or a 408)
+    ("r",       0.1),
+    ("rr",      0.2),
+    ("rrrr",    0.8),
+    ("r" * 12,  5.0),
+    ("rrra",    0.0),
+    ("rrrar",   0.1),
+]
+# fmt: on
+
+
+@pytest.mark.parametrize(("events", "delay"), REFUSALS)
+def test_refused_pulls_back_off_and_an_answer_resets(events, delay):
+    """A deleted consumer refuses every pull at once: without a back-off the puller spins."""
+    r = Refusals()
+    for i, e in enumerate(events):
+        r.refused(float(i), "409 Consumer Deleted") if e == "r" else r.answered()
+    assert r.delay == pytest.approx(delay)
+    last = float(len(events) - 1)
+    if events.endswith("r"):
+        assert r.wait_left(last) == pytest.approx(delay)  # no pull until then
+    else:
+        assert r.wait_left(last) <= 0

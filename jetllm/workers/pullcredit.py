@@ -1,4 +1,5 @@
-"""How many more jobs the server may still send a puller, across all its pull requests.
+"""How many more jobs the server may still send a puller, across all its pull requests; and how
+long to wait before pulling again while the server refuses pulls.
 
 A job JetStream delivers carries its own subject, not the reply token of the pull request that
 brought it, and the server serves a consumer's waiting requests round-robin (a request with credit
@@ -17,7 +18,10 @@ At worst the total stays too high for a while: fewer pulls, never a job without 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -72,3 +76,32 @@ class PullCredit:
         self.total -= min(max(left, 0), request.batch)
         # The others can hold no more than their batches (all the more so once none is left).
         self.total = max(min(self.total, sum(r.batch for r in self._requests.values())), 0)
+
+
+class Refusals:
+    """Backing off while the server refuses pulls (a deleted consumer refuses every one at once):
+    without it the puller would spin on refusals and fill the log."""
+
+    FIRST = 0.1
+    LONGEST = 5.0
+
+    def __init__(self) -> None:
+        self.delay = 0.0
+        self.retry_at = 0.0
+
+    def refused(self, now: float, why: str) -> None:
+        if self.delay == 0.0:
+            log.warning("pull request refused: %s", why)
+        else:
+            log.debug("pull request refused again: %s", why)
+        self.delay = min(self.delay * 2, self.LONGEST) if self.delay else self.FIRST
+        self.retry_at = now + self.delay
+
+    def answered(self) -> None:
+        if self.delay:
+            log.info("pull requests accepted again")
+        self.delay = 0.0
+        self.retry_at = 0.0
+
+    def wait_left(self, now: float) -> float:
+        return self.retry_at - now

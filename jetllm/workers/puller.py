@@ -21,7 +21,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from ..subjects.direct import subscribe_direct
-from .pullcredit import PullCredit
+from .pullcredit import PullCredit, Refusals
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,7 @@ class Puller:
         self._expires = expires
         self._inbox = ""
         self._credit = PullCredit()
+        self._refusals = Refusals()
         self._counter = 0
         self._wake = anyio.Event()
         self._stopping = False
@@ -103,9 +104,10 @@ class Puller:
                 if self._stopping:
                     break
                 want = self._free_slots() - self.outstanding
-                if want > 0 and self._nc.is_connected:
+                pause = self._refusals.wait_left(time.monotonic())
+                if want > 0 and self._nc.is_connected and pause <= 0:
                     await self._request(want)
-                with anyio.move_on_after(self._expires / 2):
+                with anyio.move_on_after(pause if pause > 0 else self._expires / 2):
                     await self._wake.wait()
                 self._wake = anyio.Event()
         finally:
@@ -168,11 +170,14 @@ class Puller:
                 return
             if status not in ("404", "408"):
                 desc = msg.headers.get("Description", "") if msg.headers else ""
-                log.warning("pull request refused: %s %s", status, desc)
+                self._refusals.refused(time.monotonic(), f"{status} {desc}")
+            else:
+                self._refusals.answered()
             self._credit.ended(msg.subject.rsplit(".", 1)[-1], _pending(msg))
             self._wake.set()
             return
         self.bound = True
+        self._refusals.answered()
         self._credit.delivered()
         if self._stopping or self._free_slots() <= 0:
             # Not ours to run: a stray delivery after stop, or a forgotten pull that was honoured.
