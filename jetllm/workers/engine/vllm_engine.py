@@ -6,7 +6,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import anyio
@@ -238,7 +238,7 @@ class VllmEngine:
 
     async def generate(
         self, req: GenerateRequest, prompt_ids: EnginePrompt, max_tokens: int, adapter: EngineAdapter | None = None
-    ) -> AsyncIterator[EngineStep]:
+    ) -> AsyncGenerator[EngineStep, None]:
         from vllm.exceptions import VLLMValidationError
         from vllm.inputs import tokens_input
         from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
