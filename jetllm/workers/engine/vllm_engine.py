@@ -16,6 +16,7 @@ from ...errors import EngineDead, EngineRequestError, RequestRejected
 from ...schemas import (
     ChatPrompt,
     ErrorCode,
+    FinishReason,
     GenerateRequest,
     Prompt,
     TextPrompt,
@@ -38,7 +39,9 @@ from .sampling import build_sampling_params, field_of
 
 log = logging.getLogger(__name__)
 
-_FINISH = {"stop": "stop", "length": "length", "abort": "cancelled", "error": "error", "repetition": "repetition"}
+_FINISH: dict[str, FinishReason] = {
+    "stop": "stop", "length": "length", "abort": "cancelled", "error": "error", "repetition": "repetition",
+}
 
 
 def _lora_facts(llm: Any, opts: EngineOptions) -> LoraFacts | None:
