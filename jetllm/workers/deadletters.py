@@ -17,7 +17,7 @@ import anyio
 import msgspec
 from nats.aio.msg import Msg
 
-from ..errors import RequestRejected
+from ..errors import EngineRequestError, RequestRejected
 from ..schemas import DeadLetter, ErrorCode, Result
 from ..subjects import codec
 from .frames import FrameSink
@@ -34,7 +34,7 @@ class DeadLetters:
         self.w = worker
 
     async def reject(
-        self, job: Job, frames: FrameSink, exc: RequestRejected, request_id: str | None,
+        self, job: Job, frames: FrameSink, exc: RequestRejected | EngineRequestError, request_id: str | None,
         code: ErrorCode | None = None,
     ) -> None:
         """Error frame to the producer, the job to the dead-letter stream, then terminate it."""
