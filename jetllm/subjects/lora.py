@@ -164,7 +164,7 @@ class LoraAdmin:
         except (nats.js.errors.NotFoundError, nats.js.errors.ObjectNotFoundError, nats.js.errors.BucketNotFoundError,
                 nats.js.errors.ObjectDeletedError):
             raise AdapterError(f"no adapter {name!r} in the adapters object store; `jetllm lora push` it first") from None
-        return _manifest.decode(found.data)
+        return _manifest.decode(found.data)  # type: ignore[arg-type]  # nats-py: data Optional
 
     async def _ask(
         self, model: str, verb: str, body: msgspec.Struct | None, decoder: codec.Decoder, instance: str | None,
