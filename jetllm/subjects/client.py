@@ -290,7 +290,7 @@ class Client:
 
     # streaming
 
-    async def generate(
+    async def generate(  # noqa: C901 - one loop over every frame kind, migration and gap recovery
         self,
         req: GenerateRequest,
         *,
