@@ -69,7 +69,8 @@ class JobRunner:
             frames=frames, outcome=outcome_of(frames, job.settled_how),
         ))
 
-    async def _serve(self, job: Job, req: GenerateRequest, frames: FrameSink) -> None:
+    # C901: a job's whole run in one place, with one except per way it can end
+    async def _serve(self, job: Job, req: GenerateRequest, frames: FrameSink) -> None:  # noqa: C901
         w = self.w
         rid = req.request_id
         run = Running(job, frames)
