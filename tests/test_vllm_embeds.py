@@ -34,7 +34,7 @@ from jetllm.subjects.connection import connect
 from jetllm.subjects.embeds import embeds_store, upload
 from jetllm.subjects.names import Names
 
-from .conftest import TINY, WorkerProcess, vllm_available
+from .conftest import TINY, WorkerProcess, require_vllm
 
 pytestmark = [pytest.mark.anyio, pytest.mark.vllm]
 
@@ -52,8 +52,7 @@ def table(tiny_model) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def embeds_worker(nats_url, tiny_model, tmp_path_factory):
-    if not vllm_available():
-        pytest.skip("vLLM is not installed")
+    require_vllm()
     ns = f"emb{uuid.uuid4().hex[:8]}"
     w = WorkerProcess(nats_url, ns, tiny_model, tmp_path_factory.mktemp("emb") / "worker.log",
                       "--enable-prompt-embeds", "--max-embeds-bytes", str(LIMIT))

@@ -82,6 +82,17 @@ class Fleet:
                 os.killpg(p.pid, signal.SIGKILL)
 
 
+def _resume_times(kill_times: list[tuple[float, set[str]]], arrivals: dict[str, list[float]]) -> list[float]:
+    """For each request a kill interrupted: the time from the kill to its next token."""
+    resume = []
+    for at, rids in kill_times:
+        for rid in rids:
+            later = [t for t in arrivals.get(rid, []) if t > at]
+            if later:
+                resume.append(later[0] - at)
+    return resume
+
+
 async def _workload(client: Client, fleet: Fleet, served: str, args: argparse.Namespace, kills: int) -> Run:
     rng = random.Random(3)
     vocab = args.vocab
@@ -135,12 +146,7 @@ async def _workload(client: Client, fleet: Fleet, served: str, args: argparse.Na
                 reqs.start_soon(one, i, r)
         tg.cancel_scope.cancel()
     seconds = time.monotonic() - started
-    resume = []
-    for at, rids in kill_times:
-        for rid in rids:
-            later = [t for t in arrivals.get(rid, []) if t > at]
-            if later:
-                resume.append(later[0] - at)
+    resume = _resume_times(kill_times, arrivals)
     total = sum(len(o) for o in outputs.values())
     return Run(
         label="with kills" if kills else "without kills", seconds=seconds, tokens=total,

@@ -9,6 +9,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import anyio
 
@@ -141,6 +142,25 @@ async def run_jetllm(opts: EngineOptions, work: Workload, url: str, log_dir: Pat
     return summary
 
 
+async def _wait_healthy(http: Any, base: str, proc: subprocess.Popen, log_name: str) -> None:
+    """Until the server answers /health (model loaded); its early exit or 10 minutes end the wait."""
+    import aiohttp
+
+    deadline = time.monotonic() + 600
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM OpenAI server exited ({proc.returncode}); see {log_name}")
+        try:
+            async with http.get(f"{base}/health") as r:
+                if r.status == 200:
+                    return
+        except aiohttp.ClientError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError("vLLM OpenAI server did not become healthy")
+        await anyio.sleep(0.5)
+
+
 async def run_openai(opts: EngineOptions, work: Workload, log_dir: Path, vocab: int) -> Summary:
     """vLLM's own OpenAI server with the same engine arguments, over its streaming API."""
     import aiohttp
@@ -163,19 +183,7 @@ async def run_openai(opts: EngineOptions, work: Workload, log_dir: Path, vocab: 
         timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
         conn = aiohttp.TCPConnector(limit=work.concurrency * 2)
         async with aiohttp.ClientSession(timeout=timeout, connector=conn) as http:
-            deadline = time.monotonic() + 600
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"vLLM OpenAI server exited ({proc.returncode}); see {log.name}")
-                try:
-                    async with http.get(f"{base}/health") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise TimeoutError("vLLM OpenAI server did not become healthy")
-                await anyio.sleep(0.5)
+            await _wait_healthy(http, base, proc, log.name)
 
             async def one(prompt: list[int]) -> Timing:
                 body = {

@@ -75,7 +75,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
                     print(f"  line {r.line} ({r.id}): error {r.error.code.value}: {r.error.message}")
                 else:
                     shown = repr(r.text) if r.text is not None else str(r.token_ids)
-                    print(f"  line {r.line} ({r.id}): {r.finish_reason}, {r.usage.completion_tokens} tokens: {shown[:70]}")
+                    tokens = r.usage.completion_tokens if r.usage else "?"
+                    print(f"  line {r.line} ({r.id}): {r.finish_reason}, {tokens} tokens: {shown[:70]}")
             print(summary.describe(out), file=sys.stderr)
             print("(the tiny model has random weights: its text is gibberish by design)", file=sys.stderr)
         finally:

@@ -12,7 +12,7 @@ from pathlib import Path
 import msgspec
 
 from ..aio import run
-from ..schemas import AdapterList, AdapterReply, ControlFailed
+from ..schemas import AdapterList, AdapterReply, AdapterSource, ControlFailed
 from ..subjects.connection import connect
 from ..subjects.lora import AdapterError, FanOut, LoraAdmin
 from ..subjects.names import Names
@@ -69,6 +69,7 @@ async def _push(args: argparse.Namespace) -> int:
 
 
 async def _load(args: argparse.Namespace) -> int:
+    source: AdapterSource
     if args.path:
         source, ref = "path", args.path if args.remote_path else os.path.abspath(args.path)
     elif args.object:

@@ -22,6 +22,7 @@ from ..schemas import (
     FinalFrame,
     GenerateRequest,
     OutputOptions,
+    Prompt,
     SamplingOptions,
     StopConditions,
     TextPrompt,
@@ -44,6 +45,7 @@ def add_sampling(p: argparse.ArgumentParser) -> None:
 
 
 def request_from_args(args: argparse.Namespace) -> GenerateRequest:
+    prompt: Prompt
     if args.tokens:
         try:
             prompt = TokensPrompt([int(t) for t in args.tokens.replace(",", " ").split()])

@@ -106,6 +106,8 @@ def _default(f: mi.Field) -> str:
 
 def struct_table(cls: type) -> str:
     info = mi.type_info(cls)
+    if not isinstance(info, mi.StructType):
+        raise TypeError(f"{cls.__name__} is not a msgspec Struct")
     docs = _attribute_docs(cls)
     tag = f" — `{info.tag_field}: \"{info.tag}\"`" if getattr(info, "tag", None) else ""
     lines = [f"### {cls.__name__}{tag}", ""]

@@ -16,7 +16,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any
 
@@ -27,6 +27,7 @@ import nats.js.errors
 from anyio.abc import TaskGroup
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js.api import PubAck
 
 from ..errors import (
@@ -125,7 +126,7 @@ class Client:
         """Embeddings bigger than this (bytes) go through the object store; None: whatever does not
         fit one message (max_payload)."""
         self._inbox_root = ""
-        self._sub = None
+        self._sub: Subscription | None = None
         self._inboxes: dict[str, _Inbox] = {}
         self._tg: TaskGroup | None = None
 
@@ -271,7 +272,7 @@ class Client:
         """How the request ended, if it has (stored for `results_max_age`)."""
         return await results.result(self.js, self.names, request_id)
 
-    def attach(self, request_id: str) -> AsyncIterator[Frame]:
+    def attach(self, request_id: str) -> AsyncGenerator[Frame, None]:
         """The frames of a request someone else submitted (or an earlier run of this program),
         read from the request log: everything delivered so far, then live until it ends."""
         return results.attach(self.js, self.names, request_id)
@@ -289,14 +290,14 @@ class Client:
 
     # streaming
 
-    async def generate(
+    async def generate(  # noqa: C901 - one loop over every frame kind, migration and gap recovery
         self,
         req: GenerateRequest,
         *,
         role: str = "generate",
         accept_timeout: float | None = None,
         traceparent: str | None = None,
-    ) -> AsyncIterator[Frame]:
+    ) -> AsyncGenerator[Frame, None]:
         """Submit `req` and yield its frames up to and including the final or error frame.
 
         If the worker dies, the request continues on another one and the stream goes on with

@@ -35,14 +35,15 @@ async def entries(nc: NATS, names: Names, *, limit: int | None = None) -> list[E
             raw = await js.get_msg(names.dlq_stream, seq, next=True)
         except nats.js.errors.NotFoundError:
             break
-        out.append(Entry(seq=raw.seq, record=_decoder.decode(raw.data)))
-        seq = raw.seq + 1
+        # nats-py types a fetched message's seq and data Optional; get_msg always fills them
+        out.append(Entry(seq=raw.seq, record=_decoder.decode(raw.data)))  # type: ignore[arg-type]
+        seq = raw.seq + 1  # type: ignore[operator]
     return out
 
 
 async def get(nc: NATS, names: Names, seq: int) -> Entry:
     raw = await nc.jetstream().get_msg(names.dlq_stream, seq)
-    return Entry(seq=raw.seq, record=_decoder.decode(raw.data))
+    return Entry(seq=raw.seq, record=_decoder.decode(raw.data))  # type: ignore[arg-type]  # nats-py: Optional
 
 
 async def replay(nc: NATS, names: Names, entry: Entry, *, keep: bool = False) -> str:

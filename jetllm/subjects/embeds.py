@@ -27,6 +27,7 @@ def embeds_prompt(array: Any, *, dtype: str | None = None) -> EmbedsPrompt:
 
     arr = np.asarray(array)
     name = dtype or arr.dtype.name
+    wire: np.dtype[Any]
     if name == "bfloat16":
         if arr.dtype.itemsize != 2:
             raise ValueError(f"bfloat16 needs 2-byte elements, got {arr.dtype}")

@@ -91,6 +91,7 @@ async def ask(
         except nats.errors.NoRespondersError:
             raise LookupError(f"no instance {instance!r} answers (not running, or not serving yet)") from None
         return [_reply_decoder.decode(msg.data)]
+    assert model is not None  # exactly one of the two, checked above
     expected = len(await instances(nc.jetstream(), names, model=model))
     # Nothing registered (registry unreachable, or workers just starting): take what comes in 1 s.
     return await _gather(nc, names.model_control(model, verb), body, _reply_decoder,

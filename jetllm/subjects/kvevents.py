@@ -56,6 +56,12 @@ async def stream_seq_of(nc: NATS, names: Names, model: str, instance: str, seq: 
     return found[0] if found is not None else None
 
 
+def _start_at(stream_seq: int | None, new_only: bool) -> ConsumerConfig:
+    if stream_seq is not None and not new_only:
+        return ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=stream_seq)
+    return ConsumerConfig(deliver_policy=DeliverPolicy.NEW if new_only else DeliverPolicy.ALL)
+
+
 async def kv_events(
     nc: NATS,
     names: Names,
@@ -85,10 +91,7 @@ async def kv_events(
         stream_seq = await stream_seq_of(nc, names, model, instance, start_seq)
         if stream_seq is None:  # nothing that recent yet: wait for it
             new_only = True
-    if stream_seq is not None and not new_only:
-        config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=stream_seq)
-    else:
-        config = ConsumerConfig(deliver_policy=DeliverPolicy.NEW if new_only else DeliverPolicy.ALL)
+    config = _start_at(stream_seq, new_only)
     sub = await js.subscribe(subject, stream=names.kv_events_stream, ordered_consumer=True, config=config,
                              idle_heartbeat=2.0)
     last: dict[str, int] = {instance: start_seq - 1} if instance and start_seq else {}

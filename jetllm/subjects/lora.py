@@ -10,6 +10,7 @@ load, the key goes back to what it was: a bad adapter does not linger in the des
 
 from __future__ import annotations
 
+import builtins
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -147,7 +148,7 @@ class LoraAdmin:
     async def list(self, model: str, *, instance: str | None = None) -> FanOut:
         return await self._ask(model, "lora-list", None, _list_reply, instance, timeout=5.0)
 
-    async def desired(self, model: str) -> list[AdapterSpec]:
+    async def desired(self, model: str) -> builtins.list[AdapterSpec]:  # `list` is a method here
         kv = await ensure_lora_bucket(self.js, self.names)
         keys = [e.key for e in await entries_matching(kv, self.names.lora_keys_of(model), meta_only=True)]
         specs = []
@@ -164,7 +165,7 @@ class LoraAdmin:
         except (nats.js.errors.NotFoundError, nats.js.errors.ObjectNotFoundError, nats.js.errors.BucketNotFoundError,
                 nats.js.errors.ObjectDeletedError):
             raise AdapterError(f"no adapter {name!r} in the adapters object store; `jetllm lora push` it first") from None
-        return _manifest.decode(found.data)
+        return _manifest.decode(found.data)  # type: ignore[arg-type]  # nats-py: data Optional
 
     async def _ask(
         self, model: str, verb: str, body: msgspec.Struct | None, decoder: codec.Decoder, instance: str | None,

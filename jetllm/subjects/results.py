@@ -8,7 +8,7 @@ program, or a stream that lost frames to a reconnect can still get the whole out
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 
 import anyio
@@ -46,7 +46,7 @@ async def result_quietly(js: JetStreamContext, names: Names, request_id: str) ->
         return None
 
 
-async def attach(js: JetStreamContext, names: Names, request_id: str) -> AsyncIterator[Frame]:
+async def attach(js: JetStreamContext, names: Names, request_id: str) -> AsyncGenerator[Frame, None]:
     """The frames of a request someone else submitted (or an earlier run of this program),
     read from the request log: everything delivered so far, then live until it ends."""
     done = await result(js, names, request_id)
@@ -142,7 +142,7 @@ async def _result_before_cancel(js: JetStreamContext, names: Names, request_id: 
             return found
 
 
-async def _records(js: JetStreamContext, names: Names, request_id: str) -> AsyncIterator[Record]:
+async def _records(js: JetStreamContext, names: Names, request_id: str) -> AsyncGenerator[Record, None]:
     """The request log of `request_id` from its start, then live."""
     async with _subscribed(js, names, request_id) as sub:
         async for msg in sub.messages:

@@ -96,14 +96,14 @@ class DeadLetters:
         w = self.w
         try:
             seq = int(msgspec.json.decode(msg.data)["stream_seq"])
-            raw = await w.js.get_msg(w.names.jobs_stream, seq)
+            raw = await w.js.get_msg(w.names.jobs_stream, seq)  # nats-py: fields Optional (ignored below)
         except Exception:
             return
         reason = f"JetStream delivered the job {w.config.policy.max_deliver} times and no worker finished it"
         request_id = reply_to = None
         encoding: Any = "msgpack"
         try:
-            req, encoding = decode_request(raw.data, raw.headers)
+            req, encoding = decode_request(raw.data, raw.headers)  # type: ignore[arg-type]
             request_id, reply_to = req.request_id, req.reply_to
         except RejectedJob as exc:
             request_id, reply_to, encoding = exc.request_id, exc.reply_to, exc.encoding
@@ -111,9 +111,10 @@ class DeadLetters:
         frames.seq = 1_000_000  # after anything the producer saw
         err = frames.error_frame(ErrorCode.DELIVERIES_EXHAUSTED, reason)
         record = DeadLetter(
-            code=ErrorCode.DELIVERIES_EXHAUSTED, reason=reason, subject=raw.subject,
+            code=ErrorCode.DELIVERIES_EXHAUSTED, reason=reason, subject=raw.subject,  # type: ignore[arg-type]
             deliveries=w.config.policy.max_deliver, worker=w.instance, failed_at=time.time(),
-            request_id=request_id, headers=dict(raw.headers or {}), payload=bytes(raw.data),
+            request_id=request_id, headers=dict(raw.headers or {}),
+            payload=bytes(raw.data),  # type: ignore[arg-type]
         )
         try:
             await w.js.publish(

@@ -76,7 +76,8 @@ class JobRunner:
         except Exception as exc:
             await w.dead_letters.fail(job, frames, exc, request_id)
 
-    async def _serve(self, job: Job, req: GenerateRequest, frames: FrameSink) -> None:
+    # C901: a job's whole run in one place, with one except per way it can end
+    async def _serve(self, job: Job, req: GenerateRequest, frames: FrameSink) -> None:  # noqa: C901
         w = self.w
         rid = req.request_id
         run = Running(job, frames)
@@ -155,10 +156,8 @@ class JobRunner:
             w.counters["deferred"] += 1
             with anyio.CancelScope(shield=True):
                 await job.nak(delay=1.0)
-        except RequestRejected as exc:
+        except (RequestRejected, EngineRequestError) as exc:
             await w.dead_letters.reject(job, frames, exc, rid)
-        except EngineRequestError as exc:
-            await w.dead_letters.reject(job, frames, exc, rid, code=ErrorCode.ENGINE_ERROR)
         except EngineDead as exc:
             run.hand_back = True
             w._on_engine_dead(str(exc))

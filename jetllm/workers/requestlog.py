@@ -179,7 +179,8 @@ class RequestLog:
                         records.append(_decoder.decode(msg.data))
                     except msgspec.DecodeError:
                         log.warning("request %s: skipping an unreadable log record", request_id)
-                    if msg.metadata.sequence.stream >= last.seq:
+                    # nats-py types RawStreamMsg.seq Optional; a fetched message has one
+                    if msg.metadata.sequence.stream >= last.seq:  # type: ignore[operator]
                         break
         except (nats.errors.Error, TimeoutError) as exc:
             raise LogUnavailable(f"request log: reading it stopped: {type(exc).__name__}") from exc

@@ -20,7 +20,8 @@ import signal
 import socket
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import anyio
 import msgspec
@@ -29,7 +30,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from ..aio import contained, describe, supervised
-from ..schemas import WorkerStatus
+from ..schemas import InstanceState, WorkerStatus
 from ..subjects import codec
 from ..subjects.names import Names
 from ..subjects.setup import QueuePolicy, ensure_consumer, ensure_streams
@@ -133,7 +134,7 @@ class Worker:
         self.engine_control = EngineControl(self)
         self.traces = TracePublisher(nc, self.names)
         self.embeds = EmbedsLoader(self.js, self.names, engine.facts, config.max_embeds_bytes)
-        self.services: list[Callable[[], Awaitable[None]]] = []
+        self.services: list[Callable[[], Coroutine[Any, Any, None]]] = []
         """Long-running companions (KV-event relay, adapter reconciler); started once ready."""
         self.lora = LoraManager(self, config.lora)
         self.adapter_queues = AdapterQueues(self)
@@ -245,10 +246,12 @@ class Worker:
         log.info("draining: %d running, grace %.1fs", len(self._running), self.config.grace_period)
         await self.wait_idle(hand_back_after=self.config.grace_period)
 
-    def public_state(self) -> str:
+    def public_state(self) -> InstanceState:
         if self.sleeping:
             return "sleeping"
-        return self.state if self.state in ("starting", "serving") else "draining"
+        if self.state == "starting":
+            return "starting"
+        return "serving" if self.state == "serving" else "draining"
 
     def pause_pulling(self, paused: bool) -> None:
         self._paused = paused

@@ -13,7 +13,7 @@ import functools
 from collections.abc import Iterator
 from typing import Any
 
-from jetllm.schemas import Claim, FinalFrame, Result, TraceRecord
+from jetllm.schemas import Claim, FinalFrame, TraceRecord
 
 
 class InjectedFault(RuntimeError):
@@ -28,98 +28,82 @@ def _marked(value: Any, stage: str) -> bool:
     return isinstance(value, str) and f"fault-{stage}" in value
 
 
+def _raise_if(stage: str, marked: bool) -> None:
+    if marked:
+        raise InjectedFault(stage)
+
+
+def _decode(orig):
+    @functools.wraps(orig)
+    def f(data, headers):
+        _raise_if("decode", b"fault-decode" in bytes(data))
+        return orig(data, headers)
+    return f
+
+
+def _by_request_id(stage: str, when: Any = None):
+    """A coroutine method whose first argument is the request id."""
+    def wrap(orig):
+        async def f(self, request_id, *args, **kw):
+            _raise_if(stage, _marked(request_id, stage) and (when is None or when(*args)))
+            return await orig(self, request_id, *args, **kw)
+        return f
+    return wrap
+
+
+def _by_sink(stage: str, when: Any = None):
+    """A coroutine method of FrameSink: its request id is on the sink."""
+    def wrap(orig):
+        async def f(self, *args, **kw):
+            _raise_if(stage, _marked(self.request_id, stage) and (when is None or when(*args)))
+            return await orig(self, *args, **kw)
+        return f
+    return wrap
+
+
+def _render(orig):
+    async def f(self, prompt):
+        _raise_if("render", "fault-render" in repr(prompt))
+        return await orig(self, prompt)
+    return f
+
+
+def _generate(orig):
+    def f(self, req, *args, **kw):
+        if _marked(req.request_id, "engine"):
+            async def boom():
+                raise InjectedFault("engine")
+                yield  # an async generator, like the engine's
+            return boom()
+        return orig(self, req, *args, **kw)
+    return f
+
+
+def _trace(orig):
+    async def f(self, rec: TraceRecord):
+        _raise_if("trace", _marked(rec.request_id, "trace"))
+        return await orig(self, rec)
+    return f
+
+
 def _patches(engine_cls: type) -> list[tuple[Any, str, Any]]:
     from jetllm.workers import jobrun
     from jetllm.workers.frames import FrameSink
     from jetllm.workers.requestlog import RequestLog
     from jetllm.workers.tracing import TracePublisher
 
-    def decode(orig):
-        @functools.wraps(orig)
-        def f(data, headers):
-            if b"fault-decode" in bytes(data):
-                raise InjectedFault("decode")
-            return orig(data, headers)
-        return f
-
-    def last(orig):
-        async def f(self, request_id):
-            if _marked(request_id, "log"):
-                raise InjectedFault("log")
-            return await orig(self, request_id)
-        return f
-
-    def render(orig):
-        async def f(self, prompt):
-            if "fault-render" in repr(prompt):
-                raise InjectedFault("render")
-            return await orig(self, prompt)
-        return f
-
-    def write(orig):
-        async def f(self, request_id, record):
-            if _marked(request_id, "claim") and isinstance(record, Claim):
-                raise InjectedFault("claim")
-            return await orig(self, request_id, record)
-        return f
-
-    def accepted(orig):
-        async def f(self, *args, **kw):
-            if _marked(self.request_id, "accepted"):
-                raise InjectedFault("accepted")
-            return await orig(self, *args, **kw)
-        return f
-
-    def generate(orig):
-        def f(self, req, *args, **kw):
-            if _marked(req.request_id, "engine"):
-                async def boom():
-                    raise InjectedFault("engine")
-                    yield  # an async generator, like the engine's
-                return boom()
-            return orig(self, req, *args, **kw)
-        return f
-
-    def tokens(orig):
-        async def f(self, *args, **kw):
-            if _marked(self.request_id, "tokens"):
-                raise InjectedFault("tokens")
-            return await orig(self, *args, **kw)
-        return f
-
-    def store_result(orig):
-        async def f(self, request_id, result: Result):
-            if _marked(request_id, "result") and result.final is not None:
-                raise InjectedFault("result")
-            return await orig(self, request_id, result)
-        return f
-
-    def send(orig):
-        async def f(self, frame):
-            if _marked(self.request_id, "final") and isinstance(frame, FinalFrame):
-                raise InjectedFault("final")
-            return await orig(self, frame)
-        return f
-
-    def publish(orig):
-        async def f(self, rec: TraceRecord):
-            if _marked(rec.request_id, "trace"):
-                raise InjectedFault("trace")
-            return await orig(self, rec)
-        return f
-
-    def compact(orig):
-        async def f(self, request_id):
-            if _marked(request_id, "compact"):
-                raise InjectedFault("compact")
-            return await orig(self, request_id)
-        return f
-
     return [
-        (jobrun, "decode_request", decode), (RequestLog, "last", last), (engine_cls, "render", render),
-        (RequestLog, "write", write), (FrameSink, "accepted", accepted), (engine_cls, "generate", generate),
-        (FrameSink, "tokens", tokens), (RequestLog, "store_result", store_result), (FrameSink, "send", send),
-        (TracePublisher, "publish", publish), (RequestLog, "compact", compact),
+        (jobrun, "decode_request", _decode),
+        (RequestLog, "last", _by_request_id("log")),
+        (engine_cls, "render", _render),
+        (RequestLog, "write", _by_request_id("claim", lambda record: isinstance(record, Claim))),
+        (FrameSink, "accepted", _by_sink("accepted")),
+        (engine_cls, "generate", _generate),
+        (FrameSink, "tokens", _by_sink("tokens")),
+        (RequestLog, "store_result", _by_request_id("result", lambda result: result.final is not None)),
+        (FrameSink, "send", _by_sink("final", lambda frame: isinstance(frame, FinalFrame))),
+        (TracePublisher, "publish", _trace),
+        (RequestLog, "compact", _by_request_id("compact")),
     ]
 
 

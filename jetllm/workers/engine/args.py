@@ -40,20 +40,15 @@ def engine_args(opts: EngineOptions, kv_dir: str | None = None) -> Any:
 
     on_cpu = current_platform.is_cpu()
     kw: dict[str, Any] = dict(model=opts.model, seed=opts.seed, disable_log_stats=False)
-    if opts.served_model_name:
-        kw["served_model_name"] = opts.served_model_name
-    if opts.max_model_len:
-        kw["max_model_len"] = opts.max_model_len
+    for name in ("served_model_name", "max_model_len", "block_size", "max_num_seqs"):
+        if getattr(opts, name):
+            kw[name] = getattr(opts, name)
     dtype = opts.dtype or ("float32" if on_cpu else None)
     if dtype:
         kw["dtype"] = dtype
     kv = opts.kv_cache_bytes or ((1 << 30) if on_cpu else None)
     if kv and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         kw["kv_cache_memory_bytes"] = kv
-    if opts.block_size:
-        kw["block_size"] = opts.block_size
-    if opts.max_num_seqs:
-        kw["max_num_seqs"] = opts.max_num_seqs
     if opts.enable_prompt_embeds:
         kw["enable_prompt_embeds"] = True
     eager = opts.enforce_eager if opts.enforce_eager is not None else (True if on_cpu else None)

@@ -7,7 +7,7 @@ adapter.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any, Protocol
 
 import msgspec
@@ -132,7 +132,7 @@ class Engine(Protocol):
 
     def generate(
         self, req: GenerateRequest, prompt_ids: EnginePrompt, max_tokens: int, adapter: EngineAdapter | None = None
-    ) -> AsyncIterator[EngineStep]:
+    ) -> AsyncGenerator[EngineStep, None]:
         """Run one request (with a loaded adapter). Cancelling the iteration aborts it inside the engine.
 
         Raises RequestRejected (bad parameters), EngineRequestError (this request failed),

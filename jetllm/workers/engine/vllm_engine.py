@@ -6,7 +6,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import anyio
@@ -16,6 +16,7 @@ from ...errors import EngineDead, EngineRequestError, RequestRejected
 from ...schemas import (
     ChatPrompt,
     ErrorCode,
+    FinishReason,
     GenerateRequest,
     Prompt,
     TextPrompt,
@@ -38,7 +39,9 @@ from .sampling import build_sampling_params, field_of
 
 log = logging.getLogger(__name__)
 
-_FINISH = {"stop": "stop", "length": "length", "abort": "cancelled", "error": "error", "repetition": "repetition"}
+_FINISH: dict[str, FinishReason] = {
+    "stop": "stop", "length": "length", "abort": "cancelled", "error": "error", "repetition": "repetition",
+}
 
 
 def _lora_facts(llm: Any, opts: EngineOptions) -> LoraFacts | None:
@@ -238,7 +241,7 @@ class VllmEngine:
 
     async def generate(
         self, req: GenerateRequest, prompt_ids: EnginePrompt, max_tokens: int, adapter: EngineAdapter | None = None
-    ) -> AsyncIterator[EngineStep]:
+    ) -> AsyncGenerator[EngineStep, None]:
         from vllm.exceptions import VLLMValidationError
         from vllm.inputs import tokens_input
         from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError

@@ -119,7 +119,8 @@ class AdapterFiles:
             sha = spec.sha256
             if sha is None:
                 found = await store.get(self.names.adapter_manifest(spec.ref))
-                sha = _manifest.decode(found.data).sha256
+                # nats-py types ObjectResult.data Optional; a found object has it
+                sha = _manifest.decode(found.data).sha256  # type: ignore[arg-type]
         except (nats.js.errors.NotFoundError, nats.js.errors.ObjectNotFoundError, nats.js.errors.BucketNotFoundError):
             raise AdapterFileError(ErrorCode.ADAPTER_NOT_FOUND,
                                    f"no adapter {spec.ref!r} in the adapters object store (jetllm lora push)") from None

@@ -154,7 +154,8 @@ class LoraManager:
         key = self.w.names.lora_key(self.w.model, name)
         try:
             entry = await kv.get(key)
-            self._apply(name, entry.revision, entry.value or None)
+            # nats-py types KeyValue.Entry.revision Optional; a fetched entry has one
+            self._apply(name, entry.revision, entry.value or None)  # type: ignore[arg-type]
         except nats.js.errors.KeyDeletedError as exc:
             self._apply(name, exc.entry.revision if exc.entry else 0, None)
         except nats.js.errors.KeyNotFoundError:
