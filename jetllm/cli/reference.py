@@ -25,6 +25,7 @@ SECTIONS: list[tuple[str, list[type]]] = [
                       s.SamplingOptions, s.StopConditions, s.OutputOptions]),
     ("Reply frames", [s.AcceptedFrame, s.TokensFrame, s.HeartbeatFrame, s.FinalFrame, s.Choice, s.Usage,
                       s.ErrorFrame]),
+    ("Request log", [s.Claim, s.Step, s.Handoff, s.Cancelled, s.Result]),
     ("Control", [s.CancelRequest, s.StatusRequest, s.WorkerStatus]),
     ("Fleet: registry, load, control replies", [s.InstanceRecord, s.EngineInfo, s.ModelCard, s.LoadReport,
                                                  s.HealthCheck, s.HealthReport, s.SleepRequest, s.ControlDone, s.ControlFailed]),
