@@ -53,7 +53,10 @@ CASES = {
     "wrong schema version": (dict(v=99), ErrorCode.UNSUPPORTED_VERSION, "$.v"),
     "field of the wrong type": (dict(stop={"max_tokens": "four"}), ErrorCode.INVALID_REQUEST, "$.stop.max_tokens"),
     "negative max_tokens": (dict(stop={"max_tokens": -1}), ErrorCode.INVALID_REQUEST, "$.stop.max_tokens"),
-    "unknown field": (dict(max_token=5), ErrorCode.INVALID_REQUEST, None),
+    "unknown field": (dict(max_token=5), ErrorCode.INVALID_REQUEST, "$.max_token"),
+    "unknown nested field": (
+        dict(sampling={"temprature": 0}), ErrorCode.INVALID_REQUEST, "$.sampling.temprature"
+    ),
     "missing prompt": (dict(prompt=None), ErrorCode.INVALID_REQUEST, "$.prompt"),
     "empty token prompt": (dict(prompt={"type": "tokens", "token_ids": []}), ErrorCode.INVALID_REQUEST, "$.prompt.token_ids"),
 }

@@ -10,6 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from jetllm.cli.misc import json_schemas, wire_types
+from jetllm.cli.reference import SECTIONS
 from jetllm.errors import ServerTooOld
 from jetllm.schemas import ErrorCode, ErrorFrame, Frame, GenerateRequest, TokensFrame, TokensPrompt
 from jetllm.subjects import codec
@@ -17,6 +18,8 @@ from jetllm.subjects.codec import field_path
 from jetllm.subjects.names import Names, decode_token, encode_token, is_safe_reply_subject
 from jetllm.subjects.setup import check_version
 from jetllm.workers.jobs import RejectedJob, decode_request
+
+from .helpers.wire import wire_structs
 
 
 @given(st.text(min_size=1, max_size=80))
@@ -95,3 +98,17 @@ def test_every_wire_type_has_a_json_schema():
     schemas = json_schemas()
     assert set(schemas) == set(wire_types())
     assert "GenerateRequest" in json.dumps(schemas["GenerateRequest"])
+
+
+def test_jetllm_schema_exports_every_struct_of_the_schemas_package():
+    exported = {name for schema in json_schemas().values() for name in schema["$defs"]}
+    missing = sorted(c.__name__ for c in wire_structs() if c.__name__ not in exported)
+    assert not missing, f"not reachable from `jetllm schema` (add to jetllm.cli.misc.wire_types): {missing}"
+    tabled = {t for _, types in SECTIONS for t in types}
+    missing = sorted(c.__name__ for c in wire_structs() if c not in tabled)
+    assert not missing, f"no table in docs/messages.md (add them to jetllm.cli.reference.SECTIONS): {missing}"
+
+
+def test_exported_error_codes_are_open():
+    codes = json_schemas()["Frame"]["$defs"]["ErrorCode"]
+    assert codes["anyOf"] == [{"enum": sorted(c.value for c in ErrorCode)}, {"type": "string"}]

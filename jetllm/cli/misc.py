@@ -9,16 +9,41 @@ from pathlib import Path
 
 
 def wire_types() -> dict[str, object]:
-    """Every message type on the wire, by the name the docs use."""
+    """Every message that crosses NATS (or a batch file) as a whole, by the name its schema file
+    gets; the structs inside them (prompts, options, choices, events, ...) come along as `$defs`.
+    A test fails when a struct in jetllm.schemas is not reachable from here."""
     from .. import schemas as s
 
     return {
+        # jobs and what a producer sends about them
         "GenerateRequest": s.GenerateRequest,
-        "Frame": s.Frame,
         "CancelRequest": s.CancelRequest,
+        # what comes back: frames on the reply subject, the request log, dead letters, traces
+        "Frame": s.Frame,
+        "Record": s.Record,
+        "DeadLetter": s.DeadLetter,
+        "TraceRecord": s.TraceRecord,
+        # control verbs and their replies
         "StatusRequest": s.StatusRequest,
         "WorkerStatus": s.WorkerStatus,
-        "DeadLetter": s.DeadLetter,
+        "HealthCheck": s.HealthCheck,
+        "HealthReport": s.HealthReport,
+        "SleepRequest": s.SleepRequest,
+        "ControlDone": s.ControlDone,
+        "ControlFailed": s.ControlFailed,
+        # the fleet's shared view
+        "InstanceRecord": s.InstanceRecord,
+        "ModelCard": s.ModelCard,
+        "LoadReport": s.LoadReport,
+        "KvEventBatch": s.KvEventBatch,
+        # LoRA adapters: the desired set, its verbs and replies
+        "AdapterSpec": s.AdapterSpec,
+        "AdapterManifest": s.AdapterManifest,
+        "LoraLoad": s.LoraLoad,
+        "LoraUnload": s.LoraUnload,
+        "AdapterReply": s.AdapterReply,
+        "AdapterList": s.AdapterList,
+        # batch files
         "BatchLine": s.BatchLine,
         "BatchResult": s.BatchResult,
     }
@@ -27,7 +52,19 @@ def wire_types() -> dict[str, object]:
 def json_schemas() -> dict[str, dict]:
     import msgspec
 
-    return {name: msgspec.json.schema(t) for name, t in wire_types().items()}
+    return {name: _open_error_codes(msgspec.json.schema(t)) for name, t in wire_types().items()}
+
+
+def _open_error_codes(schema: dict) -> dict:
+    """Error codes are an open set on the wire (newer workers add codes, older readers keep the
+    string): the schema lists the known ones but accepts any string, so generated readers do too."""
+    codes = schema.get("$defs", {}).get("ErrorCode")
+    if codes is not None and "enum" in codes:
+        known = codes.pop("enum")
+        codes["anyOf"] = [{"enum": known}, {"type": "string"}]
+        codes["description"] = ("Machine-readable error code. Codes not listed come from newer writers: "
+                                "read them as a failure, keeping the code as sent.")
+    return schema
 
 
 def cmd_schema(args: argparse.Namespace) -> int:

@@ -25,6 +25,7 @@ SECTIONS: list[tuple[str, list[type]]] = [
                       s.SamplingOptions, s.StopConditions, s.OutputOptions]),
     ("Reply frames", [s.AcceptedFrame, s.TokensFrame, s.HeartbeatFrame, s.FinalFrame, s.Choice, s.Usage,
                       s.ErrorFrame]),
+    ("Request log", [s.Claim, s.Step, s.Handoff, s.Cancelled, s.Result]),
     ("Control", [s.CancelRequest, s.StatusRequest, s.WorkerStatus]),
     ("Fleet: registry, load, control replies", [s.InstanceRecord, s.EngineInfo, s.ModelCard, s.LoadReport,
                                                  s.HealthCheck, s.HealthReport, s.SleepRequest, s.ControlDone, s.ControlFailed]),
@@ -113,11 +114,18 @@ def struct_table(cls: type) -> str:
     lines = [f"### {cls.__name__}{tag}", ""]
     if cls.__doc__:
         lines += [" ".join(cls.__doc__.split()), ""]
+    lines += [_RULE[issubclass(cls, s.Strict)], ""]
     lines += ["| field | type | default | meaning |", "|---|---|---|---|"]
     for f in info.fields:
         meaning = docs.get(f.name) or _description(f.type)
         lines.append(f"| `{f.encode_name}` | {_type(f.type)} | {_default(f)} | {meaning} |")
     return "\n".join(lines) + "\n"
+
+
+_RULE = {
+    True: "Strict: a field the reader does not know is refused, naming it.",
+    False: "Tolerant: a reader skips fields it does not know.",
+}
 
 
 def messages_reference() -> str:

@@ -1,7 +1,7 @@
 """The wire contract: msgspec Structs for every message, and nothing else."""
 
 from .batch import BatchError, BatchLine, BatchResult
-from .common import SCHEMA_VERSION, SUPPORTED_VERSIONS, ErrorCode, Message
+from .common import SCHEMA_VERSION, SUPPORTED_VERSIONS, Command, ErrorCode, Report, Strict, Tolerant
 from .control import CancelRequest, StatusRequest, WorkerStatus
 from .deadletter import DeadLetter
 from .fleet import (
@@ -33,7 +33,6 @@ from .generate import (
     EmbedsDtype,
     EmbedsPrompt,
     GenerateRequest,
-    JobEnvelope,
     OutputOptions,
     Prompt,
     SamplingOptions,
@@ -104,8 +103,10 @@ __all__ = [
     "GenerateRequest",
     "Handoff",
     "HeartbeatFrame",
-    "JobEnvelope",
-    "Message",
+    "Command",
+    "Report",
+    "Strict",
+    "Tolerant",
     "OutputOptions",
     "Prompt",
     "Record",

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 from typing import Annotated
 
-import msgspec
 from msgspec import Meta
 
-from .common import ErrorCode
+from .common import ErrorCode, Strict, Tolerant
 from .frames import Usage
 from .generate import ChatMessage, OutputOptions, SamplingOptions, StopConditions
 
 
-class BatchLine(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+class BatchLine(Strict, kw_only=True, omit_defaults=True):
     """Exactly one of `prompt`, `messages`, `token_ids`; the rest is optional."""
 
     id: str | None = None
@@ -29,13 +28,13 @@ class BatchLine(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_d
     output: OutputOptions | None = None
 
 
-class BatchError(msgspec.Struct, kw_only=True):
+class BatchError(Tolerant, kw_only=True):
     code: ErrorCode
     message: str
     field: str | None = None
 
 
-class BatchResult(msgspec.Struct, kw_only=True):
+class BatchResult(Tolerant, kw_only=True):
     line: int
     """1-based line number in the input file."""
     id: str | None

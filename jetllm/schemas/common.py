@@ -1,4 +1,17 @@
-"""What every message shares: the schema version and the stable error codes."""
+"""What every message shares: the compatibility rule of its direction, the schema version and the
+stable error codes.
+
+Every struct on the wire derives from one of two bases, and the base is the rule:
+
+- `Strict`: what a worker is told to do (jobs, cancels, control requests, the adapter specs and
+  manifests operators write). A field the reader does not know is an error naming it, so a typo
+  (`max_token`) never runs silently with a default.
+- `Tolerant`: what workers and services report (frames, replies, records, events, dead letters,
+  batch results). A reader skips fields it does not know, so a newer writer can add one without
+  breaking older readers mid-stream.
+
+`Command` and `Report` are the same two rules for top-level messages, which carry `v`.
+"""
 
 from __future__ import annotations
 
@@ -12,18 +25,39 @@ SCHEMA_VERSION = 1
 SUPPORTED_VERSIONS = frozenset({1})
 
 
-class Message(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    """Base of every wire message.
+class Strict(msgspec.Struct, forbid_unknown_fields=True):
+    """Part of an instruction to a worker: unknown fields are refused, naming the field."""
 
-    Unknown fields are refused so that a typo (`max_token`) is an error, not a silent default.
-    """
+
+class Tolerant(msgspec.Struct):
+    """Part of what a worker or service reports: readers skip fields they do not know."""
+
+
+class Command(Strict, kw_only=True):
+    """A message that tells a worker what to do; strict."""
 
     v: int = SCHEMA_VERSION
     """Schema version; a worker refuses versions it does not speak."""
 
 
+class Report(Tolerant, kw_only=True):
+    """A message a worker or service writes for others to read; tolerant."""
+
+    v: int = SCHEMA_VERSION
+    """Schema version of the writer."""
+
+
+BASES: tuple[type[msgspec.Struct], ...] = (Strict, Tolerant, Command, Report)
+"""The rule bases: never on the wire by themselves."""
+
+
 class ErrorCode(enum.StrEnum):
-    """Machine-readable error codes; their values are part of the wire contract."""
+    """Machine-readable error codes; their values are part of the wire contract.
+
+    A code this version does not know (sent by a newer worker) decodes to a pseudo-member named
+    `UNKNOWN` whose value is the code as sent: it equals no known member, `known` is false, and
+    `str()`/`.value` and re-encoding give the original string.
+    """
 
     MALFORMED = "malformed"
     """The bytes could not be decoded at all (not msgpack/JSON, or an unknown content type)."""
@@ -71,3 +105,17 @@ class ErrorCode(enum.StrEnum):
     """Producer side: the encoded job exceeds the server's max_payload."""
     TIMEOUT = "timeout"
     """Producer side: no worker accepted the job within the accept timeout."""
+
+    @classmethod
+    def _missing_(cls, value: object) -> ErrorCode | None:
+        if not isinstance(value, str):
+            return None
+        member = str.__new__(cls, value)
+        member._name_ = "UNKNOWN"
+        member._value_ = value
+        return member
+
+    @property
+    def known(self) -> bool:
+        """Whether this version defines the code (false for codes of newer writers)."""
+        return self._value_ in type(self)._value2member_map_

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import msgspec
 
-from .common import Message
+from .common import Command, Report
 
 
-class CancelRequest(Message):
+class CancelRequest(Command):
     """Published to `jetllm.<ns>.cancel.<request>`; every worker listens, the one running it aborts."""
 
     request_id: str
@@ -16,11 +16,11 @@ class CancelRequest(Message):
     """Stop only attempts older than this one (a newer attempt took the job over); None: all."""
 
 
-class StatusRequest(Message):
+class StatusRequest(Command):
     """Sent to `jetllm.<ns>.ctl.status` (every worker answers) or to one instance's status subject."""
 
 
-class WorkerStatus(Message):
+class WorkerStatus(Report):
     """A worker's answer to a StatusRequest."""
 
     instance: str

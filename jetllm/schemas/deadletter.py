@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from .common import ErrorCode, Message
+from .common import ErrorCode, Report
 
 
-class DeadLetter(Message):
+class DeadLetter(Report):
     code: ErrorCode
     reason: str
     subject: str

@@ -7,12 +7,12 @@ from typing import Literal
 
 import msgspec
 
-from .common import ErrorCode, Message
+from .common import Command, ErrorCode, Report, Tolerant
 
 InstanceState = Literal["starting", "serving", "sleeping", "draining"]
 
 
-class EngineInfo(msgspec.Struct, kw_only=True):
+class EngineInfo(Tolerant, kw_only=True):
     """Facts of the engine behind an instance that a router or operator plans with."""
 
     engine: str = ""
@@ -23,7 +23,7 @@ class EngineInfo(msgspec.Struct, kw_only=True):
     dp_size: int = 1
 
 
-class InstanceRecord(Message, kw_only=True):
+class InstanceRecord(Report, kw_only=True):
     """One live worker, under `i.<instance>` in the registry bucket; rewritten every heartbeat.
 
     Readers treat a record whose `heartbeat_at` is older than `expires_after` as dead even before
@@ -53,7 +53,7 @@ class InstanceRecord(Message, kw_only=True):
     """Consumer bound and engine answered: the worker can take jobs (false while sleeping)."""
 
 
-class ModelCard(Message, kw_only=True):
+class ModelCard(Report, kw_only=True):
     """What a served model is, under `m.<model>` in the registry bucket (written by its workers)."""
 
     model: str
@@ -71,7 +71,7 @@ class ModelCard(Message, kw_only=True):
     updated_at: float = 0.0
 
 
-class LoadReport(Message, kw_only=True):
+class LoadReport(Report, kw_only=True):
     """Published about once a second on `jetllm.<ns>.load.<model>.<instance>`: what a router weighs."""
 
     instance: str
@@ -88,7 +88,7 @@ class LoadReport(Message, kw_only=True):
     state: InstanceState = "serving"
 
 
-class ControlFailed(Message, kw_only=True, tag="failed"):
+class ControlFailed(Report, kw_only=True, tag="failed"):
     """A control verb that could not be carried out on one instance."""
 
     instance: str
@@ -96,7 +96,7 @@ class ControlFailed(Message, kw_only=True, tag="failed"):
     message: str
 
 
-class ControlDone(Message, kw_only=True, tag="done"):
+class ControlDone(Report, kw_only=True, tag="done"):
     """A control verb carried out; `detail` says what it did, plainly."""
 
     instance: str
@@ -105,7 +105,7 @@ class ControlDone(Message, kw_only=True, tag="done"):
     state: InstanceState | None = None
 
 
-class HealthReport(Message, kw_only=True, tag="health"):
+class HealthReport(Report, kw_only=True, tag="health"):
     """A worker's answer on its health subject."""
 
     instance: str
@@ -120,7 +120,7 @@ class HealthReport(Message, kw_only=True, tag="health"):
     checked_at: float = 0.0
 
 
-class HealthCheck(Message, kw_only=True):
+class HealthCheck(Command, kw_only=True):
     """Asks for a HealthReport; `canary` runs a short greedy generation through the engine."""
 
     canary: bool = True
@@ -129,7 +129,7 @@ class HealthCheck(Message, kw_only=True):
     """Fail the canary if no token arrives for this long."""
 
 
-class SleepRequest(Message, kw_only=True):
+class SleepRequest(Command, kw_only=True):
     """Body of the `sleep` verb (an empty body means level 1)."""
 
     level: int = 1

@@ -9,16 +9,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-import msgspec
-
-from .common import SCHEMA_VERSION, ErrorCode
+from .common import ErrorCode, Report, Tolerant
 
 FinishReason = Literal["stop", "length", "cancelled", "error", "repetition"]
 
 
-class _Frame(msgspec.Struct, kw_only=True, tag_field="kind", forbid_unknown_fields=True):
-    v: int = SCHEMA_VERSION
-    """Schema version."""
+class _Frame(Report, kw_only=True, tag_field="kind"):
     seq: int
     """1, 2, 3, ... over the output frames of a request; a gap means a frame was lost."""
     attempt: int = 1
@@ -57,7 +53,7 @@ class HeartbeatFrame(_Frame, tag="heartbeat"):
     """Sent while a request is quiet (queued in the engine, long prefill); seq is the last seq sent."""
 
 
-class Usage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class Usage(Tolerant, kw_only=True):
     prompt_tokens: int
     """Tokens of the rendered prompt (after the chat template)."""
     completion_tokens: int
@@ -66,7 +62,7 @@ class Usage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Prompt tokens served from the prefix cache."""
 
 
-class Choice(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class Choice(Tolerant, kw_only=True):
     index: int
     finish_reason: FinishReason
     stop_reason: str | int | None = None

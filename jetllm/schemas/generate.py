@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
-from .common import Message
+from .common import Command, Strict
 
 RequestId = Annotated[
     str,
@@ -19,19 +19,19 @@ RequestId = Annotated[
 TokenId = Annotated[int, Meta(ge=0)]
 
 
-class ChatMessage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class ChatMessage(Strict, kw_only=True):
     role: Annotated[str, Meta(min_length=1, max_length=64)]
     """system, user, assistant, ... whatever the model's template knows."""
     content: str
 
 
-class TokensPrompt(msgspec.Struct, tag="tokens", tag_field="type", forbid_unknown_fields=True):
+class TokensPrompt(Strict, tag="tokens", tag_field="type"):
     """Token ids, sent to the engine as they are (no template, no special tokens added)."""
 
     token_ids: Annotated[list[TokenId], Meta(min_length=1)]
 
 
-class ChatPrompt(msgspec.Struct, tag="chat", tag_field="type", forbid_unknown_fields=True):
+class ChatPrompt(Strict, tag="chat", tag_field="type"):
     """OpenAI-style messages, rendered on the worker with the model's chat template."""
 
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
@@ -43,7 +43,7 @@ class ChatPrompt(msgspec.Struct, tag="chat", tag_field="type", forbid_unknown_fi
     """Extra variables for the chat template (e.g. `enable_thinking`)."""
 
 
-class TextPrompt(msgspec.Struct, tag="text", tag_field="type", forbid_unknown_fields=True):
+class TextPrompt(Strict, tag="text", tag_field="type"):
     """Plain text, tokenized on the worker the way vLLM's completions endpoint does."""
 
     text: Annotated[str, Meta(min_length=1)]
@@ -52,7 +52,7 @@ class TextPrompt(msgspec.Struct, tag="text", tag_field="type", forbid_unknown_fi
 EmbedsDtype = Literal["float32", "float16", "bfloat16"]
 
 
-class EmbedsPrompt(msgspec.Struct, tag="embeds", tag_field="type", forbid_unknown_fields=True, kw_only=True):
+class EmbedsPrompt(Strict, tag="embeds", tag_field="type", kw_only=True):
     """Precomputed input embeddings, one row per prompt position, fed to the model in place of
     its token embeddings. Raw little-endian bytes in row-major order, never a pickled tensor.
 
@@ -74,7 +74,7 @@ class EmbedsPrompt(msgspec.Struct, tag="embeds", tag_field="type", forbid_unknow
 Prompt = TokensPrompt | ChatPrompt | TextPrompt | EmbedsPrompt
 
 
-class SamplingOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+class SamplingOptions(Strict, kw_only=True, omit_defaults=True):
     """None means the model's default (its generation_config), else vLLM's default."""
 
     temperature: Annotated[float, Meta(ge=0.0, le=2.0)] | None = None
@@ -90,7 +90,7 @@ class SamplingOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, 
     """Independent choices for the prompt; needs temperature > 0."""
 
 
-class StopConditions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+class StopConditions(Strict, kw_only=True, omit_defaults=True):
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
     """None: the room left in the context after the prompt."""
     min_tokens: Annotated[int, Meta(ge=0)] = 0
@@ -104,7 +104,7 @@ class StopConditions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, o
     include_stop_str_in_output: bool = False
 
 
-class OutputOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+class OutputOptions(Strict, kw_only=True, omit_defaults=True):
     text: bool | None = None
     """Send text deltas. None: yes for chat and text prompts, no for token and embeddings prompts."""
     logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
@@ -113,7 +113,7 @@ class OutputOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, om
     """Leave special tokens (BOS, EOS, ...) out of the text."""
 
 
-class GenerateRequest(Message):
+class GenerateRequest(Command):
     """Published to `jetllm.<ns>.jobs.generate.<model>`; frames go to `reply_to`."""
 
     request_id: RequestId
@@ -131,14 +131,6 @@ class GenerateRequest(Message):
     max_migrations: Annotated[int, Meta(ge=0, le=100)] | None = None
     """How often the request may move to another worker after a worker died under it;
     None: the worker's default (--max-migrations). Planned moves (a draining worker) are free."""
-
-
-class JobEnvelope(msgspec.Struct, kw_only=True):
-    """The few fields read from a job that fails to decode, to say why and to whom."""
-
-    v: Any = None
-    request_id: Any = None
-    reply_to: Any = None
 
 
 Encoding = Literal["msgpack", "json"]

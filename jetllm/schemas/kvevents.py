@@ -11,12 +11,10 @@ instance (a router that compares instances hashes `token_ids` itself).
 
 from __future__ import annotations
 
-import msgspec
-
-from .common import Message
+from .common import Report, Tolerant
 
 
-class KvStored(msgspec.Struct, kw_only=True, tag_field="type", tag="stored", forbid_unknown_fields=True):
+class KvStored(Tolerant, kw_only=True, tag_field="type", tag="stored"):
     """A chain of full blocks entered the prefix cache; block i holds
     `token_ids[i * block_size:(i + 1) * block_size]` and is the parent of block i + 1."""
 
@@ -34,7 +32,7 @@ class KvStored(msgspec.Struct, kw_only=True, tag_field="type", tag="stored", for
     """The cache tier as vLLM names it ("GPU" for the engine's own cache, on CPU hosts too)."""
 
 
-class KvRemoved(msgspec.Struct, kw_only=True, tag_field="type", tag="removed", forbid_unknown_fields=True):
+class KvRemoved(Tolerant, kw_only=True, tag_field="type", tag="removed"):
     """Blocks were evicted from the prefix cache."""
 
     block_hashes: list[int]
@@ -42,14 +40,14 @@ class KvRemoved(msgspec.Struct, kw_only=True, tag_field="type", tag="removed", f
     """The tier they left (see KvStored.medium)."""
 
 
-class KvCleared(msgspec.Struct, kw_only=True, tag_field="type", tag="cleared", forbid_unknown_fields=True):
+class KvCleared(Tolerant, kw_only=True, tag_field="type", tag="cleared"):
     """Every block of this data-parallel rank is gone (prefix cache reset, or the start of a resync)."""
 
 
 KvEvent = KvStored | KvRemoved | KvCleared
 
 
-class KvResync(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class KvResync(Tolerant, kw_only=True):
     """Marks the batches of a snapshot: each rank's first batch starts with a KvCleared, then
     stores the blocks the relay knows to be cached (parents before children)."""
 
@@ -64,7 +62,7 @@ class KvResync(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """Blocks in the whole snapshot, all ranks together."""
 
 
-class KvEventBatch(Message, kw_only=True):
+class KvEventBatch(Report, kw_only=True):
     """Events of one engine step (or one part of a snapshot), in the order they happened."""
 
     instance: str

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 
 from msgspec import Meta
 
-from .common import Message
+from .common import Command, Report
 
 AdapterName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
                                   description="Letters, digits, '.', '_', '-'; starts with a letter or digit.")]
@@ -15,7 +15,7 @@ AdapterSource = Literal["path", "object", "hub"]
 Sha256 = Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")]
 
 
-class AdapterSpec(Message, kw_only=True):
+class AdapterSpec(Command, kw_only=True):
     """One adapter a model should serve, under `<model>.<adapter>` in the LoRA bucket.
 
     Workers of the model watch these keys and load what is there, unload what is gone.
@@ -34,7 +34,7 @@ class AdapterSpec(Message, kw_only=True):
     updated_at: float = 0.0
 
 
-class AdapterManifest(Message, kw_only=True):
+class AdapterManifest(Command, kw_only=True):
     """What `jetllm lora push` stores under the adapter's name in the adapters object store;
     the files themselves are objects `sha256/<sha256>/<file>`."""
 
@@ -46,20 +46,20 @@ class AdapterManifest(Message, kw_only=True):
     pushed_at: float = 0.0
 
 
-class LoraLoad(Message, kw_only=True):
+class LoraLoad(Command, kw_only=True):
     """Body of `lora-load`: reconcile this adapter to the bucket's spec (at least `version`), then reply."""
 
     name: AdapterName
     version: int = 0
 
 
-class LoraUnload(Message, kw_only=True):
+class LoraUnload(Command, kw_only=True):
     """Body of `lora-unload`: reconcile this adapter (its key was deleted), then reply."""
 
     name: AdapterName
 
 
-class LoadedAdapter(Message, kw_only=True):
+class LoadedAdapter(Report, kw_only=True):
     """An adapter as one instance runs it."""
 
     name: str
@@ -72,7 +72,7 @@ class LoadedAdapter(Message, kw_only=True):
     loaded_at: float = 0.0
 
 
-class AdapterReply(Message, kw_only=True, tag="adapter"):
+class AdapterReply(Report, kw_only=True, tag="adapter"):
     """One instance's answer to `lora-load` or `lora-unload`."""
 
     instance: str
@@ -84,7 +84,7 @@ class AdapterReply(Message, kw_only=True, tag="adapter"):
     detail: str = ""
 
 
-class AdapterList(Message, kw_only=True, tag="adapters"):
+class AdapterList(Report, kw_only=True, tag="adapters"):
     """One instance's answer to `lora-list`."""
 
     instance: str

@@ -9,14 +9,11 @@ redeliveries of a finished job.
 
 from __future__ import annotations
 
-import msgspec
-
-from .common import SCHEMA_VERSION
+from .common import Report
 from .frames import ErrorFrame, FinalFrame, TokensFrame
 
 
-class _Record(msgspec.Struct, kw_only=True, tag_field="kind", forbid_unknown_fields=True):
-    v: int = SCHEMA_VERSION
+class _Record(Report, kw_only=True, tag_field="kind"):
     attempt: int
     """Delivery count of the job when the record was written."""
 

@@ -4,10 +4,10 @@ the `traceparent` header of the job, its frames and its control messages."""
 
 from __future__ import annotations
 
-from .common import Message
+from .common import Report
 
 
-class TraceRecord(Message, kw_only=True):
+class TraceRecord(Report, kw_only=True):
     trace_id: str
     """32 hex digits, from the job's `traceparent` header (or new, when it had none)."""
     span_id: str

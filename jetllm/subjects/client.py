@@ -371,7 +371,11 @@ class Client:
                     accepted = False
                     inbox.wait_for(accept_timeout)
                     continue
-                frame = decode(data, encoding)
+                try:
+                    frame = decode(data, encoding)
+                except codec.UnknownKind as exc:  # a newer worker's extra information: not ours to read
+                    log.debug("request %s: skipping a frame: %s", req.request_id, exc)
+                    continue
                 if frame.attempt < attempt:
                     continue  # from a worker that lost the job to a newer delivery
                 if isinstance(frame, AcceptedFrame):

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from ..schemas import Frame, GenerateRequest, JobEnvelope
+from ..schemas import Frame, GenerateRequest
 
 Encoding = Literal["msgpack", "json"]
 CONTENT_TYPE = "Content-Type"
@@ -76,20 +76,66 @@ class Decoder:
             raise msgspec.DecodeError("nested too deeply") from None
 
 
-frame_decoder = Decoder(Frame)
+class UnknownKind(msgspec.ValidationError):
+    """A message of a kind this version does not know, from a newer writer: readers skip it.
+
+    A ValidationError, so code that does not care still treats it as undecodable."""
+
+    def __init__(self, tag_field: str, kind: str) -> None:
+        super().__init__(f"unknown {tag_field} {kind[:64]!r} (from a newer version?)")
+        self.kind = kind
+
+
+class KindDecoder(Decoder):
+    """Decoder for a tagged union newer writers may extend (frames, request-log records).
+
+    A message whose tag names no member raises UnknownKind; any other failure raises as usual.
+    The tag is looked at only after decoding failed, so known messages cost nothing extra.
+    """
+
+    def __init__(self, union: Any) -> None:
+        super().__init__(union)
+        members = union.__args__
+        self.tag_field: str = members[0].__struct_config__.tag_field
+        self.kinds = frozenset(m.__struct_config__.tag for m in members)
+        head = msgspec.defstruct("Head", [(self.tag_field, Any, None)])
+        self._head = Decoder(head)
+
+    def decode(self, data: bytes, encoding: Encoding = "msgpack") -> Any:
+        try:
+            return super().decode(data, encoding)
+        except msgspec.ValidationError:
+            try:
+                kind = getattr(self._head.decode(data, encoding), self.tag_field)
+            except msgspec.DecodeError:
+                kind = None
+            if isinstance(kind, str) and kind not in self.kinds:
+                raise UnknownKind(self.tag_field, kind) from None
+            raise
+
+
+class JobEnvelope(msgspec.Struct, kw_only=True):
+    """The few fields read from a job that fails to decode, to say why and to whom."""
+
+    v: Any = None
+    request_id: Any = None
+    reply_to: Any = None
+
+
+frame_decoder = KindDecoder(Frame)
 request_decoder = Decoder(GenerateRequest)
 envelope_decoder = Decoder(JobEnvelope)
 
 
 _AT = re.compile(r" - at `(\$[^`]*)`$")
-_MISSING = re.compile(r"missing required field `([^`]+)`")
+_NAMED = re.compile(r"(?:missing required|contains unknown) field `([^`]+)`")
 
 
 def field_path(message: str) -> str | None:
     """The field a msgspec validation message is about, as `$.a.b`."""
     at = _AT.search(message)
     path = at.group(1) if at else "$"
-    missing = _MISSING.search(message)
-    if missing:
-        return f"{path}.{missing.group(1)}"
+    named = _NAMED.search(message)
+    if named:
+        return f"{path}.{named.group(1)}"
     return path if at else None

@@ -22,7 +22,7 @@ from .names import Names
 
 log = logging.getLogger(__name__)
 
-_record_decoder = codec.Decoder(Record)
+_record_decoder = codec.KindDecoder(Record)
 
 
 async def result(js: JetStreamContext, names: Names, request_id: str) -> Result | None:
@@ -33,9 +33,12 @@ async def result(js: JetStreamContext, names: Names, request_id: str) -> Result 
         return None
     if not raw.data:
         return None
-    record = _record_decoder.decode(raw.data)
+    try:
+        record = _record_decoder.decode(raw.data)
+    except codec.UnknownKind:  # a newer worker's record after the end, maybe: look further back
+        return await _result_before(js, names, request_id)
     if isinstance(record, Cancelled):  # a cancel that came after the end changes nothing
-        return await _result_before_cancel(js, names, request_id)
+        return await _result_before(js, names, request_id)
     return record if isinstance(record, Result) else None
 
 
@@ -127,13 +130,17 @@ def rest_of(ended: Result, seen: list[TokensFrame], last_seq: int) -> list[Frame
     return frames
 
 
-async def _result_before_cancel(js: JetStreamContext, names: Names, request_id: str) -> Result | None:
+async def _result_before(js: JetStreamContext, names: Names, request_id: str) -> Result | None:
+    """The last Result in the log, when records came after it (a late cancel)."""
     found = None
     async with _subscribed(js, names, request_id) as sub:
         try:
             while True:
                 msg = await sub.next_msg(timeout=2)
-                record = _record_decoder.decode(msg.data)
+                try:
+                    record: Record | None = _record_decoder.decode(msg.data)
+                except codec.UnknownKind:
+                    record = None
                 if isinstance(record, Result):
                     found = record
                 if msg.metadata.num_pending == 0:
@@ -143,10 +150,16 @@ async def _result_before_cancel(js: JetStreamContext, names: Names, request_id: 
 
 
 async def _records(js: JetStreamContext, names: Names, request_id: str) -> AsyncGenerator[Record, None]:
-    """The request log of `request_id` from its start, then live."""
+    """The request log of `request_id` from its start, then live; kinds of records this version
+    does not know (written by a newer worker) are left out."""
     async with _subscribed(js, names, request_id) as sub:
         async for msg in sub.messages:
-            yield _record_decoder.decode(msg.data)
+            try:
+                record = _record_decoder.decode(msg.data)
+            except codec.UnknownKind as exc:
+                log.debug("request %s: skipping a log record: %s", request_id, exc)
+                continue
+            yield record
 
 
 @asynccontextmanager
