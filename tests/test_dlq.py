@@ -129,7 +129,9 @@ async def run_out_of_deliveries(c: Client, w, model: str, request, deliveries: i
     only listens for JetStream's advisory; returns the error its producer got."""
     w.pause_pulling(True)
     await anyio.sleep(1.5)  # the worker's outstanding pull requests expire
-    stalled = await c.js.pull_subscribe_bind(durable=c.names.consumer("generate", model), stream=c.names.jobs_stream)
+    stalled = await c.js.pull_subscribe_bind(
+        durable=c.names.consumer("generate", model), stream=c.names.jobs_stream
+    )
     failed: list[RequestFailed] = []
 
     async def produce() -> None:

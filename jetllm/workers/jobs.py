@@ -151,6 +151,5 @@ def dead_letter_record(
     )
     if len(codec.encode(record)) <= room:
         return record
-    return msgspec.structs.replace(
-        record, headers={}, reason=f"{reason[:4000]} [{dropped} and headers not kept: too big for a dead letter]"
-    )
+    reason = f"{reason[:4000]} [{dropped} and headers not kept: too big for a dead letter]"
+    return msgspec.structs.replace(record, headers={}, reason=reason)
