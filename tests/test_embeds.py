@@ -12,9 +12,10 @@ import pytest
 from jetllm.errors import RequestFailed, RequestRejected
 from jetllm.schemas import EmbedsPrompt, ErrorCode, GenerateRequest, StopConditions, TokensPrompt
 from jetllm.subjects import codec, embeds_prompt
+from jetllm.subjects.client import HEADER_MARGIN
 from jetllm.workers.embeds import HARD_CAP, check_header, default_max_bytes, to_array
 from jetllm.workers.engine import EngineFacts
-from jetllm.workers.jobs import DEAD_LETTER_ROOM, dead_letter_record, decode_request
+from jetllm.workers.jobs import dead_letter_record, decode_request
 
 from .conftest import inproc_worker
 
@@ -104,16 +105,22 @@ def test_nan_and_infinity_are_refused_in_every_dtype(dtype):
 
 
 def test_a_dead_letter_too_big_for_a_message_keeps_its_reason_without_the_payload():
-    class Msg:
-        subject = "s"
-        headers = None
-        data = b"x" * 100_000
+    def record(max_payload, headers=None):
+        return dead_letter_record(
+            subject="s", payload=b"x" * 100_000, headers=headers, code=ErrorCode.INVALID_REQUEST,
+            reason="bad", worker="w", deliveries=1, request_id="r", max_payload=max_payload,
+        )
 
-    kept = dead_letter_record(Msg, ErrorCode.INVALID_REQUEST, "bad", "w", 1, "r", max_payload=1 << 20)
-    assert kept.payload == Msg.data
-    dropped = dead_letter_record(Msg, ErrorCode.INVALID_REQUEST, "bad", "w", 1, "r",
-                                 max_payload=100_000 + DEAD_LETTER_ROOM - 1)
-    assert dropped.payload == b"" and "100000 bytes not kept" in dropped.reason
+    whole = record(None)
+    fits = len(codec.encode(whole)) + HEADER_MARGIN
+    assert record(fits).payload == whole.payload and record(fits).reason == "bad"
+    dropped = record(fits - 1)
+    assert dropped.payload == b""
+    assert dropped.reason == "bad [payload of 100000 bytes not kept: too big for a dead letter]"
+    assert len(codec.encode(dropped)) + HEADER_MARGIN <= fits - 1
+    big_headers = record(50_000, headers={"h": "y" * 60_000})
+    assert big_headers.payload == b"" and big_headers.headers == {}
+    assert big_headers.reason == "bad [payload of 100000 bytes and headers not kept: too big for a dead letter]"
 
 
 @pytest.mark.anyio

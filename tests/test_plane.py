@@ -28,6 +28,8 @@ from jetllm.schemas import (
     TokensPrompt,
 )
 from jetllm.subjects import Client, QueuePolicy, codec
+from jetllm.subjects.names import ROLES
+from jetllm.workers.roles import GenerateRole
 from jetllm.workers.runtime import EXIT_ENGINE_DEAD, EXIT_OK
 
 from .conftest import inproc_worker
@@ -101,6 +103,20 @@ async def test_payload_over_server_max_is_refused_before_publishing(nats_url, cl
         assert (await client.complete(req("fake", max_tokens=2))).finish_reason == "length"
     pending, _ = await consumer_counts(client.nc, client.names, "fake")
     assert pending == 0
+
+
+async def test_a_role_without_workers_is_refused_naming_the_roles_there_are(client):
+    """A job on a queue no worker consumes would wait unseen until it expires: refused instead."""
+    with pytest.raises(ValueError, match=r"role 'prefill' has no workers; jobs can go to: generate"):
+        await client.submit(req("fake"), role="prefill")
+    with pytest.raises(ValueError, match=r"role 'encode' has no workers"):
+        async for _ in client.generate(req("fake"), role="encode"):
+            pass
+    assert (await client.js.stream_info(client.names.jobs_stream)).state.messages == 0
+
+
+def test_every_role_producers_may_use_has_workers():
+    assert ROLES == (GenerateRole.role,)
 
 
 async def test_job_published_while_no_worker_runs_is_served_when_one_starts(nats_url, client, fake_engine):

@@ -188,6 +188,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("verb", choices=["reset-prefix-cache", "sleep", "wake"])
     p.add_argument("--instance", default=None)
     p.add_argument("--model", default=None)
-    p.add_argument("--level", type=int, default=1, help="sleep level (1: free KV cache, 2: and weights; GPU only)")
+    p.add_argument("--level", type=int, default=1,
+                   help="sleep level; GPU only, both drop the KV cache: 1 moves weights to CPU memory, 2 discards them")
     p.add_argument("--timeout", type=float, default=60.0)
     p.set_defaults(func=lambda a: run(_ctl, a))

@@ -133,4 +133,5 @@ class SleepRequest(Command, kw_only=True):
     """Body of the `sleep` verb (an empty body means level 1)."""
 
     level: int = 1
-    """1: release the KV cache; 2: the weights too (GPU with sleep mode). On CPU either only pauses."""
+    """With sleep mode (GPU), both discard the KV cache; 1 moves the weights to CPU memory, 2 discards
+    them (wake reloads them from disk). On CPU either only pauses scheduling."""

@@ -56,7 +56,7 @@ from .completion import Completion, assemble
 from .connection import connect
 from .direct import subscribe_direct
 from .embeds import embeds_store, upload
-from .names import Names
+from .names import Names, check_role
 from .setup import QueuePolicy, check_server, ensure_streams
 
 log = logging.getLogger(__name__)
@@ -204,7 +204,10 @@ class Client:
         Retried across reconnects and JetStream leader changes for up to `publish_timeout`
         seconds; the request id as `Nats-Msg-Id` makes the retries safe. The job carries a W3C
         `traceparent` (the one given, else a new trace) that its frames and records repeat.
+        `role` names the job queue, one of `names.ROLES` (the queues workers consume); any other
+        raises ValueError rather than publish a job nobody would take.
         """
+        check_role(role)
         req, _ = await self.offload_embeds(req)
         data = self.encode_job(req)
         headers = {
@@ -306,6 +309,7 @@ class Client:
         AcceptTimeout when no worker takes the job (again) within `accept_timeout` (None: wait),
         and WorkerSilent when the worker goes silent and `migrate` is off.
         """
+        check_role(role)
         token = uuid.uuid4().hex
         inbox = _Inbox()
         self._inboxes[token] = inbox

@@ -30,8 +30,18 @@ _SAFE = re.compile(r"[A-Za-z0-9-]")
 _TOKEN = re.compile(r"^(?:[A-Za-z0-9-]|_[0-9A-F]{2})+$")
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
 
-ROLES = ("generate", "prefill", "encode")
-"""Job queues by what the job asks for. Aggregated and decode workers both consume `generate`."""
+ROLES = ("generate",)
+"""The job queues producers may use: those with workers. Queues are named by what the job asks
+for, so the scheme has room for more (a prefill or encode queue of a disaggregated fleet); a role
+is listed here only once workers consume it, as a job on a queue nobody serves would wait unseen."""
+
+
+def check_role(role: str) -> str:
+    if role not in ROLES:
+        raise ValueError(
+            f"role {role!r} has no workers; jobs can go to: {', '.join(ROLES)} (leave `role` at its default)"
+        )
+    return role
 
 
 def encode_token(value: str) -> str:

@@ -10,7 +10,6 @@ is answered from it rather than run.
 from __future__ import annotations
 
 import logging
-import time
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -18,7 +17,7 @@ import msgspec
 from nats.aio.msg import Msg
 
 from ..errors import JetllmError, RequestRejected
-from ..schemas import DeadLetter, ErrorCode, Result
+from ..schemas import ErrorCode, Result
 from ..subjects import codec
 from .frames import FrameSink
 from .jobs import Job, RejectedJob, dead_letter_record, decode_request, salvage
@@ -56,8 +55,11 @@ class DeadLetters:
                     log.warning("request %s: error result not stored: %s", request_id, exc2)
             await frames.send(err)
             try:
-                record = dead_letter_record(job.msg, code, exc.message, w.instance, job.attempt, request_id,
-                                            w.nc.max_payload)
+                record = dead_letter_record(
+                    subject=job.msg.subject, payload=job.msg.data, headers=job.msg.headers, code=code,
+                    reason=exc.message, worker=w.instance, deliveries=job.attempt, request_id=request_id,
+                    max_payload=w.nc.max_payload,
+                )
                 await w.js.publish(
                     w.names.dlq(w.role.role, w.model),
                     codec.encode(record),
@@ -110,11 +112,10 @@ class DeadLetters:
         frames = FrameSink(w.nc, reply_to, encoding, request_id or "")
         frames.seq = 1_000_000  # after anything the producer saw
         err = frames.error_frame(ErrorCode.DELIVERIES_EXHAUSTED, reason)
-        record = DeadLetter(
-            code=ErrorCode.DELIVERIES_EXHAUSTED, reason=reason, subject=raw.subject,  # type: ignore[arg-type]
-            deliveries=w.config.policy.max_deliver, worker=w.instance, failed_at=time.time(),
-            request_id=request_id, headers=dict(raw.headers or {}),
-            payload=bytes(raw.data),  # type: ignore[arg-type]
+        record = dead_letter_record(
+            subject=raw.subject or "", payload=raw.data or b"", headers=raw.headers,
+            code=ErrorCode.DELIVERIES_EXHAUSTED, reason=reason, worker=w.instance,
+            deliveries=w.config.policy.max_deliver, request_id=request_id, max_payload=w.nc.max_payload,
         )
         try:
             await w.js.publish(

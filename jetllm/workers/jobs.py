@@ -12,6 +12,7 @@ from nats.aio.msg import Msg
 from ..errors import RequestRejected
 from ..schemas import SUPPORTED_VERSIONS, DeadLetter, ErrorCode, GenerateRequest
 from ..subjects import codec
+from ..subjects.client import HEADER_MARGIN
 from ..subjects.codec import field_path
 from ..subjects.names import is_safe_reply_subject
 
@@ -146,29 +147,28 @@ class Job:
             log.warning("job seq %d: in_progress failed: %s", self.stream_seq, exc)
 
 
-DEAD_LETTER_ROOM = 8192
-"""Bytes a dead letter needs besides the job's payload (reason, headers, fields)."""
-
-
 def dead_letter_record(
-    msg: Msg, code: ErrorCode, reason: str, worker: str, deliveries: int, request_id: str | None,
-    max_payload: int | None = None,
+    *, subject: str, payload: bytes, headers: dict[str, str] | None, code: ErrorCode, reason: str,
+    worker: str, deliveries: int, request_id: str | None, max_payload: int | None = None,
 ) -> DeadLetter:
-    """The record for the DLQ stream; a job too big to fit one beside its reason (a job of inline
-    prompt embeddings near max_payload) is recorded without its payload rather than not at all."""
-    payload = bytes(msg.data)
-    reason = reason[:4000]
-    if max_payload is not None and len(payload) > max_payload - DEAD_LETTER_ROOM:
-        reason += f" [payload of {len(payload)} bytes not kept: too big for a dead letter]"
-        payload = b""
-    return DeadLetter(
-        code=code,
-        reason=reason,
-        subject=msg.subject,
-        deliveries=deliveries,
-        worker=worker,
-        failed_at=time.time(),
-        request_id=request_id,
-        headers=dict(msg.headers or {}),
-        payload=payload,
+    """The record for the DLQ stream, built here for every way a job dies so that it always fits
+    one message: a job near max_payload (big prompts, inline embeddings) cannot also fit beside its
+    reason, so it is recorded without its payload (and, if need be, its headers) rather than not
+    at all, which would leave it in the queue and its producer without an answer."""
+    record = DeadLetter(
+        code=code, reason=reason[:4000], subject=subject, deliveries=deliveries, worker=worker,
+        failed_at=time.time(), request_id=request_id, headers=dict(headers or {}), payload=bytes(payload),
     )
+    if max_payload is None:
+        return record
+    room = max_payload - HEADER_MARGIN
+    if len(codec.encode(record)) <= room:
+        return record
+    dropped = f"payload of {len(record.payload)} bytes"
+    record = msgspec.structs.replace(
+        record, payload=b"", reason=f"{record.reason} [{dropped} not kept: too big for a dead letter]"
+    )
+    if len(codec.encode(record)) <= room:
+        return record
+    reason = f"{reason[:4000]} [{dropped} and headers not kept: too big for a dead letter]"
+    return msgspec.structs.replace(record, headers={}, reason=reason)

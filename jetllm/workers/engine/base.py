@@ -159,7 +159,10 @@ class Engine(Protocol):
         Call only with no request running."""
         ...
 
-    async def wake(self) -> None: ...
+    async def wake(self) -> None:
+        """Undo `sleep`, whatever its level (reloading anything it discarded). A failed wake leaves
+        the engine asleep, and calling it again starts over."""
+        ...
 
     async def add_adapter(self, adapter: EngineAdapter) -> None:
         """Load a validated adapter; raises EngineRequestError if the engine refuses it."""

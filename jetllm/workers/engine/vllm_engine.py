@@ -142,6 +142,9 @@ class VllmEngine:
         self.llm = llm
         self._recorder = recorder
         self._kv_dir = kv_dir
+        self._asleep_level: int | None = None
+        self._adapters: dict[int, EngineAdapter] = {}
+        """The adapters the engine holds, to add again after a level-2 wake."""
         cfg = llm.vllm_config
         try:
             vocab = cfg.model_config.get_vocab_size()
@@ -328,17 +331,42 @@ class VllmEngine:
     async def sleep(self, level: int) -> str:
         if self.llm.vllm_config.model_config.enable_sleep_mode:
             await self.llm.sleep(level, mode="wait")
-            return f"engine asleep at level {level}: weights{' and KV cache' if level >= 1 else ''} released"
+            self._asleep_level = level
+            if level == 1:
+                return "engine asleep at level 1: weights moved to CPU memory, KV cache discarded"
+            return "engine asleep at level 2: weights and KV cache discarded (wake reloads the weights)"
         # Without sleep mode (always the case on CPU, where vLLM refuses it) nothing can be
         # released: pause the scheduler, keep the cache, and say so.
         await self.llm.pause_generation(mode="wait", clear_cache=False)
         return "scheduling paused; no memory freed (this engine runs without sleep mode, e.g. on CPU)"
 
     async def wake(self) -> None:
-        if self.llm.vllm_config.model_config.enable_sleep_mode:
-            await self.llm.wake_up()
-        else:
+        if not self.llm.vllm_config.model_config.enable_sleep_mode:
             await self.llm.resume_generation()
+            return
+        if self._asleep_level == 2:
+            await self._wake_from_level_2()
+        else:
+            await self.llm.wake_up()
+        self._asleep_level = None
+
+    async def _wake_from_level_2(self) -> None:
+        """Level 2 discarded the weights, and waking maps their memory back empty: vLLM's way
+        back is weights memory first, then the weights read again from the model's files, then
+        the KV cache (its memory is only taken once the weights are in). Reloading drops every
+        LoRA adapter from the engine, so the ones it held are added again. A failure on the way
+        leaves the engine asleep; every step can be repeated, so a later wake starts over."""
+        await self.llm.wake_up(tags=["weights"])
+        await self.llm.collective_rpc("reload_weights")
+        if await self.llm.wake_up(tags=["kv_cache"]) is False:
+            raise EngineRequestError("the engine is still partly asleep after waking weights and KV cache")
+        from vllm.lora.request import LoRARequest
+
+        for adapter in list(self._adapters.values()):
+            try:
+                await self.llm.add_lora(LoRARequest(adapter.name, adapter.id, adapter.path))
+            except Exception as exc:  # vLLM loads it again on the first request that names it
+                log.warning("adapter %s not added back after waking: %s", adapter.name, exc)
 
     async def add_adapter(self, adapter: EngineAdapter) -> None:
         from vllm.lora.request import LoRARequest
@@ -349,9 +377,11 @@ class VllmEngine:
             raise EngineRequestError(f"the engine refused the adapter: {exc}") from None
         if not ok:
             raise EngineRequestError("the engine refused the adapter")
+        self._adapters[adapter.id] = adapter
 
     async def remove_adapter(self, adapter_id: int) -> None:
         await self.llm.remove_lora(adapter_id)
+        self._adapters.pop(adapter_id, None)
 
     async def close(self) -> None:
         try:
