@@ -15,7 +15,15 @@ from ..subjects import codec
 from ..subjects.names import Names
 
 log = logging.getLogger(__name__)
-_decoder = codec.Decoder(Record)
+_decoder = codec.KindDecoder(Record)
+
+
+class Unreadable:
+    """The last record is one this version cannot read (a newer worker's kind): read the history,
+    which leaves such records out, instead of failing the job."""
+
+    __slots__ = ()
+
 
 
 class LogUnavailable(Exception):
@@ -140,7 +148,7 @@ class RequestLog:
             log.warning("request %s: its result is not in the log (%s); a redelivery would run it again",
                         request_id, exc)
 
-    async def last(self, request_id: str) -> Record | None:
+    async def last(self, request_id: str) -> Record | Unreadable | None:
         try:
             raw = await self.js.get_last_msg(self.names.requests_stream, self.names.request_log(request_id), direct=True)
         except nats.js.errors.NotFoundError:
@@ -153,7 +161,11 @@ class RequestLog:
             raise LogUnavailable(f"request log: {type(exc).__name__}") from exc
         if not raw.data:  # a direct get of a missing subject answers with an empty 404 message
             return None
-        return _decoder.decode(raw.data)
+        try:
+            return _decoder.decode(raw.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            log.info("request %s: last log record unreadable here (%s); reading its history", request_id, exc)
+            return Unreadable()
 
     async def history(self, request_id: str) -> History:
         """Every record of the request, up to the last one stored when this is called."""
@@ -177,8 +189,8 @@ class RequestLog:
                     msg = await sub.next_msg(timeout=30)
                     try:
                         records.append(_decoder.decode(msg.data))
-                    except msgspec.DecodeError:
-                        log.warning("request %s: skipping an unreadable log record", request_id)
+                    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                        log.warning("request %s: skipping an unreadable log record: %s", request_id, exc)
                     # nats-py types RawStreamMsg.seq Optional; a fetched message has one
                     if msg.metadata.sequence.stream >= last.seq:  # type: ignore[operator]
                         break
