@@ -133,3 +133,51 @@ async def test_a_worker_without_embeddings_says_how_to_enable_them_and_goes_on(n
         assert info.value.code == ErrorCode.INVALID_REQUEST and "--enable-prompt-embeds" in info.value.remote_message
         ok = msgspec.structs.replace(req, request_id=f"r-{uuid.uuid4().hex}", prompt=TokensPrompt([1, 2]))
         assert len((await client.complete(ok)).token_ids) == 3
+
+
+@pytest.mark.anyio
+async def test_objects_whose_metadata_lies_are_refused_at_once(nats_url, client):
+    """Anyone can write an object's metadata: unreadable metadata, chunks that are not there or that
+    belong to a bigger object get a typed error now, not a wait (forever, for the missing chunks) nor
+    retries until JetStream gives up on the job."""
+    import base64
+    import hashlib
+
+    import anyio
+
+    from jetllm.subjects.embeds import embeds_store
+
+    from .fake_engine import FakeEngine
+
+    engine = FakeEngine()
+    engine.facts.hidden_size, engine.facts.prompt_embeds = 8, True
+    names, js = client.names, client.js
+    good = np.full((2, 8), 0.5, np.float32).tobytes()
+    store = await embeds_store(js, names, ttl=600)
+    await store.put("good", good)
+    await store.put("big", b"\0" * 4096)
+
+    async def meta(name: str) -> dict:
+        subject = f"$O.{names.embeds_store}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
+        return json.loads((await js.get_last_msg(f"OBJ_{names.embeds_store}", subject)).data)
+
+    async def forge(name: str, body: bytes) -> None:
+        subject = f"$O.{names.embeds_store}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
+        await js.publish(subject, body, headers={"Nats-Rollup": "sub"})
+
+    good_meta, big_meta = await meta("good"), await meta("big")
+    await forge("garbage", b"{not json")
+    await forge("no-chunks", json.dumps({**good_meta, "name": "no-chunks", "nuid": "NoSuchChunks"}).encode())
+    await forge("no-nuid", json.dumps({**good_meta, "name": "no-nuid", "nuid": None}).encode())
+    await forge("big-chunks", json.dumps({**good_meta, "name": "big-chunks", "nuid": big_meta["nuid"]}).encode())
+    sha = hashlib.sha256(good).hexdigest()
+    async with inproc_worker(nats_url, engine, namespace=names.namespace):
+        for name in ("garbage", "no-chunks", "no-nuid", "big-chunks"):
+            req = GenerateRequest(request_id=f"r-{uuid.uuid4().hex}", model="fake", stop=StopConditions(max_tokens=2),
+                                  prompt=EmbedsPrompt(dtype="float32", shape=[2, 8], object=name, sha256=sha))
+            with anyio.fail_after(15), pytest.raises(RequestFailed) as info:
+                await client.complete(req)
+            assert info.value.code == ErrorCode.INVALID_REQUEST and info.value.field == "$.prompt.object", (name, info)
+        req = GenerateRequest(request_id=f"r-{uuid.uuid4().hex}", model="fake", stop=StopConditions(max_tokens=2),
+                              prompt=EmbedsPrompt(dtype="float32", shape=[2, 8], object="good", sha256=sha))
+        assert len((await client.complete(req)).token_ids) == 2

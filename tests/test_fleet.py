@@ -189,3 +189,22 @@ async def test_a_trace_id_travels_on_the_job_its_frames_and_the_worker_timing_re
             while not (records := await trace_records(client.nc.jetstream(), names, bad.request_id)):
                 await anyio.sleep(0.1)
         assert records[0].parent_span_id is None and len(records[0].trace_id) == 32
+
+
+async def test_registry_readers_skip_entries_no_worker_wrote(nats_url, client, fake_engine):
+    """Anyone can write the registry bucket: garbage under i.* and m.* is skipped by every reader
+    (fleet commands, LoRA fan-outs), which still see the live worker and its model card."""
+    from jetllm.subjects.registry import watch
+
+    async with inproc_worker(nats_url, fake_engine, namespace=client.names.namespace) as w:
+        bucket = client.names.registry_bucket
+        for key, value in [("i._FF", b"\xa1\xff"), ("i.x", b"\xc1"), ("i.deep", b"\x91" * 100_000 + b"\x00"),
+                           ("i.json", b'{"instance": "x"}'), ("m.x", b"garbage"), ("m._C3_28", b"\xa2\xc3\x28")]:
+            await client.js.publish(f"$KV.{bucket}.{key}", value)
+        assert [r.instance for r in await instances(client.js, client.names)] == [w.instance]
+        assert [c.model for c in await model_cards(client.js, client.names)] == ["fake"]
+        with anyio.fail_after(10):
+            async for live in watch(client.js, client.names):
+                if any(r.instance == w.instance for r in live.values()):
+                    assert len(live) == 1, live
+                    break

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import anyio
+import msgspec
 import pytest
 
 from jetllm import tinymodel
@@ -176,3 +177,31 @@ async def test_a_worker_stopped_while_it_starts_pulling_an_adapter_queue_still_s
                 while w.state != "stopped":
                     await anyio.sleep(0.05)
             assert not w.adapter_queues.serves("a")
+
+
+async def test_garbage_in_the_lora_bucket_does_not_stop_the_watch(nats_url, namespace, tmp_path):
+    """Keys that are no adapter's and values that do not decode are skipped: an adapter desired after
+    them is still loaded by the watch alone (no verb asks for it)."""
+    from jetllm.subjects import Client
+    from jetllm.subjects.lora import ensure_lora_bucket
+
+    from .fake_engine import FakeEngine
+
+    allowed = tmp_path / "allowed"
+    tinymodel.build_lora(allowed / "a", seed=1)
+    settings = LoraSettings(dirs=[str(allowed)], cache_dir=str(tmp_path / "cache"), load_wait=5)
+    engine = FakeEngine()
+    engine.facts.lora = TINY_FACTS
+    async with Client(nats_url, namespace=namespace, heartbeat_timeout=10) as c:
+        kv = await ensure_lora_bucket(c.js, c.names)
+        await kv.put("fake._FF", b"there before the worker")
+        async with inproc_worker(nats_url, engine, namespace=namespace, lora=settings) as w:
+            for token, value in [("_FF", b"x"), ("a_", b"x"), ("_2E_2E", b"x"), ("bad-utf8", b"\xa1\xff"),
+                                 ("deep", b"\x91" * 100_000 + b"\x00"), ("junk", b"\xc1")]:
+                await c.nc.publish(f"$KV.{c.names.lora_bucket}.fake.{token}", value)
+            spec = {"v": 1, "name": "a", "source": "path", "ref": str(allowed / "a"), "version": 1}
+            await kv.put(c.names.lora_key("fake", "a"), msgspec.msgpack.encode(spec))
+            with anyio.fail_after(10):
+                while "a" not in w.adapters:
+                    await anyio.sleep(0.05)
+            await c.complete(req("fake", adapter="a"))

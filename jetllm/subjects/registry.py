@@ -10,7 +10,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
+import msgspec
 import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
@@ -64,24 +66,36 @@ def alive(record: InstanceRecord, now: float | None = None) -> bool:
     return record.expires_after <= 0 or now - record.heartbeat_at <= record.expires_after
 
 
-async def _latest(js: JetStreamContext, names: Names, pattern: str) -> list[bytes]:
-    """Current values of the registry keys matching `pattern`; none before any worker made the bucket."""
+async def _latest(js: JetStreamContext, names: Names, pattern: str, decoder: codec.Decoder) -> list[Any]:
+    """Current records under the registry keys matching `pattern`; none before any worker made the bucket."""
     try:
         kv = await js.key_value(names.registry_bucket)
     except nats.js.errors.BucketNotFoundError:
         return []
-    return [entry.value for entry in await entries_matching(kv, pattern) if entry.value]
+    entries = [e for e in await entries_matching(kv, pattern) if e.value]
+    found = [_readable(decoder, e.key, e.value) for e in entries]
+    return [record for record in found if record is not None]
+
+
+def _readable(decoder: codec.Decoder, key: str, value: bytes) -> Any:
+    """The record, or None for one no worker wrote (anyone can write the bucket): one bad entry must
+    not make the registry unreadable for every fleet command and fan-out."""
+    try:
+        return decoder.decode(value)
+    except (msgspec.DecodeError, ValueError, RecursionError) as exc:  # bad UTF-8 is a ValueError
+        log.warning("registry entry %r ignored: not a record jetllm wrote (%s)", key, exc)
+        return None
 
 
 async def instances(js: JetStreamContext, names: Names, *, model: str | None = None) -> list[InstanceRecord]:
     """Live instances (of `model`, if given), sorted by instance id."""
-    records = [_instance.decode(v) for v in await _latest(js, names, "i.*")]
+    records = await _latest(js, names, "i.*", _instance)
     found = [r for r in records if alive(r) and (model is None or r.model == model)]
     return sorted(found, key=lambda r: r.instance)
 
 
 async def model_cards(js: JetStreamContext, names: Names) -> list[ModelCard]:
-    cards = [_card.decode(v) for v in await _latest(js, names, "m.*")]
+    cards = await _latest(js, names, "m.*", _card)
     return sorted(cards, key=lambda c: c.model)
 
 
@@ -99,10 +113,13 @@ async def watch(js: JetStreamContext, names: Names) -> AsyncIterator[dict[str, I
             except nats.errors.TimeoutError:
                 entry = None
             if entry is not None:
-                if entry.operation in ("DEL", "PURGE") or not entry.value:
+                record = None
+                if entry.operation not in ("DEL", "PURGE") and entry.value:
+                    record = _readable(_instance, entry.key, entry.value)
+                if record is None:
                     current.pop(entry.key, None)
                 else:
-                    current[entry.key] = _instance.decode(entry.value)
+                    current[entry.key] = record
             yield {k: r for k, r in current.items() if alive(r)}
     finally:
         try:

@@ -9,11 +9,11 @@ object-store reference is looked up (size, no links, digest) before anything is 
 from __future__ import annotations
 
 import hashlib
-import io
 from typing import Any
 
 import anyio
 import nats.js.errors
+from nats.js.object_store import OBJ_CHUNKS_PRE_TEMPLATE, OBJ_STREAM_TEMPLATE
 
 from ..errors import RequestRejected
 from ..schemas import EmbedsPrompt, ErrorCode
@@ -129,6 +129,8 @@ class EmbedsLoader:
         except (nats.js.errors.NotFoundError, nats.js.errors.ObjectDeletedError,
                 nats.js.errors.InvalidObjectNameError):
             raise _reject(f"no object {name!r} in the embeddings store {store_name}", "$.prompt.object") from None
+        except nats.js.errors.BadObjectMetaError:
+            raise _reject(f"object {name!r} has unreadable metadata", "$.prompt.object") from None
         except Exception as exc:
             raise StoreUnavailable(f"embeddings store {store_name}: {type(exc).__name__}: {exc}") from None
         if info.is_link():
@@ -138,21 +140,39 @@ class EmbedsLoader:
                 f"object {name!r} has {info.size} bytes, but shape {list(prompt.shape)} of {prompt.dtype} "
                 f"needs {nbytes}", "$.prompt.object",
             )
-        sink = io.BytesIO()
-        try:
-            await store.get(name, writeinto=sink)
-        except (nats.js.errors.NotFoundError, nats.js.errors.ObjectDeletedError):
-            raise _reject(f"object {name!r} vanished from {store_name}", "$.prompt.object") from None
-        except nats.js.errors.DigestMismatchError:
-            raise _reject(f"object {name!r} is corrupt (its digest does not match)", "$.prompt.object") from None
-        except Exception as exc:
-            raise StoreUnavailable(f"embeddings store {store_name}: {type(exc).__name__}: {exc}") from None
-        data = sink.getvalue()
-        if len(data) != nbytes:
-            raise _reject(f"object {name!r} changed while it was read", "$.prompt.object")
+        if not isinstance(info.nuid, str) or not info.nuid:
+            raise _reject(f"object {name!r} has unreadable metadata (no chunk id)", "$.prompt.object")
+        data = await self._read_chunks(name, info.nuid, nbytes)
         digest = await anyio.to_thread.run_sync(lambda: hashlib.sha256(data).hexdigest())
         if digest != prompt.sha256:
             raise _reject(
                 f"object {name!r} does not match the request's sha256 (it holds {digest})", "$.prompt.sha256"
             )
         return data
+
+    async def _read_chunks(self, name: str, nuid: str, nbytes: int) -> bytes:
+        """The object's bytes, one chunk per request and never more than `nbytes`.
+
+        Not nats-py's `ObjectStore.get`: anyone can write an object's metadata, and for metadata that
+        names chunks the store does not hold, that waits forever (the job would hold its slot for
+        good); for chunks of a bigger object, it reads all of them into memory.
+        """
+        bucket = self.names.embeds_store
+        stream = OBJ_STREAM_TEMPLATE.format(bucket=bucket)
+        subject = OBJ_CHUNKS_PRE_TEMPLATE.format(bucket=bucket, obj=nuid)
+        parts: list[bytes] = []
+        got, seq = 0, 1
+        while got < nbytes:
+            try:
+                chunk = await self.js.get_msg(stream, seq=seq, subject=subject, next=True)
+            except nats.js.errors.NotFoundError:
+                missing = f"object {name!r} holds {got} of its {nbytes} bytes"
+                raise _reject(missing, "$.prompt.object") from None
+            except Exception as exc:
+                raise StoreUnavailable(f"embeddings store {bucket}: {type(exc).__name__}: {exc}") from None
+            parts.append(chunk.data or b"")
+            got += len(parts[-1])
+            seq = (chunk.seq or seq) + 1
+        if got != nbytes:
+            raise _reject(f"object {name!r} holds more than its {nbytes} bytes", "$.prompt.object")
+        return b"".join(parts)

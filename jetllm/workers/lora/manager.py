@@ -37,6 +37,7 @@ from ...schemas import (
     LoraLoad,
     LoraUnload,
 )
+from ...schemas.lora import AdapterName
 from ...subjects import codec
 from ...subjects.adapterfiles import AdapterFileError
 from ...subjects.lora import ensure_lora_bucket
@@ -126,15 +127,29 @@ class LoraManager:
                             if entry is None:
                                 self._synced.set()
                                 continue
-                            name = self.w.names.adapter_from_key(entry.key)
-                            deleted = entry.operation in ("DEL", "PURGE") or not entry.value
-                            if self._apply(name, entry.revision, None if deleted else entry.value):
-                                tg.start_soon(self._reconcile_quietly, name)
+                            self._follow(entry, tg)
                     finally:
                         await watcher.stop()
                 except Exception as exc:
                     log.warning("LoRA desired-state watch failed (%s); watching again", exc)
                     await anyio.sleep(1.0)
+
+    def _follow(self, entry: Any, tg: Any) -> None:
+        """One change of the desired set. Anyone can write the bucket: an entry that no adapter could
+        have (a key that is not an encoded adapter name, a value that breaks decoding) is skipped, so
+        it cannot stop the watch, which would then miss every later change."""
+        try:
+            name = self.w.names.adapter_from_key(entry.key)
+            msgspec.convert(name, AdapterName)
+        except (ValueError, msgspec.ValidationError) as exc:  # a UnicodeDecodeError is a ValueError
+            log.warning("LoRA bucket key %r ignored: not an adapter name (%s)", entry.key, exc)
+            return
+        try:
+            deleted = entry.operation in ("DEL", "PURGE") or not entry.value
+            if self._apply(name, entry.revision, None if deleted else entry.value):
+                tg.start_soon(self._reconcile_quietly, name)
+        except Exception:
+            log.exception("adapter %r: desired-state entry (revision %s) ignored", name, entry.revision)
 
     def _apply(self, name: str, revision: int, value: bytes | None) -> bool:
         if revision <= self._desired.get(name, (0, None))[0]:
