@@ -344,7 +344,7 @@ class Generator:
             body["max_migrations"] = rng.randint(0, 3)
         return body, rng.choice(["msgpack"] * 3 + ["json"] * 2)
 
-    def _structural(self, body: dict, enc: str) -> tuple[dict, bytes | None, str]:
+    def _structural(self, body: dict, enc: str) -> tuple[dict, bytes | None, str]:  # noqa: C901 (one branch per change)
         """A change to the job's structure; returns (body, bytes to use instead of encoding it, label)."""
         rng = self.rng
         how = rng.choice(

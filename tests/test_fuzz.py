@@ -46,7 +46,7 @@ from jetllm.subjects.names import Names
 from jetllm.subjects.registry import instances, model_cards
 from jetllm.subjects.setup import QueuePolicy
 
-from .conftest import WorkerProcess, inproc_worker
+from .conftest import WorkerProcess, inproc_worker, require_vllm
 from .fake_engine import FakeEngine
 from .fuzzgen import VERBS, VERBS_INSTANCE_ONLY, EmbedsObject, Generator, Shot, Target
 from .jobs import req
@@ -561,6 +561,7 @@ async def test_fuzz_fake_engine_worker(nats_url, namespace, tmp_path, capsys):
 
 @pytest.fixture
 def fuzz_worker(nats_url, tiny_model, tmp_path):
+    require_vllm()
     dirs = broken_lora_dirs(tmp_path / "adapters")
     ns = f"fz{uuid.uuid4().hex[:8]}"
     w = WorkerProcess(

@@ -77,12 +77,14 @@ async def _latest(js: JetStreamContext, names: Names, pattern: str, decoder: cod
     return [record for record in found if record is not None]
 
 
-def _readable(decoder: codec.Decoder, key: str, value: bytes) -> Any:
+def _readable(decoder: codec.Decoder, key: str, value: bytes | None) -> Any:
     """The record, or None for one no worker wrote (anyone can write the bucket): one bad entry must
     not make the registry unreadable for every fleet command and fan-out."""
+    if not value:
+        return None
     try:
         return decoder.decode(value)
-    except (msgspec.DecodeError, ValueError, RecursionError) as exc:  # bad UTF-8 is a ValueError
+    except msgspec.DecodeError as exc:  # codec.Decoder raises it for bad UTF-8 and deep nesting too
         log.warning("registry entry %r ignored: not a record jetllm wrote (%s)", key, exc)
         return None
 

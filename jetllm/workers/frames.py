@@ -102,6 +102,8 @@ class FrameSink:
     async def replay_result(self, result: Result, worker: str, model: str, *, job_ack: str | None) -> None:
         """Answer a request that already finished from its stored result, as this attempt's frames."""
         end = result.final or result.error
+        if end is None:  # no worker writes this; someone wrote into the log by hand
+            raise ValueError("the request's stored result has neither a final nor an error frame")
         self.log_subject = None  # the log already ends with this result
         self.seq = 0
         await self.accepted(worker, model, job_ack=job_ack)
@@ -110,8 +112,7 @@ class FrameSink:
                 text = result.text[index] if result.text else None
                 if ids or text:
                     await self.tokens(index, ids, text)
-        if end is not None:
-            await self.send(msgspec.structs.replace(end, seq=self.seq + 1, attempt=self.attempt))
+        await self.send(msgspec.structs.replace(end, seq=self.seq + 1, attempt=self.attempt))
 
     async def tokens(
         self,

@@ -163,8 +163,9 @@ class Puller:
 
     def _on_msg(self, msg: Msg) -> None:
         status = msg.headers.get("Status") if msg.headers else None
-        if status and not msg.data:
-            # A status comes to the pull's own reply subject; a job comes with the job's subject.
+        if status and not msg.data and not msg.reply:
+            # A status comes to the pull's own reply subject, with no reply of its own; a job comes
+            # with the job's subject and its ack subject (whatever headers a producer gave it).
             self.bound = True
             if status == "100":
                 return
