@@ -404,6 +404,13 @@ class Exhausted:
         )
         try:
             await self._dead_letters.publish(record, seq)
+        except Exception as exc:
+            log.warning("dead-lettering exhausted job seq %d failed: %s", seq, exc)
+            return
+        # Counted once its record is stored, before the awaits below: whoever hears the producer's
+        # error (or reads the dead letter) finds it counted.
+        ctx.counters.dead_lettered += 1
+        try:
             if request_id:
                 await self._log.store_result(request_id, Result(attempt=0, error=err, worker=ctx.instance))
             await frames.send(err)
@@ -411,5 +418,4 @@ class Exhausted:
         except Exception as exc:
             log.warning("dead-lettering exhausted job seq %d failed: %s", seq, exc)
             return
-        ctx.counters.dead_lettered += 1
         log.warning("job seq %d (request %s) ran out of deliveries: dead-lettered", seq, request_id)

@@ -50,7 +50,7 @@ class JobHandle(Protocol):
     def attempt(self) -> int: ...
 
     def hold(self) -> None:
-        """Token frames wait until `release()` (or `claim`): the request is not claimed yet."""
+        """Token frames wait (unnumbered, unlogged) until `release()`: the request is not claimed yet."""
 
     def release(self) -> None: ...
 
