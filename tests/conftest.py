@@ -149,11 +149,12 @@ async def client(nats_url: str, namespace: str) -> AsyncIterator[Client]:
 
 
 @asynccontextmanager
-async def inproc_worker(url: str, engine, **config) -> AsyncIterator[Worker]:
-    """A Worker in this event loop; stopped gracefully on exit."""
+async def inproc_worker(url: str, engine, role=None, **config) -> AsyncIterator[Worker]:
+    """A Worker in this event loop (serving `role`, a Role class; default: generate); stopped
+    gracefully on exit."""
     nc = await connect(url, name="test-worker")
     config.setdefault("grace_period", 5.0)
-    worker = Worker(nc, engine, WorkerConfig(**config))
+    worker = Worker(nc, engine, WorkerConfig(**config), role=role)
     try:
         async with anyio.create_task_group() as tg:
             async def serve() -> None:

@@ -60,7 +60,7 @@ from jetllm.schemas import (
     WorkerStatus,
 )
 from jetllm.subjects import codec, deadletters, fleet, kvevents, lora, registry, results, traces
-from jetllm.workers import enginecontrol, requestlog
+from jetllm.workers import control, requestlog
 from jetllm.workers.jobs import RejectedJob, decode_request
 from jetllm.workers.lora import files as lora_files
 from jetllm.workers.lora import manager as lora_manager
@@ -389,10 +389,10 @@ def test_a_frame_of_an_unknown_kind_is_told_apart_from_a_broken_one():
 COMMANDS: list[tuple[Any, msgspec.Struct]] = [
     (codec.Decoder(CancelRequest), CancelRequest(request_id="r", reason="x")),
     (codec.Decoder(StatusRequest), StatusRequest()),
-    (enginecontrol._health_check, HealthCheck(canary=False)),
-    (enginecontrol._sleep, SleepRequest(level=2)),
-    (lora_manager._load, LoraLoad(name="a1", version=2)),
-    (lora_manager._unload, LoraUnload(name="a1")),
+    (control.decoder(HealthCheck), HealthCheck(canary=False)),
+    (control.decoder(SleepRequest), SleepRequest(level=2)),
+    (control.decoder(LoraLoad), LoraLoad(name="a1", version=2)),
+    (control.decoder(LoraUnload), LoraUnload(name="a1")),
     (lora_manager._spec, AdapterSpec(name="a1", source="path", ref="/adapters/a1")),
     (lora_files._manifest, AdapterManifest(name="a1", sha256="0" * 64, files={"x": "1" * 64}, size=3)),
 ]

@@ -87,7 +87,7 @@ async def test_a_job_no_worker_finishes_is_dead_lettered_and_its_producer_told(n
                         await anyio.sleep(0.05)
             err = await run_out_of_deliveries(c, w, model, request, deliveries=2)
             dead = await wait_dead_letter(c.nc, c.names, lambda d: d.request_id == request.request_id)
-            assert w.counters["dead_lettered"] == 1
+            assert w.counters.dead_lettered == 1
         assert err.code == ErrorCode.DELIVERIES_EXHAUSTED and "2 times" in err.remote_message
         assert dead.code == ErrorCode.DELIVERIES_EXHAUSTED and dead.deliveries == 2
         assert dead.subject == c.names.jobs("generate", model)  # a replay goes back to the same queue
@@ -115,7 +115,7 @@ async def test_a_job_near_max_payload_that_runs_out_of_deliveries_is_dead_letter
                                  pull_expires=1.0) as w:
             err = await run_out_of_deliveries(c, w, "fake", request, deliveries=2)
             dead = await wait_dead_letter(c.nc, c.names, lambda d: d.request_id == request.request_id)
-            assert w.counters["dead_lettered"] == 1
+            assert w.counters.dead_lettered == 1
         assert err.code == ErrorCode.DELIVERIES_EXHAUSTED
         assert dead.code == ErrorCode.DELIVERIES_EXHAUSTED and dead.payload == b""
         assert "not kept: too big for a dead letter" in dead.reason
@@ -127,7 +127,7 @@ async def test_a_job_near_max_payload_that_runs_out_of_deliveries_is_dead_letter
 async def run_out_of_deliveries(c: Client, w, model: str, request, deliveries: int) -> RequestFailed:
     """Let a stalled consumer take `request` `deliveries` times without acking it, while the worker
     only listens for JetStream's advisory; returns the error its producer got."""
-    w.pause_pulling(True)
+    w.slots.pause(True)
     await anyio.sleep(1.5)  # the worker's outstanding pull requests expire
     stalled = await c.js.pull_subscribe_bind(
         durable=c.names.consumer("generate", model), stream=c.names.jobs_stream

@@ -44,14 +44,15 @@ async def test_registry_lists_a_worker_with_its_facts_and_drops_it_on_stop(nats_
         assert record.instance == worker.instance and record.model == "fake" and record.role == "generate"
         assert record.state == "serving" and record.ready
         assert record.engine.block_size == 16 and record.engine.num_kv_blocks == 1024
-        assert record.engine.max_model_len == 256 and record.slots == worker.slots
+        assert record.engine.max_model_len == 256 and record.slots == worker.slots.total
         assert record.expires_after == pytest.approx(0.6)
         (card,) = await model_cards(js, names)
         assert card.model == "fake" and card.max_model_len == 256
         sub = await client.nc.subscribe(names.load("fake", worker.instance))
         report = codec.Decoder(LoadReport).decode((await sub.next_msg(timeout=3)).data)
         await sub.unsubscribe()
-        assert report.instance == worker.instance and report.dp_rank == 0 and report.slots == worker.slots
+        assert report.instance == worker.instance and report.dp_rank == 0
+        assert report.slots == worker.slots.total
         assert report.state == "serving" and report.num_kv_blocks == 1024
     assert await instances(js, names) == []  # a clean stop removes the record at once
 
@@ -115,7 +116,7 @@ async def test_a_sleeping_worker_pulls_nothing_until_woken(nats_url, client, fak
     js, names = client.nc.jetstream(), client.names
     async with inproc_worker(nats_url, fake_engine, namespace=names.namespace, registry_interval=0.2) as worker:
         with anyio.fail_after(5):
-            while not worker._puller.outstanding:  # it holds pull credit, as any idle worker does
+            while not worker.pulls.outstanding:  # it holds pull credit, as any idle worker does
                 await anyio.sleep(0.01)
         (done,) = await ask(client.nc, names, "sleep", instance=worker.instance)
         assert isinstance(done, ControlDone) and done.state == "sleeping" and "paused" in done.detail
@@ -137,7 +138,7 @@ async def test_a_sleeping_worker_pulls_nothing_until_woken(nats_url, client, fak
             for _ in range(10):  # within the credit's expiry: the pause cancelled it, nothing is delivered
                 assert await consumer_counts(client.nc, names, "fake") == (1, 0)  # left in JetStream
                 await anyio.sleep(0.1)
-            assert "c" not in result and worker.counters["pulled"] == 0
+            assert "c" not in result and worker.counters.pulled == 0
             (woke,) = await ask(client.nc, names, "wake", instance=worker.instance)
             assert isinstance(woke, ControlDone) and woke.state == "serving"
             with anyio.fail_after(5):  # not after an ack_wait: the job was never held by the sleeper

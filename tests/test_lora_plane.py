@@ -87,9 +87,9 @@ async def test_desired_state_reaches_every_instance_and_jobs_use_only_loaded_ada
             assert bad.replies[0].code == ErrorCode.ADAPTER_NOT_ALLOWED
             async with inproc_worker(nats_url, engines[1], namespace=namespace, lora=settings) as w2:
                 with anyio.fail_after(10):
-                    while "a" not in w2.adapters:
+                    while "a" not in w2.reports.adapters:
                         await anyio.sleep(0.05)
-                assert w1.adapters == ["a"]
+                assert w1.reports.adapters == ["a"]
                 out = await admin.unload("fake", "a")
                 assert sorted(r.action for r in out.replies if isinstance(r, AdapterReply)) == ["unloaded", "unloaded"]
                 assert engines[0].adapters == engines[1].adapters == {}

@@ -116,7 +116,7 @@ async def test_a_role_without_workers_is_refused_naming_the_roles_there_are(clie
 
 
 def test_every_role_producers_may_use_has_workers():
-    assert ROLES == (GenerateRole.role,)
+    assert ROLES == (GenerateRole.queue,)
 
 
 async def test_job_published_while_no_worker_runs_is_served_when_one_starts(nats_url, client, fake_engine):
@@ -183,7 +183,7 @@ async def test_cancelling_the_iteration_aborts_the_request_and_frees_the_slot(na
                 await anyio.sleep(0.01)
         # the only slot is free again: the next request runs
         assert (await client.complete(req("fake", max_tokens=2))).finish_reason == "length"
-        assert worker.counters["cancelled"] == 1
+        assert worker.counters.cancelled == 1
 
 
 async def test_cancel_from_another_task_reaches_the_worker(nats_url, client):
@@ -261,13 +261,13 @@ async def test_graceful_stop_finishes_running_jobs_and_leaves_queued_ones(nats_u
                 while first.state != "stopped" or len(results) < 8:
                     await anyio.sleep(0.01)
             assert first.exit_code == EXIT_OK
-            assert first.counters["pulled"] == 8 and first.counters["handed_back"] == 0
+            assert first.counters.pulled == 8 and first.counters.handed_back == 0
             assert len(results) == 8
         async with inproc_worker(nats_url, FakeEngine(), namespace=client.names.namespace) as second:
             with anyio.fail_after(10):
                 while len(results) < 9:
                     await anyio.sleep(0.01)
-            assert second.counters["acked"] == 1
+            assert second.counters.acked == 1
     assert all(len(r.token_ids) == 40 for r in results)
 
 
@@ -284,10 +284,10 @@ async def test_grace_period_over_hands_jobs_back_for_another_worker(nats_url, cl
         with anyio.fail_after(20):
             while first.state != "stopped":
                 await anyio.sleep(0.01)
-        assert first.counters["handed_back"] == 1 and first.counters["acked"] == 0
+        assert first.counters.handed_back == 1 and first.counters.acked == 0
     async with inproc_worker(nats_url, FakeEngine(), namespace=client.names.namespace, policy=policy) as second:
         with anyio.fail_after(30):
-            while second.counters["acked"] < 1:
+            while second.counters.acked < 1:
                 await anyio.sleep(0.02)
 
 
@@ -304,11 +304,11 @@ async def test_engine_death_hands_jobs_back_and_exits_nonzero(nats_url, client):
             while w.state not in ("engine_dead", "stopped"):
                 await anyio.sleep(0.01)
     assert w.exit_code == EXIT_ENGINE_DEAD
-    assert w.counters["handed_back"] == 1
+    assert w.counters.handed_back == 1
     survivor = FakeEngine(max_model_len=10_000)
     async with inproc_worker(nats_url, survivor, namespace=client.names.namespace, policy=policy) as second:
         with anyio.fail_after(30):
-            while second.counters["acked"] < 1:
+            while second.counters.acked < 1:
                 await anyio.sleep(0.02)
 
 

@@ -60,6 +60,9 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
     lo.add_argument("--lora-allow-hub", action="store_true",
                     help="allow hub sources (the worker downloads them; needs network access)")
     w = p.add_argument_group("worker")
+    w.add_argument("--role", default="generate", metavar="ROLE",
+                   help="what the worker does with its jobs (default: generate, prefill and decode on this "
+                   "engine); a flag that means nothing for the role is refused")
     w.add_argument("--slots", type=int, default=None,
                    help="jobs run at once; never more un-acked jobs than this (default: the engine's max_num_seqs)")
     w.add_argument("--grace-period", type=float, default=30.0,
@@ -132,6 +135,7 @@ def worker_config(args: argparse.Namespace, slots: int | None = None):
 
     return WorkerConfig(
         namespace=args.namespace,
+        role=args.role,
         slots=slots or args.slots or 0,
         heartbeat_interval=args.heartbeat_interval,
         max_migrations=args.max_migrations,
@@ -150,6 +154,27 @@ def worker_config(args: argparse.Namespace, slots: int | None = None):
     )
 
 
+def given_flags(args: argparse.Namespace) -> list[str]:
+    """The worker options set to something other than their default, by their first option string."""
+    ref = argparse.ArgumentParser(add_help=False)
+    add_worker_options(ref)
+    return [
+        action.option_strings[0] for action in ref._actions
+        if action.option_strings and getattr(args, action.dest, action.default) != action.default
+    ]
+
+
+def check_role(args: argparse.Namespace) -> str | None:
+    """Why the worker must not start with these flags for its role (None: it may)."""
+    from ..workers.roles import ROLES, FlagNotForRole, UnknownRole, check_flags
+
+    try:
+        check_flags(args.role, given_flags(args), ROLES)
+    except (UnknownRole, FlagNotForRole) as exc:
+        return str(exc)
+    return None
+
+
 def _engine_env() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -161,6 +186,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from ..aio import describe, run
     from ..workers.main import EXIT_STARTUP_FAILED, run_worker
 
+    refused = check_role(args)
+    if refused is not None:
+        print(f"jetllm worker: {refused}", file=sys.stderr)
+        return EXIT_STARTUP_FAILED
     try:
         opts, config = engine_options(args), worker_config(args)
         if args.headless:
@@ -182,6 +211,10 @@ def cmd_up(args: argparse.Namespace) -> int:
     from ..natsserver import NatsServer
     from ..workers.main import EXIT_STARTUP_FAILED, run_worker
 
+    refused = check_role(args)
+    if refused is not None:
+        print(f"jetllm up: {refused}", file=sys.stderr)
+        return EXIT_STARTUP_FAILED
     server = None
     url = args.nats
     if url is None:
@@ -211,7 +244,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("worker", help="run one worker against a NATS server",
-                       description="Run one worker: pull generate jobs for one model and serve them with vLLM.")
+                       description="Run one worker: pull one role's jobs (generate by default) for one model "
+                       "and serve them with vLLM.")
     add_nats(p)
     add_worker_options(p)
     p.set_defaults(func=cmd_worker)

@@ -27,7 +27,8 @@ class WorkerStatus(Report):
     role: str
     model: str
     state: str
-    """starting | serving | draining | stopped | engine_dead"""
+    """starting | serving | sleeping | draining | stopped | engine_dead (the worker's state machine,
+    workers/state.py; the registry shows the last three as draining)"""
     slots: int
     in_flight: int
     """Jobs it holds (pulled and not yet settled)."""

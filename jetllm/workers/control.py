@@ -1,12 +1,15 @@
 """Control verbs of one worker: request/reply on its instance subject and on its model's subject.
 
-Each verb is a handler that returns a reply Struct or raises ControlError; the reply (or a
+Each verb declares the type of its request; the server decodes the body with it (an empty body is
+the type's defaults when it has them) and the handler gets the decoded Struct, or None for a verb
+that takes no body. A handler returns a reply Struct or raises ControlError; the reply (or a
 ControlFailed naming this instance) goes back to the asker, so a fan-out over the model subject
 collects one answer per instance. Handlers run in their own task, never in the NATS callback.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -23,8 +26,10 @@ from ..subjects.names import Names
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[bytes, Any], Awaitable[msgspec.Struct]]
-"""(request body, its encoding) -> reply."""
+Handler = Callable[[Any], Awaitable[msgspec.Struct]]
+"""(decoded request, or None for a verb without one) -> reply."""
+RequestType = type[msgspec.Struct] | None
+"""What a verb's body decodes as; None: the verb takes no body."""
 
 
 class ControlError(Exception):
@@ -43,28 +48,51 @@ def reply_encoding(msg: Msg) -> Any:
         return "msgpack"
 
 
+@functools.cache
+def decoder(request: type[msgspec.Struct]) -> codec.Decoder:
+    """The decoder of a verb's request type (strict: an unknown field is refused), built once."""
+    return codec.Decoder(request)
+
+
+def _defaults_only(request: type[msgspec.Struct]) -> bool:
+    return not any(f.required for f in msgspec.structs.fields(request))
+
+
+def decode_request(request: RequestType, body: bytes, encoding: Any) -> Any:
+    """A verb's request from its body: None for a verb without one (its body is ignored), the
+    type's defaults for an empty body when every field has one, else the decoded body."""
+    if request is None:
+        return None
+    if not body and _defaults_only(request):
+        return request()
+    return decoder(request).decode(body, encoding)
+
+
 class ControlServer:
     def __init__(self, nc: NATS, names: Names, instance: str, model: str) -> None:
         self.nc = nc
         self.names = names
         self.instance = instance
         self.model = model
-        self._handlers: dict[str, tuple[Handler, bool]] = {}
+        self._handlers: dict[str, tuple[Handler, RequestType, bool]] = {}
         self._subs: list[Subscription] = []
         self._tg: TaskGroup | None = None
 
-    def add(self, verb: str, handler: Handler, *, model_wide: bool = True) -> None:
-        """Serve `verb` on this instance's subject and, if `model_wide`, on the model's subject."""
-        self._handlers[verb] = (handler, model_wide)
+    def add(
+        self, verb: str, handler: Handler, *, request: RequestType = None, model_wide: bool = True
+    ) -> None:
+        """Serve `verb` on this instance's subject and, if `model_wide`, on the model's subject;
+        `handler` gets the body decoded as `request` (None: the verb takes no body)."""
+        self._handlers[verb] = (handler, request, model_wide)
 
     async def start(self, tg: TaskGroup) -> None:
         self._tg = tg
-        for verb, (handler, model_wide) in self._handlers.items():
+        for verb, (handler, request, model_wide) in self._handlers.items():
             subjects = [self.names.instance_control(self.instance, verb)]
             if model_wide:
                 subjects.append(self.names.model_control(self.model, verb))
             for subject in subjects:
-                self._subs.append(await self.nc.subscribe(subject, cb=self._callback(verb, handler)))
+                self._subs.append(await self.nc.subscribe(subject, cb=self._callback(verb, handler, request)))
         await self.nc.flush()  # the server knows every subscription before anyone is told we serve
 
     async def stop(self) -> None:
@@ -77,17 +105,19 @@ class ControlServer:
             except Exception:
                 pass
 
-    def _callback(self, verb: str, handler: Handler) -> Callable[[Msg], Awaitable[None]]:
+    def _callback(
+        self, verb: str, handler: Handler, request: RequestType
+    ) -> Callable[[Msg], Awaitable[None]]:
         async def on_msg(msg: Msg) -> None:
             if self._tg is not None:
-                self._tg.start_soon(self._answer, verb, handler, msg)
+                self._tg.start_soon(self._answer, verb, handler, request, msg)
 
         return on_msg
 
-    async def _answer(self, verb: str, handler: Handler, msg: Msg) -> None:
+    async def _answer(self, verb: str, handler: Handler, request: RequestType, msg: Msg) -> None:
         encoding = reply_encoding(msg)
         try:
-            reply: msgspec.Struct = await handler(msg.data, encoding)
+            reply: msgspec.Struct = await handler(decode_request(request, msg.data, encoding))
         except ControlError as exc:
             reply = ControlFailed(instance=self.instance, code=exc.code, message=exc.message)
         except (msgspec.ValidationError, msgspec.DecodeError, codec.UnknownContentType) as exc:

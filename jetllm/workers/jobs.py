@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import anyio
 import msgspec
 from nats.aio.msg import Msg
 
 from ..errors import RequestRejected
-from ..schemas import SUPPORTED_VERSIONS, DeadLetter, ErrorCode, GenerateRequest
+from ..schemas import SUPPORTED_VERSIONS, DeadLetter, ErrorCode
 from ..subjects import codec
 from ..subjects.client import HEADER_MARGIN
 from ..subjects.codec import field_path
@@ -57,14 +58,20 @@ def _salvage(data: bytes, encoding: codec.Encoding) -> tuple[object, str | None,
     return env.v, rid, reply
 
 
-def decode_request(data: bytes, headers: dict[str, str] | None) -> tuple[GenerateRequest, codec.Encoding]:
-    """Decode and check a job; raises RejectedJob naming what is wrong."""
+def decode_request(
+    data: bytes, headers: dict[str, str] | None, decoder: codec.Decoder = codec.request_decoder
+) -> tuple[Any, codec.Encoding]:
+    """Decode and check a job; raises RejectedJob naming what is wrong.
+
+    `decoder`: the job type of another role; it must carry the envelope's fields (`v`,
+    `request_id`, `reply_to`), which every job does.
+    """
     try:
         encoding = codec.encoding_of(headers)
     except codec.UnknownContentType as exc:
         raise RejectedJob(ErrorCode.MALFORMED, str(exc)) from None
     try:
-        req = codec.request_decoder.decode(data, encoding)
+        req = decoder.decode(data, encoding)
     except msgspec.ValidationError as exc:
         version, rid, reply = _salvage(data, encoding)
         if version is not None and version not in SUPPORTED_VERSIONS:

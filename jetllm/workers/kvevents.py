@@ -17,8 +17,8 @@ import logging
 import time
 from array import array
 from collections import deque
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import anyio
 import msgspec
@@ -26,15 +26,23 @@ import nats.errors
 import nats.js.errors
 
 from ..aio import supervised
-from ..schemas import ControlDone, ErrorCode, KvCleared, KvEvent, KvEventBatch, KvRemoved, KvResync, KvStored
+from ..schemas import (
+    ControlDone,
+    ErrorCode,
+    InstanceState,
+    KvCleared,
+    KvEvent,
+    KvEventBatch,
+    KvRemoved,
+    KvResync,
+    KvStored,
+)
 from ..subjects import codec
 from ..subjects.setup import ensure_kv_events_stream
+from .context import WorkerContext
 from .control import ControlError
 from .engine import KvEventSource
 from .kvsource import RankReader
-
-if TYPE_CHECKING:
-    from .runtime import Worker
 
 log = logging.getLogger(__name__)
 
@@ -145,10 +153,15 @@ class _Pending:
 
 
 class KvEventRelay:
-    def __init__(self, worker: Worker) -> None:
-        self.w = worker
-        self.sources: dict[int, KvEventSource] = dict(worker.engine.facts.kv_events)
-        self.subject = worker.names.kv_events(worker.model, worker.instance)
+    def __init__(
+        self, ctx: WorkerContext, sources: dict[int, KvEventSource], state: Callable[[], InstanceState]
+    ) -> None:
+        """`sources`: the engine's publishers, by rank (none: nothing to relay); `state`: the
+        worker's state as the fleet sees it, for the verb's reply."""
+        self.ctx = ctx
+        self._state = state
+        self.sources: dict[int, KvEventSource] = dict(sources)
+        self.subject = ctx.names.kv_events(ctx.model, ctx.instance)
         self.running = False
         self.seq = 0
         """The last seq JetStream acknowledged."""
@@ -163,9 +176,11 @@ class KvEventRelay:
         self._resynced = anyio.Event()
         self.last_resync: tuple[int, int, int] | None = None
         """(first seq, last seq, blocks) of the last snapshot published."""
-        worker.control.add("kv-resync", self.resync_verb)
-        if self.sources:
-            worker.services.append(self.run)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the engine publishes KV-cache events (then `run` relays them for the worker's life)."""
+        return bool(self.sources)
 
     # the worker's side
 
@@ -213,7 +228,7 @@ class KvEventRelay:
             blocks.apply([KvCleared()])
             self._enqueue(_Pending(rank, None, time.time(), [KvCleared()]))
 
-    async def resync_verb(self, body: bytes, encoding: Any) -> ControlDone:
+    async def resync_verb(self, _: None) -> ControlDone:
         if not self.sources:
             raise ControlError(ErrorCode.CONFLICT, "this worker publishes no KV-cache events (start it with --kv-events)")
         if not self.running:
@@ -225,7 +240,7 @@ class KvEventRelay:
             assert self.last_resync is not None
             first, last, blocks = self.last_resync
             detail = f"resync published as seq {first}..{last}: {blocks} blocks"
-        return ControlDone(instance=self.w.instance, verb="kv-resync", detail=detail, state=self.w.public_state())
+        return ControlDone(instance=self.ctx.instance, verb="kv-resync", detail=detail, state=self._state())
 
     async def _supervised(self, what: str, fn: Any) -> None:
         """A bug or a broken socket must not take the worker down: log, resync, start again."""
@@ -248,7 +263,7 @@ class KvEventRelay:
         delay = 0.2
         while True:
             try:
-                raw = await self.w.js.get_last_msg(self.w.names.kv_events_stream, self.subject)
+                raw = await self.ctx.js.get_last_msg(self.ctx.names.kv_events_stream, self.subject)
                 self.seq = _batch_reader.decode(raw.data or b"").seq
                 return
             except nats.js.errors.NotFoundError:
@@ -274,7 +289,7 @@ class KvEventRelay:
                 item = self._pending.popleft()
                 for events in chunks(item.events, self._limit()):
                     await self._send(KvEventBatch(
-                        instance=self.w.instance, model=self.w.model, dp_rank=item.rank, seq=self.seq + 1,
+                        instance=self.ctx.instance, model=self.ctx.model, dp_rank=item.rank, seq=self.seq + 1,
                         engine_seq=item.engine_seq, engine_ts=item.ts, events=events,
                     ))
 
@@ -288,8 +303,9 @@ class KvEventRelay:
         first = self.seq + 1
         for i, (rank, events) in enumerate(parts, 1):
             await self._send(KvEventBatch(
-                instance=self.w.instance, model=self.w.model, dp_rank=rank, seq=self.seq + 1, engine_ts=now,
-                events=events, resync=KvResync(reason=reason, part=i, parts=len(parts), blocks=blocks),
+                instance=self.ctx.instance, model=self.ctx.model, dp_rank=rank, seq=self.seq + 1,
+                engine_ts=now, events=events,
+                resync=KvResync(reason=reason, part=i, parts=len(parts), blocks=blocks),
             ))
         self.counters["resyncs"] += 1
         self.last_resync = (first, self.seq, blocks)
@@ -300,18 +316,18 @@ class KvEventRelay:
         self._resynced = anyio.Event()
 
     def _limit(self) -> int:
-        return max(4096, (self.w.nc.max_payload or 1 << 20) * 3 // 4)
+        return max(4096, (self.ctx.nc.max_payload or 1 << 20) * 3 // 4)
 
     async def _send(self, batch: KvEventBatch) -> None:
         """Publish until JetStream acknowledges; only then does `seq` move on."""
         data = codec.encode(batch)
-        msg_id = f"{self.w.instance}:{batch.seq}"
+        msg_id = f"{self.ctx.instance}:{batch.seq}"
         delay = 0.1
         failures = 0
         while True:
             try:
-                await self.w.js.publish(self.subject, data, stream=self.w.names.kv_events_stream,
-                                        headers={"Nats-Msg-Id": msg_id}, timeout=5.0)
+                await self.ctx.js.publish(self.subject, data, stream=self.ctx.names.kv_events_stream,
+                                          headers={"Nats-Msg-Id": msg_id}, timeout=5.0)
                 break
             except (nats.js.errors.NoStreamResponseError, nats.errors.NoRespondersError):
                 await self._recreate_stream()
@@ -328,8 +344,8 @@ class KvEventRelay:
     async def _recreate_stream(self) -> None:
         """Someone deleted the stream (or the server lost it): put it back rather than spin."""
         try:
-            await ensure_kv_events_stream(self.w.js, self.w.names, self.w.config.policy)
-            log.warning("KV events: stream %s was missing; created it again", self.w.names.kv_events_stream)
+            await ensure_kv_events_stream(self.ctx.js, self.ctx.names, self.ctx.policy)
+            log.warning("KV events: stream %s was missing; created it again", self.ctx.names.kv_events_stream)
         except Exception as exc:
-            log.warning("KV events: stream %s is missing and cannot be created (%s)", self.w.names.kv_events_stream,
-                        exc)
+            log.warning("KV events: stream %s is missing and cannot be created (%s)",
+                        self.ctx.names.kv_events_stream, exc)

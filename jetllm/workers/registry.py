@@ -8,8 +8,6 @@ is deleted at once; after a crash it ages out of the bucket (`RECORD_TTL`).
 from __future__ import annotations
 
 import logging
-import os
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,13 +17,17 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.js.kv import KeyValue
 
-from .. import __version__
-from ..schemas import EngineInfo, InstanceRecord, LoadReport, ModelCard
+from ..schemas import InstanceRecord, LoadReport, ModelCard
 from ..subjects import codec
 from ..subjects.names import Names
 from ..subjects.registry import RECORD_TTL, ensure_registry
 
 log = logging.getLogger(__name__)
+
+
+def expires_after(interval: float) -> float:
+    """Seconds after its heartbeat when a record stops counting as alive: three missed beats."""
+    return min(RECORD_TTL, 3 * interval)
 
 
 class RegistryKeeper:
@@ -53,7 +55,7 @@ class RegistryKeeper:
         self._wake = anyio.Event()
 
     def expires_after(self) -> float:
-        return min(RECORD_TTL, 3 * self.interval)
+        return expires_after(self.interval)
 
     def beat_now(self) -> None:
         """Write the record at once (a state change should not wait for the next beat)."""
@@ -111,40 +113,3 @@ class RegistryKeeper:
         except Exception as exc:
             log.warning("registry record not removed (it ages out in %.0fs): %s", RECORD_TTL, exc)
 
-
-def instance_record(w: Any) -> InstanceRecord:
-    facts = w.engine.facts
-    return InstanceRecord(
-        instance=w.instance, role=w.role.role, model=w.model, state=w.public_state(), adapters=list(w.adapters),
-        dp_ranks=list(facts.dp_ranks),
-        engine=EngineInfo(
-            engine=facts.engine, block_size=facts.block_size, num_kv_blocks=facts.num_kv_blocks,
-            max_num_seqs=facts.max_num_seqs, max_model_len=facts.max_model_len, dp_size=len(facts.dp_ranks),
-        ),
-        slots=w.slots, in_flight=w._busy, version=__version__, host=socket.gethostname(), pid=os.getpid(),
-        started_at=w.started_at, heartbeat_at=time.time(), expires_after=w.registry.expires_after(),
-        metrics_url=w.metrics_url, ready=w.ready and not w.sleeping,
-    )
-
-
-def model_card(w: Any) -> ModelCard:
-    facts = w.engine.facts
-    return ModelCard(
-        model=w.model, source=facts.source, max_model_len=facts.max_model_len, vocab_size=facts.vocab_size,
-        eos_token_ids=facts.eos_token_ids, block_size=facts.block_size, chat_template=facts.chat_template,
-        hidden_size=facts.hidden_size, prompt_embeds=facts.prompt_embeds,
-        updated_at=time.time(),
-    )
-
-
-def load_reports(w: Any) -> list[LoadReport]:
-    """One report per data-parallel rank: a router balances ranks, not processes."""
-    now, state = time.time(), w.public_state()
-    return [
-        LoadReport(
-            instance=w.instance, model=w.model, dp_rank=rank, at=now, running=load.running, waiting=load.waiting,
-            in_flight=w._busy, slots=w.slots, kv_usage=load.kv_usage, num_kv_blocks=w.engine.facts.num_kv_blocks,
-            state=state,
-        )
-        for rank, load in sorted(w.engine.load_by_rank().items())
-    ]

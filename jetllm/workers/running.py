@@ -52,6 +52,12 @@ class RunningRequests(dict[str, Running]):
             run.hand_back = True
             run.scope.cancel()
 
+    def hand_back_remaining(self) -> None:
+        """The grace period is over: whatever still runs goes back to the queue for another worker."""
+        if self:
+            log.info("handing back %d running jobs", len(self))
+            self.hand_back_all()
+
     async def tick(self, heartbeat_interval: float, ack_wait: float) -> None:
         """Heartbeat frames for quiet requests and in-progress acks for long ones."""
         every = min(heartbeat_interval, ack_wait / 3) / 2

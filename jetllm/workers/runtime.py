@@ -1,12 +1,14 @@
-"""The worker runtime: pull jobs for one (role, model), run them, settle them, stop cleanly.
+"""The worker runtime, and its composition root: pull jobs for one (role, model), run them through
+the job protocol, stop cleanly.
 
-Every task belongs to one task group owned by `Worker.serve`; jobs run in a nested group so
-that stopping can wait for them, then hand back the ones still running.
+`Worker.__init__` builds every part with the narrow arguments it needs (no part gets the worker),
+and `_verbs`, `_subscriptions` and `_services` list, in one place each, the control verbs, the
+subscriptions and the long-running companions; no constructor registers anything by itself, so
+the order of the lines in `__init__` only follows what each part is built from. The runtime
+knows no role: it serves whatever `Role` it is given (roles/), so adding a role does not touch it.
 
-Only the lifecycle lives here: wiring, serving, pausing, draining, stopping. Beside it: one job's
-way from pull to settle (jobrun.py), the running set, with cancel, ping and heartbeats
-(running.py), dead-lettering (deadletters.py), the log resync after reconnects (recovery.py),
-and the status reply (status.py).
+Every task belongs to one task group owned by `Worker.serve`; jobs run in a nested group so that
+stopping can wait for them, then hand back the ones still running.
 """
 
 from __future__ import annotations
@@ -20,69 +22,48 @@ import signal
 import socket
 import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
 import msgspec
-from anyio.abc import TaskGroup
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from ..aio import contained, describe, supervised
-from ..schemas import InstanceState, WorkerStatus
-from ..subjects import codec
+from ..schemas import HealthCheck, LoraLoad, LoraUnload, SleepRequest, WorkerStatus
 from ..subjects.names import Names
-from ..subjects.setup import QueuePolicy, ensure_consumer, ensure_streams
+from ..subjects.setup import ensure_consumer, ensure_streams
 from .adapterqueues import AdapterQueues
-from .control import ControlServer, reply_encoding
+from .config import WorkerConfig
+from .context import Counters, WorkerContext
+from .control import ControlServer
 from .deadletters import DeadLetters
 from .embeds import EmbedsLoader
 from .engine import Engine
 from .enginecontrol import EngineControl
-from .jobrun import JobRunner
 from .kvevents import KvEventRelay
-from .lora import LoraManager, LoraSettings
-from .puller import Puller
+from .lora import LoraManager
+from .protocol import Exhausted, JobDeps, intake
+from .pulls import Pulls
 from .recovery import resync_after_reconnects
-from .registry import RegistryKeeper, instance_record, load_reports, model_card
+from .registry import RegistryKeeper
+from .reports import Reports, answer_status
 from .requestlog import RequestLog
-from .roles import GenerateRole
+from .roles import ROLES, Role, RoleDeps, role_named
 from .running import RunningRequests
-from .status import worker_status
+from .slots import Slots
+from .state import EXIT_CRASHED, EXIT_ENGINE_DEAD, EXIT_OK, Lifecycle, WorkerState
+from .tasks import JobTasks
 from .tracing import TracePublisher
+
+__all__ = ["EXIT_CRASHED", "EXIT_ENGINE_DEAD", "EXIT_OK", "STOP_LEFTOVERS_TIMEOUT", "Worker", "WorkerConfig"]
 
 log = logging.getLogger(__name__)
 
-EXIT_OK = 0
-EXIT_ENGINE_DEAD = 3
-EXIT_CRASHED = 4
 STOP_LEFTOVERS_TIMEOUT = 10.0
 
-
-class WorkerConfig(msgspec.Struct, kw_only=True):
-    namespace: str = "default"
-    slots: int = 0
-    """Jobs this worker runs at once; it never holds more un-acked jobs than this.
-    0: the engine's batch limit (max_num_seqs)."""
-    heartbeat_interval: float = 0.5
-    """A quiet request gets a heartbeat frame this often."""
-    max_migrations: int = 3
-    """Default migration budget of a request: how often workers may die under it."""
-    grace_period: float = 30.0
-    """On SIGTERM, how long running requests may take to finish before they are handed back."""
-    health_interval: float = 5.0
-    health_timeout: float = 10.0
-    pull_expires: float = 3.0
-    registry_interval: float = 2.0
-    """Seconds between registry heartbeats; a dead worker's record stops counting after 3 of them."""
-    metrics_port: int | None = None
-    """Prometheus endpoint port; 0 picks a free one (written to the registry), None: no endpoint."""
-    instance: str | None = None
-    max_embeds_bytes: int | None = None
-    """Largest embeddings prompt accepted; None: a full context of float32 rows (capped at 1 GiB)."""
-    policy: QueuePolicy = msgspec.field(default_factory=QueuePolicy)
-    lora: LoraSettings = msgspec.field(default_factory=LoraSettings)
+Verb = tuple[str, Callable[[Any], Awaitable[msgspec.Struct]], type[msgspec.Struct] | None]
 
 
 def new_instance_id() -> str:
@@ -91,129 +72,238 @@ def new_instance_id() -> str:
 
 
 class Worker:
-    def __init__(self, nc: NATS, engine: Engine, config: WorkerConfig) -> None:
+    def __init__(
+        self, nc: NATS, engine: Engine, config: WorkerConfig, *, role: type[Role] | None = None
+    ) -> None:
+        """`role`: the role to serve (default: `config.role` from `roles.ROLES`)."""
+        role_cls = role or role_named(config.role, ROLES)
+        facts = engine.facts
         self.nc = nc
-        self.js = nc.jetstream(timeout=10)
         self.engine = engine
         self.config = config
-        self.names = Names(config.namespace)
-        self.role = GenerateRole(engine)
-        self.model = engine.facts.model
-        self.instance = config.instance or new_instance_id()
-        self.slots = config.slots if config.slots > 0 else (engine.facts.max_num_seqs or 64) * len(engine.facts.dp_ranks)
-        self.state = "starting"
-        self.sleeping = False
-        self.ready = False
-        self._paused = False
-        self.started_at = time.time()
-        self._busy = 0
-        self._running = RunningRequests(nc)
-        self._jobs_tg: TaskGroup | None = None
-        self._idle = anyio.Event()
-        self._stop = anyio.Event()
-        self._engine_dead = False
-        self._puller: Puller | None = None
-        self.exit_code = EXIT_OK
-        self.served_at: float | None = None
-        self.stop_reason = "stop requested"
-        self.log = RequestLog(nc, self.names)
-        self.counters = {
-            "pulled": 0, "acked": 0, "completed": 0, "deferred": 0, "resumed": 0, "handed_back": 0,
-            "dead_lettered": 0, "cancelled": 0, "superseded": 0, "duplicates": 0, "frames_sent": 0,
-        }
-        self.errors: collections.Counter[str] = collections.Counter()
-        self.dead_letters = DeadLetters(self)
-        self.jobs = JobRunner(self)
-        self.metrics_url: str | None = None
-        self.adapters: list[str] = []
-        self.control = ControlServer(nc, self.names, self.instance, self.model)
-        self.registry = RegistryKeeper(
-            nc, self.names, lambda: instance_record(self), lambda: model_card(self), lambda: load_reports(self),
+        self.ctx = ctx = WorkerContext(
+            nc=nc,
+            js=nc.jetstream(timeout=10),
+            names=Names(config.namespace),
+            instance=config.instance or new_instance_id(),
+            model=facts.model,
+            policy=config.policy,
+            counters=Counters(),
+            errors=collections.Counter(),
+        )
+        self.instance, self.model, self.counters = ctx.instance, ctx.model, ctx.counters
+        self.running = running = RunningRequests(nc)
+        self.lifecycle = lifecycle = Lifecycle(running)
+        self.slots = slots = Slots(
+            config.slots if config.slots > 0 else (facts.max_num_seqs or 64) * len(facts.dp_ranks)
+        )
+        self.tasks = tasks = JobTasks()
+        # The one cycle: pulling delivers jobs, and a job handed back waits until pulling stopped.
+        self.pulls = pulls = Pulls(
+            nc,
+            ctx.names.jobs_stream,
+            free_slots=slots.free,
+            on_job=lambda msg: on_job(msg),
+            expires=config.pull_expires,
+            tasks=tasks,
+        )
+        slots.listen(pulls.wake)
+        self.log = request_log = RequestLog(nc, ctx.names)
+        self.dead_letters = dead_letters = DeadLetters(ctx, role_cls.queue)
+        self.exhausted = exhausted = Exhausted(ctx, request_log, dead_letters)
+        self.adapter_queues = adapter_queues = AdapterQueues(
+            ctx, role_cls.queue, pulls, on_exhausted=exhausted.on_advisory
+        )
+        self.kv_events = kv_events = KvEventRelay(ctx, facts.kv_events, lifecycle.public)
+        self.reports = reports = Reports(
+            ctx,
+            role=role_cls.name,
+            engine=engine,
+            lifecycle=lifecycle,
+            slots=slots,
+            running=running,
+            kv_events=kv_events,
+            registry_interval=config.registry_interval,
+        )
+
+        def adapters_changed(loaded: list[str]) -> None:
+            reports.adapters = loaded
+            registry.beat_now()
+            tasks.spawn(adapter_queues.sync, list(loaded))
+
+        self.lora = lora = LoraManager(
+            ctx,
+            engine,
+            config.lora,
+            retire_wait=config.grace_period,
+            spawn=tasks.spawn,
+            on_change=adapters_changed,
+        )
+        self.role = role_cls(
+            RoleDeps(
+                ctx=ctx,
+                engine=engine,
+                log=request_log,
+                config=config,
+                adapters=lora,
+                serves_adapter=adapter_queues.serves,
+                embeds=EmbedsLoader(ctx.js, ctx.names, facts, config.max_embeds_bytes),
+            )
+        )
+        self.registry = registry = RegistryKeeper(
+            nc,
+            ctx.names,
+            reports.instance_record,
+            self.role.model_card,
+            reports.load_reports,
             interval=config.registry_interval,
         )
-        self.engine_control = EngineControl(self)
-        self.traces = TracePublisher(nc, self.names)
-        self.embeds = EmbedsLoader(self.js, self.names, engine.facts, config.max_embeds_bytes)
-        self.services: list[Callable[[], Coroutine[Any, Any, None]]] = []
-        """Long-running companions (KV-event relay, adapter reconciler); started once ready."""
-        self.lora = LoraManager(self, config.lora)
-        self.adapter_queues = AdapterQueues(self)
-        self.kv_events = KvEventRelay(self)
+        self.jobs = jobs = JobDeps(
+            ctx=ctx,
+            role=self.role,
+            running=running,
+            log=request_log,
+            dead_letters=dead_letters,
+            traces=TracePublisher(nc, ctx.names),
+            tasks=tasks,
+            pulls=pulls,
+            lifecycle=lifecycle,
+        )
+        on_job = intake(jobs, slots)
+        self.engine_control = EngineControl(
+            engine,
+            instance=ctx.instance,
+            lifecycle=lifecycle,
+            slots=slots,
+            pulls=pulls,
+            hand_back=running.hand_back_remaining,
+            canary=self.role.canary,
+            on_state_change=registry.beat_now,
+            on_cache_cleared=kv_events.engine_cleared,
+            health_interval=config.health_interval,
+            health_timeout=config.health_timeout,
+            grace_period=config.grace_period,
+        )
+        self.control = ControlServer(nc, ctx.names, ctx.instance, ctx.model)
+        for verb, handler, request in self._verbs():
+            self.control.add(verb, handler, request=request)
+        self.served_at: float | None = None
+
+    # the one place where verbs, subscriptions and services are listed
+
+    def _verbs(self) -> list[Verb]:
+        ec, lora = self.engine_control, self.lora
+        return [
+            ("health", ec.health, HealthCheck),
+            ("reset-prefix-cache", ec.reset_prefix_cache, None),
+            ("sleep", ec.sleep, SleepRequest),
+            ("wake", ec.wake, None),
+            ("lora-load", lora.on_load, LoraLoad),
+            ("lora-unload", lora.on_unload, LoraUnload),
+            ("lora-list", lora.on_list, None),
+            ("kv-resync", self.kv_events.resync_verb, None),
+        ]
+
+    def _subscriptions(self) -> dict[str, Callable[[Msg], Awaitable[None]]]:
+        names, instance = self.ctx.names, self.instance
+        status = functools.partial(answer_status, self.nc, self.reports)
+        return {
+            names.cancel_all: self.running.on_cancel,
+            names.control("status"): status,
+            names.instance_control(instance, "status"): status,
+            names.instance_control(instance, "ping"): self.running.on_ping,
+            names.max_deliveries_advisory(self.role.queue, self.model): self.exhausted.on_advisory,
+        }
+
+    def _services(self) -> list[tuple[str, Callable[..., Awaitable[Any]], tuple[Any, ...]]]:
+        """Long-lived companions, started once the engine answered; each restarts after a failure."""
+        config = self.config
+        services: list[tuple[str, Callable[..., Awaitable[Any]], tuple[Any, ...]]] = [
+            ("engine monitor", self.engine_control.monitor, ()),
+            ("heartbeats", self.running.tick, (config.heartbeat_interval, config.policy.ack_wait)),
+            ("log resync", resync_after_reconnects, (self.nc, self.log, self.instance, self.running)),
+        ]
+        if self.lora.enabled:
+            services.append(("LoraManager.watch", self.lora.watch, ()))
+        if self.kv_events.enabled:
+            services.append(("KvEventRelay.run", self.kv_events.run, ()))
+        return services
 
     # lifecycle
 
+    @property
+    def state(self) -> WorkerState:
+        return self.lifecycle.state
+
+    @property
+    def exit_code(self) -> int:
+        return self.lifecycle.exit_code
+
+    @exit_code.setter
+    def exit_code(self, code: int) -> None:
+        self.lifecycle.exit_code = code
+
     async def serve(self, *, handle_signals: bool = True) -> int:
         """Run until stopped (signal, `stop()`, or engine death); returns the process exit code."""
-        await ensure_streams(self.js, self.names, self.config.policy)
-        if self.config.metrics_port is not None:
-            from .metrics import serve_metrics
+        ctx, config, lifecycle = self.ctx, self.config, self.lifecycle
+        await ensure_streams(ctx.js, ctx.names, ctx.policy)
+        if config.metrics_port is not None:
+            from .metrics import PlaneCollector, serve_metrics
 
-            self.metrics_url = serve_metrics(self, self.config.metrics_port)
-        consumer = await ensure_consumer(self.js, self.names, self.role.role, self.model, self.config.policy)
-        handlers = {
-            self.names.cancel_all: self._running.on_cancel,
-            self.names.control("status"): self._on_status,
-            self.names.instance_control(self.instance, "status"): self._on_status,
-            self.names.instance_control(self.instance, "ping"): self._running.on_ping,
-            self.names.max_deliveries_advisory(self.role.role, self.model):
-                self.dead_letters.on_max_deliveries,
-        }
+            collector = PlaneCollector(ctx, self.slots, lifecycle, self.kv_events)
+            self.reports.metrics_url = serve_metrics(collector, config.metrics_port)
+        consumer = await ensure_consumer(ctx.js, ctx.names, self.role.queue, self.model, ctx.policy)
         subs = [
             await self.nc.subscribe(subject, cb=functools.partial(contained, f"handler of {subject}", cb))
-            for subject, cb in handlers.items()
+            for subject, cb in self._subscriptions().items()
         ]
-        self._puller = Puller(
-            self.nc,
-            self.names.jobs_stream,
-            consumer,
-            free_slots=lambda: 0 if self._paused else self.slots - self._busy,
-            on_job=self._on_job,
-            expires=self.config.pull_expires,
-        )
         log.info(
             "worker %s serving %r (role %s, %d slots) from consumer %s",
-            self.instance, self.model, self.role.role, self.slots, consumer,
+            self.instance,
+            self.model,
+            self.role.name,
+            self.slots.total,
+            consumer,
         )
         try:
             async with anyio.create_task_group() as tg:
                 if handle_signals:
                     tg.start_soon(self._watch_signals)
-                with anyio.fail_after(self.config.health_timeout):
+                with anyio.fail_after(config.health_timeout):
                     await self.engine.check_health()  # ready means the engine answered, too
-                tg.start_soon(supervised, "engine monitor", self.engine_control.monitor)
-                tg.start_soon(supervised, "heartbeats", self._running.tick, self.config.heartbeat_interval,
-                              self.config.policy.ack_wait)
-                tg.start_soon(supervised, "log resync", resync_after_reconnects, self.nc, self.log, self.instance,
-                              self._running)
+                for name, service, args in self._services():
+                    tg.start_soon(supervised, name, service, *args)
                 await self.control.start(tg)
-                for service in self.services:
-                    tg.start_soon(supervised, getattr(service, "__qualname__", "service"), service)
                 async with anyio.create_task_group() as jobs:
-                    self._jobs_tg = jobs
-                    jobs.start_soon(self._puller.run)
-                    jobs.start_soon(contained, "adapter queues", self.adapter_queues.sync, list(self.adapters))
+                    self.tasks.open(jobs)
+                    self.pulls.start(consumer)
+                    jobs.start_soon(
+                        contained, "adapter queues", self.adapter_queues.sync, list(self.reports.adapters)
+                    )
                     await self.registry.announce(state="serving", ready=True)
-                    self.state = "serving"
-                    self.ready = True
+                    lifecycle.advance("served")
                     self.served_at = time.time()
                     tg.start_soon(supervised, "registry", self.registry.run)
-                    await self._stop.wait()
-                    self.ready = False
+                    await lifecycle.stop_requested.wait()
                     await self._wind_down()
                     # Only housekeeping may remain (pullers closing, log writes); it cannot hang a stop.
                     jobs.cancel_scope.deadline = anyio.current_time() + STOP_LEFTOVERS_TIMEOUT
                 if jobs.cancel_scope.cancelled_caught:
-                    log.error("tasks still running %.0fs after the drain were cancelled", STOP_LEFTOVERS_TIMEOUT)
-                self._jobs_tg = None
+                    log.error(
+                        "tasks still running %.0fs after the drain were cancelled", STOP_LEFTOVERS_TIMEOUT
+                    )
+                self.tasks.close()
                 await self.control.stop()  # before the group closes: no verb may start in a closed group
                 tg.cancel_scope.cancel()
         except Exception as exc:
             if self.served_at is None:
                 raise  # never served: the caller reports a failed start
             # Every job, verb and companion has its own barrier, so this is a bug in the runtime.
-            self.exit_code = EXIT_CRASHED
-            self.stop_reason = f"crashed after serving {time.time() - self.served_at:.0f}s: {describe(exc)}"
-            log.critical("worker %s %s", self.instance, self.stop_reason, exc_info=exc)
+            lifecycle.exit_code = EXIT_CRASHED
+            lifecycle.stop_reason = (
+                f"crashed after serving {time.time() - self.served_at:.0f}s: {describe(exc)}"
+            )
+            log.critical("worker %s %s", self.instance, lifecycle.stop_reason, exc_info=exc)
         finally:
             with anyio.CancelScope(shield=True):
                 await self.control.stop()
@@ -223,117 +313,39 @@ class Worker:
                         await sub.unsubscribe()
                 with contextlib.suppress(Exception):
                     await self.nc.flush(timeout=5)
-        self.state = "engine_dead" if self._engine_dead else "stopped"
-        log.log(logging.INFO if self.exit_code == EXIT_OK else logging.ERROR,
-                "worker %s stopped (%s), exit code %d", self.instance, self.stop_reason, self.exit_code)
-        return self.exit_code
+        lifecycle.advance("stopped")
+        log.log(
+            logging.INFO if lifecycle.exit_code == EXIT_OK else logging.ERROR,
+            "worker %s stopped (%s), exit code %d",
+            self.instance,
+            lifecycle.stop_reason,
+            lifecycle.exit_code,
+        )
+        return lifecycle.exit_code
 
     def stop(self, reason: str = "stop requested") -> None:
         """Begin a graceful stop: no more pulls, running requests get the grace period."""
-        if not self._stop.is_set():
-            self.stop_reason = reason
-        self._stop.set()
+        self.lifecycle.stop(reason)
 
     async def _wind_down(self) -> None:
-        assert self._puller is not None
-        self._puller.stop()
-        self.adapter_queues.stop()
-        if self._engine_dead:
-            self._running.hand_back_all()
+        self.pulls.stop()
+        if self.lifecycle.engine_dead:
+            self.running.hand_back_all()
             return
-        self.state = "draining"
+        self.lifecycle.advance("drain")
         self.registry.beat_now()
-        log.info("draining: %d running, grace %.1fs", len(self._running), self.config.grace_period)
-        await self.wait_idle(hand_back_after=self.config.grace_period)
-
-    def public_state(self) -> InstanceState:
-        if self.sleeping:
-            return "sleeping"
-        if self.state == "starting":
-            return "starting"
-        return "serving" if self.state == "serving" else "draining"
-
-    def pause_pulling(self, paused: bool) -> None:
-        self._paused = paused
-        if self._puller is not None:
-            self._puller.wake()
-        self.adapter_queues.wake()
-
-    async def credit_returned(self) -> None:
-        """Until no puller holds pull credit (after a pause): no job can be delivered here any more."""
-        with anyio.move_on_after(self.config.pull_expires + 2):
-            while any(p.outstanding for p in [self._puller, *self.adapter_queues.pullers] if p is not None):
-                await anyio.sleep(0.01)
-
-    async def wait_idle(self, hand_back_after: float) -> None:
-        """Until no job runs here; jobs still running after `hand_back_after` seconds are handed back."""
-        with anyio.move_on_after(hand_back_after):
-            while self._busy:
-                await self._idle.wait()
-        if self._running:
-            log.info("handing back %d running jobs", len(self._running))
-            self._running.hand_back_all()
-        while self._busy:
-            await self._idle.wait()
+        log.info("draining: %d running, grace %.1fs", len(self.running), self.config.grace_period)
+        await self.slots.wait_idle(self.config.grace_period, self.running.hand_back_remaining)
 
     async def _watch_signals(self) -> None:
         with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async for signum in signals:
-                if not self._stop.is_set():
+                if not self.lifecycle.stop_requested.is_set():
                     log.info("%s: stopping gracefully", signal.Signals(signum).name)
                     self.stop(f"{signal.Signals(signum).name}: drained")
                 else:
                     log.info("%s again: handing back running jobs now", signal.Signals(signum).name)
-                    self._running.hand_back_all()
-
-    def _on_engine_dead(self, why: str) -> None:
-        if self._engine_dead:
-            return
-        log.error("engine is dead (%s): handing back %d jobs and exiting", why, len(self._running))
-        self._engine_dead = True
-        self.exit_code = EXIT_ENGINE_DEAD
-        self.state = "engine_dead"
-        self._running.hand_back_all()
-        self.stop(f"engine dead: {why}")
-
-    # jobs
-
-    def _on_job(self, msg: Msg) -> None:
-        self._busy += 1
-        self.counters["pulled"] += 1
-        assert self._jobs_tg is not None
-        self._jobs_tg.start_soon(self._run_job, msg)
-
-    async def _run_job(self, msg: Msg) -> None:
-        try:
-            await self.jobs.run(msg)
-        except Exception:  # the barrier inside run() failed too; JetStream redelivers after ack_wait
-            log.exception("a job could not be handled or failed")
-        finally:
-            self._busy -= 1
-            if self._busy == 0:  # wakes every waiter (a sleep and a drain may wait at once)
-                self._idle.set()
-                self._idle = anyio.Event()
-            if self._puller is not None:
-                self._puller.wake()
-            self.adapter_queues.wake()
-
-    def _spawn(self, fn, *args) -> None:
-        if self._jobs_tg is not None:
-            self._jobs_tg.start_soon(contained, getattr(fn, "__qualname__", "a background step"), fn, *args)
-
-    async def _pulling_stopped(self) -> None:
-        """Wait (briefly) until this worker can receive no more jobs, so a handed-back job goes elsewhere."""
-        if self._puller is not None:
-            with anyio.move_on_after(self.config.pull_expires + 2):
-                for puller in [self._puller, *self.adapter_queues.pullers]:
-                    await puller.done.wait()
-
-    # control
+                    self.running.hand_back_all()
 
     def status(self) -> WorkerStatus:
-        return worker_status(self)
-
-    async def _on_status(self, msg: Msg) -> None:
-        if msg.reply:
-            await self.nc.publish(msg.reply, codec.encode(self.status(), reply_encoding(msg)))
+        return self.reports.status()

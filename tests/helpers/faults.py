@@ -87,13 +87,13 @@ def _trace(orig):
 
 
 def _patches(engine_cls: type) -> list[tuple[Any, str, Any]]:
-    from jetllm.workers import jobrun
     from jetllm.workers.frames import FrameSink
     from jetllm.workers.requestlog import RequestLog
+    from jetllm.workers.roles.generate import role
     from jetllm.workers.tracing import TracePublisher
 
     return [
-        (jobrun, "decode_request", _decode),
+        (role, "decode_request", _decode),
         (RequestLog, "last", _by_request_id("log")),
         (engine_cls, "render", _render),
         (RequestLog, "write", _by_request_id("claim", lambda record: isinstance(record, Claim))),

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -43,19 +43,17 @@ from ...subjects.adapterfiles import AdapterFileError
 from ...subjects.lora import ensure_lora_bucket
 from ...tinymodel import default_cache_dir
 from ..control import ControlError
-from ..engine import EngineAdapter
+from ..engine import Engine, EngineAdapter
 from .cache import Held, hold, prune
 from .files import AdapterFiles
 from .validate import validate
 
 if TYPE_CHECKING:
-    from ..runtime import Worker
+    from ..context import WorkerContext
 
 log = logging.getLogger(__name__)
 
 _spec = codec.Decoder(AdapterSpec)
-_load = codec.Decoder(LoraLoad)
-_unload = codec.Decoder(LoraUnload)
 
 
 class LoraSettings(msgspec.Struct, kw_only=True):
@@ -87,12 +85,21 @@ class _Loaded(msgspec.Struct, kw_only=True):
 
 
 class LoraManager:
-    def __init__(self, worker: Worker, settings: LoraSettings) -> None:
-        self.w = worker
-        self.facts = worker.engine.facts.lora
+    def __init__(
+        self, ctx: WorkerContext, engine: Engine, settings: LoraSettings, *, retire_wait: float,
+        spawn: Callable[..., None], on_change: Callable[[list[str]], None],
+    ) -> None:
+        """`retire_wait`: how long old weights wait for the requests using them before removal;
+        `spawn`: starts a background step; `on_change`: told the loaded adapters after each change."""
+        self._ctx = ctx
+        self._engine = engine
+        self._retire_wait = retire_wait
+        self._spawn = spawn
+        self._on_change = on_change
+        self.facts = engine.facts.lora
         self.settings = settings
         cache = Path(settings.cache_dir) if settings.cache_dir else default_cache_dir() / "adapters"
-        self.files = AdapterFiles(worker.js, worker.names, cache, [Path(d) for d in settings.dirs],
+        self.files = AdapterFiles(ctx.js, ctx.names, cache, [Path(d) for d in settings.dirs],
                                   allow_hub=settings.allow_hub)
         self._desired: dict[str, tuple[int, AdapterSpec | None]] = {}
         self._loaded: dict[str, _Loaded] = {}
@@ -103,11 +110,11 @@ class LoraManager:
         self._users: dict[int, int] = {}
         self._changed = anyio.Event()
         self._synced = anyio.Event()
-        worker.control.add("lora-load", self.on_load)
-        worker.control.add("lora-unload", self.on_unload)
-        worker.control.add("lora-list", self.on_list)
-        if self.facts is not None:
-            worker.services.append(self.watch)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the engine runs with LoRA (then `watch` runs for the worker's life)."""
+        return self.facts is not None
 
     # desired state
 
@@ -116,8 +123,8 @@ class LoraManager:
         async with anyio.create_task_group() as tg:
             while True:
                 try:
-                    kv = await ensure_lora_bucket(self.w.js, self.w.names)
-                    watcher = await kv.watch(self.w.names.lora_keys_of(self.w.model))
+                    kv = await ensure_lora_bucket(self._ctx.js, self._ctx.names)
+                    watcher = await kv.watch(self._ctx.names.lora_keys_of(self._ctx.model))
                     try:
                         while True:
                             try:
@@ -139,7 +146,7 @@ class LoraManager:
         have (a key that is not an encoded adapter name, a value that breaks decoding) is skipped, so
         it cannot stop the watch, which would then miss every later change."""
         try:
-            name = self.w.names.adapter_from_key(entry.key)
+            name = self._ctx.names.adapter_from_key(entry.key)
             msgspec.convert(name, AdapterName)
         except (ValueError, msgspec.ValidationError) as exc:  # a UnicodeDecodeError is a ValueError
             log.warning("LoRA bucket key %r ignored: not an adapter name (%s)", entry.key, exc)
@@ -165,8 +172,8 @@ class LoraManager:
 
     async def _refresh(self, name: str) -> None:
         """Read the adapter's key now: a verb must not act on a watch that lags behind its caller."""
-        kv = await ensure_lora_bucket(self.w.js, self.w.names)
-        key = self.w.names.lora_key(self.w.model, name)
+        kv = await ensure_lora_bucket(self._ctx.js, self._ctx.names)
+        key = self._ctx.names.lora_key(self._ctx.model, name)
         try:
             entry = await kv.get(key)
             # nats-py types KeyValue.Entry.revision Optional; a fetched entry has one
@@ -240,10 +247,10 @@ class LoraManager:
                                        f"adapter {name!r}: this instance holds {len(self._loaded)} adapters, its "
                                        f"limit (--max-loras) is {self.facts.capacity}; unload one first")
                 try:
-                    await self.w.engine.add_adapter(engine)
+                    await self._engine.add_adapter(engine)
                 except EngineRequestError as exc:
                     raise ControlError(ErrorCode.ADAPTER_INVALID, f"adapter {name!r}: {exc.message}") from None
-                self.w.counters["lora_loads"] = self.w.counters.get("lora_loads", 0) + 1  # idempotent calls do not count
+                self._ctx.counters.lora_loads += 1  # idempotent calls do not count
                 info = LoadedAdapter(name=name, sha256=sha, lora_id=engine.id, source=spec.source,
                                      version=spec.version, loaded_at=time.time())
                 action = "reloaded" if cur else "loaded"
@@ -256,7 +263,7 @@ class LoraManager:
         log.info("adapter %r %s: sha256 %s, lora id %d", name, action, sha[:12], engine.id)
         if cur is not None:
             await self._retire(cur)
-        self.w._spawn(self._prune)
+        self._spawn(self._prune)
         return self._reply(name, action, info)
 
     async def _fetch(self, name: str, spec: AdapterSpec) -> tuple[Path, str, Held]:
@@ -293,21 +300,20 @@ class LoraManager:
 
     async def _retire(self, old: _Loaded) -> None:
         """Remove old weights from the engine once no running request uses them (bounded wait)."""
-        with anyio.move_on_after(self.w.config.grace_period):
+        with anyio.move_on_after(self._retire_wait):
             while self._users.get(old.engine.id):
                 await self._changed.wait()
         try:
-            await self.w.engine.remove_adapter(old.engine.id)
+            await self._engine.remove_adapter(old.engine.id)
         finally:
             old.held.release()
 
     def _published(self) -> None:
-        self.w.adapters = sorted(self._loaded)
-        self.w.registry.beat_now()
-        self.w._spawn(self.w.adapter_queues.sync, list(self.w.adapters))
+        self._on_change(sorted(self._loaded))
 
     def _reply(self, name: str, action: Any, info: LoadedAdapter | None = None, detail: str = "") -> AdapterReply:
-        return AdapterReply(instance=self.w.instance, name=name, action=action, adapter=info, detail=detail)
+        return AdapterReply(instance=self._ctx.instance, name=name, action=action, adapter=info,
+                            detail=detail)
 
     # verbs
 
@@ -315,23 +321,21 @@ class LoraManager:
         if self.facts is None:
             raise ControlError(ErrorCode.LORA_DISABLED, "this worker runs without LoRA (start it with --enable-lora)")
 
-    async def on_load(self, body: bytes, encoding: Any) -> AdapterReply:
+    async def on_load(self, msg: LoraLoad) -> AdapterReply:
         self._require_lora()
-        msg = _load.decode(body, encoding)
         await self._refresh(msg.name)
         return await self.reconcile(msg.name)
 
-    async def on_unload(self, body: bytes, encoding: Any) -> AdapterReply:
+    async def on_unload(self, msg: LoraUnload) -> AdapterReply:
         self._require_lora()
-        msg = _unload.decode(body, encoding)
         await self._refresh(msg.name)
         return await self.reconcile(msg.name)
 
-    async def on_list(self, body: bytes, encoding: Any) -> AdapterList:
+    async def on_list(self, _: None) -> AdapterList:
         self._require_lora()
         assert self.facts is not None
         return AdapterList(
-            instance=self.w.instance, adapters=[self._loaded[n].info for n in sorted(self._loaded)],
+            instance=self._ctx.instance, adapters=[self._loaded[n].info for n in sorted(self._loaded)],
             capacity=self.facts.capacity,
             failed={n: f"{code.value}: {message}" for n, (_, code, message) in sorted(self._failed.items())},
         )
@@ -357,15 +361,17 @@ class LoraManager:
 
     async def _resolve(self, name: str) -> EngineAdapter:
         if self.facts is None:
-            raise RequestRejected(ErrorCode.LORA_DISABLED, f"adapter {name!r}: the workers of {self.w.model!r} run "
-                                  "without LoRA", field="$.adapter")
+            raise RequestRejected(ErrorCode.LORA_DISABLED,
+                                  f"adapter {name!r}: the workers of {self._ctx.model!r} run without LoRA",
+                                  field="$.adapter")
         with anyio.move_on_after(self.settings.load_wait) as scope:
             await self._synced.wait()
             while True:
                 revision, spec = self._desired.get(name, (0, None))
                 if spec is None:
                     raise RequestRejected(ErrorCode.UNKNOWN_ADAPTER,
-                                          f"model {self.w.model!r} has no adapter {name!r} (jetllm lora list)",
+                                          f"model {self._ctx.model!r} has no adapter {name!r} "
+                                          "(jetllm lora list)",
                                           field="$.adapter")
                 cur = self._loaded.get(name)
                 if cur is not None and cur.revision >= revision:
@@ -373,9 +379,10 @@ class LoraManager:
                 failed = self._failed.get(name)
                 if failed is not None and failed[0] == revision:
                     raise RequestRejected(ErrorCode.ADAPTER_NOT_LOADED,
-                                          f"adapter {name!r} failed to load on {self.w.instance}: "
+                                          f"adapter {name!r} failed to load on {self._ctx.instance}: "
                                           f"{failed[1].value}: {failed[2]}", field="$.adapter")
                 await self._changed.wait()
         assert scope.cancelled_caught
-        raise RequestRejected(ErrorCode.ADAPTER_NOT_LOADED, f"adapter {name!r} is still loading on {self.w.instance} "
+        raise RequestRejected(ErrorCode.ADAPTER_NOT_LOADED,
+                              f"adapter {name!r} is still loading on {self._ctx.instance} "
                               f"after {self.settings.load_wait:.0f}s", field="$.adapter")

@@ -11,17 +11,21 @@ early start is stopped before it sent anything, and the job takes the usual path
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
-
-from .frames import FrameSink
 
 T = TypeVar("T")
 
 
+class Holds(Protocol):
+    def hold(self) -> None: ...
+
+    def release(self) -> None: ...
+
+
 class EarlyStart(Generic[T]):
-    def __init__(self, spawn: Callable[..., Any], frames: FrameSink, run: Callable[[Any], Awaitable[T]]) -> None:
+    def __init__(self, spawn: Callable[..., Any], frames: Holds, run: Callable[[Any], Awaitable[T]]) -> None:
         self._spawn = spawn
         self._frames = frames
         self._run = run

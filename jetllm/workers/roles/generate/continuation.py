@@ -1,0 +1,96 @@
+"""Continuing a request another worker started: pure decisions over what its log says.
+
+A worker that died left token frames in the request's log. The next attempt runs the prompt plus
+the tokens already delivered as its prompt, with the budget reduced by what was delivered, so the
+producer's stream goes on seamlessly; unless the delivered tokens already ended the request (the
+worker died before its final frame), the request cannot continue exactly (n > 1), or workers died
+under it more often than its migration budget allows.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from ....errors import RequestRejected
+from ....schemas import Choice, ErrorCode, GenerateRequest
+from ...engine import EnginePrompt, PromptEmbeds
+from ...requestlog import History
+
+
+def check_budget(history: History, budget: int, attempt: int) -> None:
+    if history.deaths > budget:
+        raise RequestRejected(
+            ErrorCode.MIGRATION_BUDGET_EXHAUSTED,
+            f"workers died under this request {history.deaths} times; its migration budget is "
+            f"{budget} (delivery {attempt})",
+        )
+
+
+def max_tokens(req: GenerateRequest, prompt_len: int, limit: int) -> int:
+    """The request's token budget: what it asked for, or the rest of the model's context."""
+    room = limit - prompt_len
+    if room < 1:
+        raise RequestRejected(
+            ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+            f"the prompt has {prompt_len} tokens, but this model's maximum context length is "
+            f"{limit} tokens (prompt plus at least one generated token)",
+            field="$.prompt",
+        )
+    asked = req.stop.max_tokens
+    if asked is None:
+        return room
+    if asked > room:
+        raise RequestRejected(
+            ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+            f"this model's maximum context length is {limit} tokens, but {prompt_len + asked} "
+            f"were requested ({prompt_len} in the prompt, {asked} in max_tokens); lower "
+            f"max_tokens to at most {room} or leave it unset",
+            field="$.stop.max_tokens",
+        )
+    return asked
+
+
+def check_migratable(n: int, delivered: int) -> None:
+    if delivered and n > 1:
+        raise RequestRejected(
+            ErrorCode.NOT_MIGRATABLE,
+            f"a worker died after delivering {delivered} tokens of an n={n} request; its choices "
+            "cannot continue on another worker without changing delivered tokens",
+            field="$.sampling.n",
+        )
+
+
+def already_done(
+    req: GenerateRequest, delivered: list[int], text: str | None, max_tokens: int, eos_token_ids: list[int]
+) -> Choice | None:
+    """Whether the delivered tokens already ended the request (the worker died before the final)."""
+    n = len(delivered)
+    if n >= max_tokens:
+        return Choice(index=0, finish_reason="length", completion_tokens=n)
+    if n < req.stop.min_tokens or not delivered:
+        return None
+    last = delivered[-1]
+    if last in req.stop.stop_token_ids:
+        return Choice(index=0, finish_reason="stop", stop_reason=last, completion_tokens=n)
+    if last in eos_token_ids and not req.stop.ignore_eos:
+        return Choice(index=0, finish_reason="stop", completion_tokens=n)
+    for s in req.stop.stop:
+        if text is not None and s in text:
+            return Choice(index=0, finish_reason="stop", stop_reason=s, completion_tokens=n)
+    return None
+
+
+def continued(
+    req: GenerateRequest, prompt: EnginePrompt, delivered: list[int], max_tokens: int
+) -> tuple[GenerateRequest, EnginePrompt, int]:
+    """The request, prompt and budget the engine runs to continue after `delivered` tokens (an
+    embeddings prompt continues in vLLM's mixed mode: its rows, then the token ids)."""
+    engine_prompt = prompt.then(delivered) if isinstance(prompt, PromptEmbeds) else prompt + delivered
+    engine_max = max_tokens - len(delivered)
+    engine_req = msgspec.structs.replace(
+        req,
+        stop=msgspec.structs.replace(
+            req.stop, max_tokens=engine_max, min_tokens=max(0, req.stop.min_tokens - len(delivered))
+        ),
+    )
+    return engine_req, engine_prompt, engine_max

@@ -1,0 +1,349 @@
+"""The job protocol (workers/protocol.py) as the one owner of a job's frames, without a server: a
+role only asks, and what reaches the producer, the request log, the dead-letter stream and the
+job's acknowledgement is the protocol's doing, in the order the durability story needs."""
+
+from __future__ import annotations
+
+import collections
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import msgspec
+import pytest
+from nats.aio.msg import Msg
+
+from jetllm.errors import EngineDead, RequestRejected
+from jetllm.schemas import (
+    AcceptedFrame,
+    Choice,
+    DeadLetter,
+    ErrorCode,
+    ErrorFrame,
+    FinalFrame,
+    Record,
+    Step,
+    TokensFrame,
+    Usage,
+)
+from jetllm.subjects import codec
+from jetllm.subjects.names import Names
+from jetllm.subjects.setup import QueuePolicy
+from jetllm.workers.context import Counters, WorkerContext
+from jetllm.workers.deadletters import DeadLetters
+from jetllm.workers.jobs import decode_request
+from jetllm.workers.protocol import JobDeps, JobRun
+from jetllm.workers.requestlog import RequestLog
+from jetllm.workers.roles import JobHandle, Role
+from jetllm.workers.running import RunningRequests
+from jetllm.workers.state import Lifecycle
+from jetllm.workers.tasks import JobTasks
+from jetllm.workers.tracing import TracePublisher
+
+from .jobs import req
+
+pytestmark = pytest.mark.anyio
+
+REPLY = "_INBOX.producer.1"
+NAMES = Names("t")
+_records = codec.KindDecoder(Record)
+
+
+class Wire:
+    """Everything the worker sends, in order: core publishes and JetStream publishes alike."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, bytes]] = []
+        self.max_payload = 1 << 20
+        self.encoding: codec.Encoding = "msgpack"
+        """Of the frames (the job's own encoding)."""
+
+    # the core connection
+    async def publish(
+        self, subject: str, payload: bytes = b"", reply: str = "", headers: Any = None, **kw: Any
+    ) -> None:
+        self.sent.append((subject, payload))
+
+    def jetstream(self, **kw: Any) -> Wire:
+        return self
+
+    # JetStream
+    async def purge_stream(self, *args: Any, **kw: Any) -> None:
+        self.sent.append(("purge", b""))
+
+    @property
+    def frames(self) -> list[Any]:
+        return [
+            codec.frame_decoder.decode(data, self.encoding) for subject, data in self.sent if subject == REPLY
+        ]
+
+    def kinds(self) -> list[str]:
+        """The story in order: frames by kind, log records by type, dead letters, acks."""
+        out = []
+        for subject, data in self.sent:
+            if subject == REPLY:
+                frame = codec.frame_decoder.decode(data, self.encoding)
+                out.append(f"{type(frame).__name__}:{getattr(frame, 'seq', '')}")
+            elif subject.startswith(NAMES.request_log_all.rstrip("*")):
+                record = _records.decode(data)
+                out.append(
+                    type(record).__name__ + (f":{record.frame.seq}" if isinstance(record, Step) else "")
+                )
+            elif subject.startswith("$JS.ACK"):
+                out.append(data.decode().split(" ")[0] or "+ACK")
+            elif subject == NAMES.dlq("generate", "fake"):
+                out.append("dead-letter")
+        return out
+
+    def dead_letters(self) -> list[DeadLetter]:
+        return [
+            msgspec.msgpack.decode(d, type=DeadLetter)
+            for s, d in self.sent
+            if s == NAMES.dlq("generate", "fake")
+        ]
+
+
+class Script(Role):
+    """A role that runs a test's script on the handle (no engine)."""
+
+    name = "generate"
+    queue = "generate"
+
+    def __init__(self, script: Callable[[JobHandle], Awaitable[None]]) -> None:
+        self.script = script
+
+    def decode(self, data: bytes, headers: dict[str, str] | None) -> Any:
+        return decode_request(data, headers)
+
+    async def run(self, job: JobHandle) -> None:
+        await self.script(job)
+
+    async def canary(self, check: Any) -> Any:
+        raise NotImplementedError
+
+
+class NoPulls:
+    async def stopped(self) -> None:
+        pass
+
+
+def job_msg(wire: Wire, data: bytes, headers: dict[str, str] | None = None, delivered: int = 1) -> Msg:
+    return Msg(
+        wire,
+        subject=NAMES.jobs("generate", "fake"),
+        reply=f"$JS.ACK.J.c.{delivered}.7.7.1700000000000000000.0",
+        data=data,
+        headers=headers,
+    )
+
+
+async def run_job(
+    script: Callable[[JobHandle], Awaitable[None]],
+    data: bytes | None = None,
+    headers: dict[str, str] | None = None,
+    running: RunningRequests | None = None,
+    during: Callable[[JobDeps], Any] | None = None,
+) -> tuple[Wire, JobDeps]:
+    wire = Wire()
+    wire.encoding = codec.encoding_of(headers)
+    ctx = WorkerContext(
+        nc=wire,
+        js=wire,
+        names=NAMES,
+        instance="w1",
+        model="fake",  # type: ignore[arg-type]
+        policy=QueuePolicy(),
+        counters=Counters(),
+        errors=collections.Counter(),
+    )
+    running = running if running is not None else RunningRequests(wire)  # type: ignore[arg-type]
+    tasks = JobTasks()
+    deps = JobDeps(
+        ctx=ctx,
+        role=Script(script),
+        running=running,
+        log=RequestLog(wire, NAMES),  # type: ignore[arg-type]
+        dead_letters=DeadLetters(ctx, "generate"),
+        traces=TracePublisher(wire, NAMES),  # type: ignore[arg-type]
+        tasks=tasks,
+        pulls=NoPulls(),
+        lifecycle=Lifecycle(running),
+    )  # type: ignore[arg-type]
+    if data is None:
+        data = codec.encode(req("fake", request_id=f"r-{uuid.uuid4().hex[:6]}", reply_to=REPLY))
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+            tasks.open(tg)
+            tg.start_soon(JobRun(deps, job_msg(wire, data, headers)).run)
+            if during is not None:
+                await during(deps)
+    return wire, deps
+
+
+async def completes(job: JobHandle) -> None:
+    await job.claim()
+    await job.accept()
+    await job.tokens(0, [11], "a", None, None)
+    await job.tokens(0, [12], "b", None, None)
+    await job.finish(
+        [Choice(index=0, finish_reason="length", completion_tokens=2)],
+        Usage(prompt_tokens=3, completion_tokens=2),
+        token_ids=[[11, 12]],
+        text=["ab"],
+    )
+
+
+async def test_the_log_leads_every_frame_and_the_ack_comes_last():
+    wire, deps = await run_job(completes)
+    assert wire.kinds() == [
+        "Claim",
+        "AcceptedFrame:0",
+        "Step:1",
+        "TokensFrame:1",
+        "Step:2",
+        "TokensFrame:2",
+        "Result",
+        "FinalFrame:3",
+        "+ACK",
+    ]
+    assert ("purge", b"") in wire.sent[-2:]  # the log is compacted to its result afterwards
+    c = deps.ctx.counters
+    assert (c.acked, c.completed, c.dead_lettered, c.frames_sent) == (1, 1, 0, 4)
+
+
+async def test_a_bug_after_the_final_frame_sends_no_second_terminal_frame():
+    async def finishes_then_breaks(job: JobHandle) -> None:
+        await completes(job)
+        raise RuntimeError("after the end")
+
+    wire, deps = await run_job(finishes_then_breaks)
+    assert [type(f) for f in wire.frames].count(FinalFrame) == 1
+    assert not any(isinstance(f, ErrorFrame) for f in wire.frames)
+    assert wire.kinds()[-1] == "+ACK" and not wire.dead_letters()
+
+
+async def test_a_bug_mid_stream_ends_the_request_with_one_internal_error_and_a_dead_letter():
+    async def breaks(job: JobHandle) -> None:
+        await job.claim()
+        await job.accept()
+        job.stage = "running it on the engine"
+        await job.tokens(0, [11], "a", None, None)
+        raise KeyError("lost")
+
+    wire, deps = await run_job(breaks)
+    assert wire.kinds() == [
+        "Claim",
+        "AcceptedFrame:0",
+        "Step:1",
+        "TokensFrame:1",
+        "Result",
+        "ErrorFrame:2",
+        "dead-letter",
+        "+TERM",
+    ]
+    err = wire.frames[-1]
+    assert (
+        err.code == ErrorCode.INTERNAL
+        and err.message == "jetllm failed while running it on the engine: KeyError: 'lost'"
+    )
+    (dead,) = wire.dead_letters()
+    assert dead.code == ErrorCode.INTERNAL and dead.reason == err.message
+    assert deps.ctx.counters.dead_lettered == 1 and deps.ctx.errors["internal"] == 1
+
+
+async def test_a_typed_error_from_the_role_is_the_producer_s_error_frame():
+    async def refuses(job: JobHandle) -> None:
+        raise RequestRejected(ErrorCode.CONTEXT_LENGTH_EXCEEDED, "too long", field="$.prompt")
+
+    wire, deps = await run_job(refuses)
+    assert wire.kinds() == ["Result", "ErrorFrame:1", "dead-letter", "+TERM"]
+    (err,) = wire.frames
+    assert err.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED and err.field == "$.prompt"
+
+
+async def test_a_job_that_does_not_decode_is_answered_where_it_asked_to_be():
+    called: list[JobHandle] = []
+
+    async def never(job: JobHandle) -> None:
+        called.append(job)
+
+    bad = msgspec.json.encode(
+        {
+            "request_id": "r-bad",
+            "model": "fake",
+            "reply_to": REPLY,
+            "max_token": 3,
+            "prompt": {"type": "text", "text": "hi"},
+        }
+    )
+    wire, _ = await run_job(never, bad, {"Content-Type": "application/json"})
+    assert not called
+    (err,) = wire.frames
+    assert err.code == ErrorCode.INVALID_REQUEST and err.field == "$.max_token"
+    assert wire.kinds() == ["Result", "ErrorFrame:1", "dead-letter", "+TERM"]
+
+
+async def test_a_request_cancelled_before_it_started_ends_cancelled_with_its_result_stored():
+    async def cancelled(job: JobHandle) -> None:
+        job.cancelled("the producer left")
+
+    wire, deps = await run_job(cancelled)
+    assert wire.kinds() == ["Result", "ErrorFrame:1", "+TERM"]
+    assert wire.frames[0].code == ErrorCode.CANCELLED and wire.frames[0].message == "the producer left"
+    assert deps.ctx.counters.cancelled == 1
+
+
+async def test_a_job_handed_back_records_its_hand_off_and_goes_back_to_the_queue():
+    async def runs(job: JobHandle) -> None:
+        await job.claim()
+        await job.accept()
+        await anyio.sleep_forever()
+
+    async def drain(deps: JobDeps) -> None:
+        while not deps.running:
+            await anyio.sleep(0.01)
+        deps.running.hand_back_all()
+
+    wire, deps = await run_job(runs, during=drain)
+    assert wire.kinds() == ["Claim", "AcceptedFrame:0", "Handoff", "-NAK"]
+    assert deps.ctx.counters.handed_back == 1 and not deps.running
+
+
+async def test_a_dead_engine_hands_the_job_back_without_a_hand_off_and_stops_the_worker():
+    async def dies(job: JobHandle) -> None:
+        await job.claim()
+        raise EngineDead("EngineCore died")
+
+    wire, deps = await run_job(dies)
+    assert wire.kinds() == ["Claim", "-NAK"]  # a death counts against the request's budget
+    assert deps.lifecycle.engine_dead and deps.lifecycle.stop_requested.is_set()
+
+
+async def test_a_second_delivery_of_a_request_running_here_waits_for_the_first():
+    called: list[JobHandle] = []
+
+    async def never(job: JobHandle) -> None:
+        called.append(job)
+
+    running = RunningRequests(None)  # type: ignore[arg-type]
+    running["r-dup"] = object()  # type: ignore[assignment]
+    data = codec.encode(req("fake", request_id="r-dup", reply_to=REPLY))
+    wire, deps = await run_job(never, data, running=running)
+    assert not called and not wire.frames
+    assert wire.sent[-1][1].startswith(b"-NAK") and b"delay" in wire.sent[-1][1]
+    assert deps.ctx.counters.duplicates == 1
+
+
+async def test_a_claim_numbers_the_attempt_above_the_log_and_tells_the_older_one_to_stop():
+    async def takes_over(job: JobHandle) -> None:
+        await job.claim(above=4, supersede=True)
+        await job.accept()
+        await job.tokens(0, [1], None, None, None)
+        raise RequestRejected(ErrorCode.INVALID_REQUEST, "enough")
+
+    wire, _ = await run_job(takes_over)
+    (cancel,) = [d for s, d in wire.sent if s == NAMES.cancel(wire.frames[0].request_id)]
+    assert b"superseded" in cancel and b"below_attempt" in cancel
+    assert {f.attempt for f in wire.frames} == {5}
+    assert isinstance(wire.frames[0], AcceptedFrame) and isinstance(wire.frames[1], TokensFrame)
