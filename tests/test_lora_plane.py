@@ -202,6 +202,6 @@ async def test_garbage_in_the_lora_bucket_does_not_stop_the_watch(nats_url, name
             spec = {"v": 1, "name": "a", "source": "path", "ref": str(allowed / "a"), "version": 1}
             await kv.put(c.names.lora_key("fake", "a"), msgspec.msgpack.encode(spec))
             with anyio.fail_after(10):
-                while "a" not in w.adapters:
+                while "a" not in w.reports.adapters:
                     await anyio.sleep(0.05)
             await c.complete(req("fake", adapter="a"))
