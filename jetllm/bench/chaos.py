@@ -49,6 +49,8 @@ class Run(msgspec.Struct, kw_only=True):
     migrated: int
     resume_p50_s: float | None = None
     resume_p99_s: float | None = None
+    interrupted: int = 0
+    """Requests running on a worker when it was killed (the resume latency's sample)."""
     outputs: dict[str, list[int]] = {}
 
 
@@ -82,11 +84,19 @@ class Fleet:
                 os.killpg(p.pid, signal.SIGKILL)
 
 
-def _resume_times(kill_times: list[tuple[float, set[str]]], arrivals: dict[str, list[float]]) -> list[float]:
-    """For each request a kill interrupted: the time from the kill to its next token."""
+def _resume_times(
+    kill_times: list[tuple[float, str]], arrivals: dict[str, list[float]], on: dict[str, list[tuple[float, str]]],
+    ended: dict[str, float],
+) -> list[float]:
+    """For each request a kill interrupted (running on the killed worker, not ended yet): the time
+    from the kill to its next token. Read from the frames, not from a status taken before the kill,
+    which under load misses requests the worker took meanwhile."""
     resume = []
-    for at, rids in kill_times:
-        for rid in rids:
+    for at, victim in kill_times:
+        for rid, accepts in on.items():
+            before = [worker for t, worker in accepts if t < at]
+            if not before or before[-1] != victim or ended.get(rid, at) < at:
+                continue
             later = [t for t in arrivals.get(rid, []) if t > at]
             if later:
                 resume.append(later[0] - at)
@@ -106,9 +116,12 @@ async def _workload(client: Client, fleet: Fleet, served: str, args: argparse.Na
         for _ in range(args.requests)
     ]
     arrivals: dict[str, list[float]] = {r.request_id: [] for r in requests}
+    on: dict[str, list[tuple[float, str]]] = {r.request_id: [] for r in requests}
+    """Per request: when it was accepted, by which worker."""
+    ended: dict[str, float] = {}
     attempts: dict[str, int] = {}
     outputs: dict[int, list[int]] = {}
-    kill_times: list[tuple[float, set[str]]] = []
+    kill_times: list[tuple[float, str]] = []
     limiter = anyio.Semaphore(args.concurrency)
 
     async def one(i: int, r: GenerateRequest) -> None:
@@ -120,8 +133,10 @@ async def _workload(client: Client, fleet: Fleet, served: str, args: argparse.Na
                     tokens.extend(f.token_ids)
                 elif isinstance(f, AcceptedFrame):
                     attempts[r.request_id] = f.attempt
+                    on[r.request_id].append((time.monotonic(), f.worker))
                 elif not isinstance(f, FinalFrame):
                     raise RuntimeError(f"{r.request_id} failed: {f}")
+            ended[r.request_id] = time.monotonic()
             outputs[i] = tokens
 
     async def killer() -> None:
@@ -134,8 +149,8 @@ async def _workload(client: Client, fleet: Fleet, served: str, args: argparse.Na
                     break
                 await anyio.sleep(0.2)
             victim = random.Random(len(kill_times)).choice(busy)
-            fleet.kill(victim.pid)
-            kill_times.append((time.monotonic(), set(victim.request_ids)))
+            kill_times.append((time.monotonic(), victim.instance))
+            await anyio.to_thread.run_sync(fleet.kill, victim.pid)  # frames keep arriving meanwhile
 
     started = time.monotonic()
     async with anyio.create_task_group() as tg:
@@ -146,7 +161,7 @@ async def _workload(client: Client, fleet: Fleet, served: str, args: argparse.Na
                 reqs.start_soon(one, i, r)
         tg.cancel_scope.cancel()
     seconds = time.monotonic() - started
-    resume = _resume_times(kill_times, arrivals)
+    resume = _resume_times(kill_times, arrivals, on, ended)
     total = sum(len(o) for o in outputs.values())
     return Run(
         label="with kills" if kills else "without kills", seconds=seconds, tokens=total,
@@ -154,6 +169,7 @@ async def _workload(client: Client, fleet: Fleet, served: str, args: argparse.Na
         migrated=sum(1 for a in attempts.values() if a > 1),
         resume_p50_s=statistics.median(resume) if resume else None,
         resume_p99_s=percentile(resume, 99) if resume else None,
+        interrupted=len(resume),
         outputs={str(i): o for i, o in sorted(outputs.items())},
     )
 
@@ -248,6 +264,8 @@ def report(base: Run, chaos: Run, cancels: CancelTimes, args: argparse.Namespace
         f"| without kills | {base.tokens_per_s:,.0f} | {base.seconds:.1f} | 0 | 0 | - | - |\n"
         f"| with kills | {chaos.tokens_per_s:,.0f} | {chaos.seconds:.1f} | {chaos.kills} | {chaos.migrated} | {p50} | {p99} |\n\n"
         f"- every output of the run with kills equals the run without: **{'yes' if same else 'NO'}**\n"
+        f"- resume latency: from a kill to the next token of each request that was running on the killed "
+        f"worker ({chaos.interrupted} requests)\n"
         f"- throughput with kills / without: {chaos.tokens_per_s / base.tokens_per_s:.2f}x (restarted workers "
         "spend ~15-30 s loading the engine, during which the others carry the load)\n\n"
         f"Cancellation ({cancels.cancels} requests, {args.concurrency} concurrent, each cancelled mid-decode): "
