@@ -49,8 +49,10 @@ class Run(msgspec.Struct, kw_only=True):
     migrated: int
     resume_p50_s: float | None = None
     resume_p99_s: float | None = None
-    interrupted: int = 0
-    """Requests running on a worker when it was killed (the resume latency's sample)."""
+    resume_s: list[float] = []
+    """Per request running on a killed worker: kill to its next token, sorted."""
+    free_slots: list[int] = []
+    """Per kill: free slots on the other serving workers just before it (their status)."""
     outputs: dict[str, list[int]] = {}
 
 
@@ -122,6 +124,7 @@ async def _workload(client: Client, fleet: Fleet, served: str, args: argparse.Na
     attempts: dict[str, int] = {}
     outputs: dict[int, list[int]] = {}
     kill_times: list[tuple[float, str]] = []
+    free_slots: list[int] = []
     limiter = anyio.Semaphore(args.concurrency)
 
     async def one(i: int, r: GenerateRequest) -> None:
@@ -149,6 +152,8 @@ async def _workload(client: Client, fleet: Fleet, served: str, args: argparse.Na
                     break
                 await anyio.sleep(0.2)
             victim = random.Random(len(kill_times)).choice(busy)
+            free_slots.append(sum(s.slots - s.in_flight for s in statuses
+                                  if s.instance != victim.instance and s.state == "serving"))
             kill_times.append((time.monotonic(), victim.instance))
             await anyio.to_thread.run_sync(fleet.kill, victim.pid)  # frames keep arriving meanwhile
 
@@ -169,7 +174,8 @@ async def _workload(client: Client, fleet: Fleet, served: str, args: argparse.Na
         migrated=sum(1 for a in attempts.values() if a > 1),
         resume_p50_s=statistics.median(resume) if resume else None,
         resume_p99_s=percentile(resume, 99) if resume else None,
-        interrupted=len(resume),
+        resume_s=sorted(resume),
+        free_slots=free_slots,
         outputs={str(i): o for i, o in sorted(outputs.items())},
     )
 
@@ -265,7 +271,9 @@ def report(base: Run, chaos: Run, cancels: CancelTimes, args: argparse.Namespace
         f"| with kills | {chaos.tokens_per_s:,.0f} | {chaos.seconds:.1f} | {chaos.kills} | {chaos.migrated} | {p50} | {p99} |\n\n"
         f"- every output of the run with kills equals the run without: **{'yes' if same else 'NO'}**\n"
         f"- resume latency: from a kill to the next token of each request that was running on the killed "
-        f"worker ({chaos.interrupted} requests)\n"
+        f"worker ({len(chaos.resume_s)} requests; free slots on the other workers at the kills: "
+        f"{', '.join(map(str, chaos.free_slots)) or '-'}; a request beyond those waits for a slot): "
+        f"{', '.join(f'{t:.2f}' for t in chaos.resume_s) or '-'} s\n"
         f"- throughput with kills / without: {chaos.tokens_per_s / base.tokens_per_s:.2f}x (restarted workers "
         "spend ~15-30 s loading the engine, during which the others carry the load)\n\n"
         f"Cancellation ({cancels.cancels} requests, {args.concurrency} concurrent, each cancelled mid-decode): "
