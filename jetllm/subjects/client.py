@@ -30,15 +30,8 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import PubAck
 
-from ..errors import (
-    AcceptTimeout,
-    FrameGap,
-    PayloadTooLarge,
-    RequestFailed,
-    WorkerSilent,
-)
+from ..errors import PayloadTooLarge, RequestFailed
 from ..schemas import (
-    AcceptedFrame,
     Cancelled,
     CancelRequest,
     EmbedsPrompt,
@@ -47,9 +40,7 @@ from ..schemas import (
     FinalFrame,
     Frame,
     GenerateRequest,
-    HeartbeatFrame,
     Result,
-    TokensFrame,
 )
 from . import codec, results, tracecontext
 from .completion import Completion, assemble
@@ -57,6 +48,7 @@ from .connection import connect
 from .direct import subscribe_direct
 from .embeds import embeds_store, upload
 from .names import Names, check_role
+from .sequencer import Decision, Sequencer
 from .setup import QueuePolicy, check_server, ensure_streams
 
 log = logging.getLogger(__name__)
@@ -74,9 +66,7 @@ class _Inbox:
         self.items: deque[bytes | None] = deque()
         self.waiter: asyncio.Future[None] | None = None
         self.deadline: float | None = None
-
-    def wait_for(self, seconds: float | None) -> None:
-        self.deadline = None if seconds is None else time.monotonic() + seconds
+        """Monotonic time at which the watchdog puts a None (a wake-up) in the inbox."""
 
     def put(self, data: bytes | None) -> None:
         self.items.append(data)
@@ -293,7 +283,7 @@ class Client:
 
     # streaming
 
-    async def generate(  # noqa: C901 - one loop over every frame kind, migration and gap recovery
+    async def generate(
         self,
         req: GenerateRequest,
         *,
@@ -311,136 +301,103 @@ class Client:
         """
         check_role(role)
         token = uuid.uuid4().hex
-        inbox = _Inbox()
-        self._inboxes[token] = inbox
-        if req.reply_to is None:
-            req = msgspec.structs.replace(req, reply_to=f"{self._inbox_root}.{token}")
-        elif not req.reply_to.startswith(self._inbox_root):
-            raise ValueError("generate() sets reply_to itself; leave it None (or use submit())")
-        finished = False
+        req = self._replying_here(req, token)
+        inbox = self._inboxes[token] = _Inbox()
         traceparent = traceparent or tracecontext.new_traceparent()
+        ours = True
+        seq = None
         uploaded = None
         try:
             req, uploaded = await self.offload_embeds(req)
             ack = await self.submit(req, role=role, traceparent=traceparent)
             if ack.duplicate:
                 # The job exists already (submitted before, maybe by a run that died): follow it.
-                finished = True  # nothing of ours to cancel: the request belongs to its first submitter
+                ours = False  # nothing of ours to cancel: the request belongs to its first submitter
                 async with aclosing(self.attach(req.request_id)) as frames:
                     async for frame in frames:
                         yield frame
                 return
-            last_seq = 0
-            seen: list[TokensFrame] = []
-            attempt = 0
-            accepted = False
-            worker = job_ack = None
-            seen_reconnects = self.nc.stats.get("reconnects", 0)
-            inbox.wait_for(accept_timeout)
-            decode = codec.frame_decoder.decode
-            encoding = self.encoding
+            seq = Sequencer(
+                req.request_id,
+                time.monotonic(),
+                encoding=self.encoding,
+                migrate=self.migrate,
+                accept_timeout=accept_timeout,
+                heartbeat_timeout=self.heartbeat_timeout,
+                reconnects=self.nc.stats.get("reconnects", 0),
+            )
             while True:
+                inbox.deadline = seq.deadline
                 data = await inbox.get()
+                now = time.monotonic()
                 if data is None:
-                    if not accepted:
-                        raise AcceptTimeout(
-                            f"request {req.request_id}: no worker accepted it within {accept_timeout}s"
-                        )
-                    if not self.migrate:
-                        raise WorkerSilent(
-                            f"request {req.request_id}: no frame for {self.heartbeat_timeout:.1f}s "
-                            "after the worker accepted it"
-                        )
-                    ended = await results.result_quietly(self.js, self.names, req.request_id)
-                    if ended is not None:  # it finished while its last frames were lost (a reconnect)
-                        for missed in results.rest_of(ended, seen, last_seq):
-                            last_seq = missed.seq
-                            finished = finished or isinstance(missed, (FinalFrame, ErrorFrame))
-                            yield missed
-                        return
-                    reconnects = self.nc.stats.get("reconnects", 0)
-                    if not self.nc.is_connected or reconnects != seen_reconnects:
-                        # We were cut off ourselves: the worker is probably fine; frames we
-                        # missed meanwhile are recovered from the request log.
-                        seen_reconnects = reconnects
-                        inbox.wait_for(self.heartbeat_timeout)
-                        continue
-                    if worker is not None and await self._alive(worker):
-                        inbox.wait_for(self.heartbeat_timeout)
-                        continue
-                    log.info("request %s: worker %s is gone; moving the job on", req.request_id, worker)
-                    if job_ack:
-                        with anyio.CancelScope(shield=True):
-                            await self.nc.publish(job_ack, b"-NAK")
-                    accepted = False
-                    inbox.wait_for(accept_timeout)
-                    continue
-                try:
-                    frame = decode(data, encoding)
-                except codec.UnknownKind as exc:  # a newer worker's extra information: not ours to read
-                    log.debug("request %s: skipping a frame: %s", req.request_id, exc)
-                    continue
-                if frame.attempt < attempt:
-                    continue  # from a worker that lost the job to a newer delivery
-                if isinstance(frame, AcceptedFrame):
-                    if accepted and frame.attempt <= attempt:
-                        continue  # a repeat
-                    accepted = True
-                    attempt = frame.attempt
-                    worker, job_ack = frame.worker, frame.job_ack
-                    inbox.wait_for(self.heartbeat_timeout)
+                    decision = seq.wake(
+                        now, connected=self.nc.is_connected, reconnects=self.nc.stats.get("reconnects", 0)
+                    )
+                else:
+                    decision = seq.receive(data, now)
+                if decision.asks:
+                    decision = await self._carry_out(seq, decision)
+                for frame in decision.emit:
                     yield frame
-                    continue
-                beat = isinstance(frame, HeartbeatFrame)
-                if beat:
-                    if accepted:
-                        inbox.wait_for(self.heartbeat_timeout)
-                elif frame.seq <= last_seq:
-                    continue  # a duplicate (replayed by a worker that took the job over)
-                before = frame.seq + 1 if beat else frame.seq  # a heartbeat carries the last seq sent
-                if before > last_seq + 1:
-                    filled = await results.fill_gap(self.js, self.names, req.request_id, seen, last_seq, before)
-                    for missed in filled:
-                        last_seq = missed.seq
-                        if isinstance(missed, TokensFrame):
-                            seen.append(missed)
-                        finished = finished or isinstance(missed, (FinalFrame, ErrorFrame))
-                        yield missed
-                    if finished:
-                        return
-                if beat:
-                    continue
-                if frame.seq != last_seq + 1:
-                    raise FrameGap(f"request {req.request_id}: expected frame {last_seq + 1}, got {frame.seq}")
-                last_seq = frame.seq
-                if accepted:
-                    inbox.wait_for(self.heartbeat_timeout)
-                if isinstance(frame, (FinalFrame, ErrorFrame)):
-                    finished = True  # before the yield: the caller may stop iterating right here
-                    yield frame
+                if decision.error is not None:
+                    raise decision.error
+                if decision.end:
                     return
-                if isinstance(frame, TokensFrame):
-                    seen.append(frame)
-                yield frame
         finally:
             self._inboxes.pop(token, None)
-            if not finished and self._nc is not None and self._nc.is_connected:
-                with anyio.CancelScope(shield=True):
-                    try:
-                        await self.cancel(req.request_id, reason="producer stopped listening", traceparent=traceparent)
-                    except Exception as exc:  # the request still ends: its worker stops on close
-                        log.warning("could not send cancel for %s: %s", req.request_id, exc)
-            if uploaded is not None and self._nc is not None and self._nc.is_connected:
-                with anyio.CancelScope(shield=True):
-                    await self._drop_embeds(uploaded)
+            await self._leave(req, traceparent, ours and not (seq is not None and seq.finished), uploaded)
 
-    async def _alive(self, worker: str) -> bool:
-        """Whether a worker answers its ping (a dead one's subject has no responders at once)."""
+    def _replying_here(self, req: GenerateRequest, token: str) -> GenerateRequest:
+        if req.reply_to is None:
+            return msgspec.structs.replace(req, reply_to=f"{self._inbox_root}.{token}")
+        if not req.reply_to.startswith(self._inbox_root):
+            raise ValueError("generate() sets reply_to itself; leave it None (or use submit())")
+        return req
+
+    async def _carry_out(self, seq: Sequencer, decision: Decision) -> Decision:
+        """What the sequencer asks of the world (the log, a ping, a NAK), reported back until it has decided."""
+        rid = seq.request_id
+        while decision.asks:
+            if decision.fill is not None:
+                filled = await results.fill_gap(self.js, self.names, rid, seq.seen, *decision.fill)
+                decision = seq.filled(filled, time.monotonic())
+            elif decision.probe is not None:
+                decision = seq.probed(await self._gone(decision.probe), time.monotonic())
+            else:
+                ended = await results.result_quietly(self.js, self.names, rid)
+                decision = seq.looked_up(ended, time.monotonic())
+        if decision.gone is not None:
+            log.info("request %s: worker %s is gone; moving the job on", rid, decision.gone)
+        if decision.nak is not None:
+            with anyio.CancelScope(shield=True):
+                await self.nc.publish(decision.nak, b"-NAK")
+        return decision
+
+    async def _gone(self, worker: str) -> bool:
+        """Whether a worker fails its ping (a dead one's subject has no responders at once)."""
         try:
             await self.nc.request(self.names.instance_control(worker, "ping"), b"", timeout=1.0)
-            return True
-        except Exception:
             return False
+        except Exception:
+            return True
+
+    async def _leave(
+        self, req: GenerateRequest, traceparent: str, cancel: bool, uploaded: str | None
+    ) -> None:
+        """After a request's stream, whatever ended it: stop the request if it still runs, drop its upload."""
+        if self._nc is None or not self._nc.is_connected:
+            return
+        with anyio.CancelScope(shield=True):
+            if cancel:
+                try:
+                    await self.cancel(
+                        req.request_id, reason="producer stopped listening", traceparent=traceparent
+                    )
+                except Exception as exc:  # the request still ends: its worker stops on close
+                    log.warning("could not send cancel for %s: %s", req.request_id, exc)
+            if uploaded is not None:
+                await self._drop_embeds(uploaded)
 
     async def complete(self, req: GenerateRequest, **kwargs: Any) -> Completion:
         """Run `req` to the end and return the assembled result; error frames raise RequestFailed."""
