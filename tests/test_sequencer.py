@@ -219,23 +219,23 @@ TIMERS = [
         ["-", "raise AcceptTimeout"],
     ),
     (
-        "a dead worker: the log has no result, the ping fails, the job moves on",
+        "a dead worker: its ping has no responders, the log has no result, the job moves on",
         {},
         [
             at(0, acc()),
             at(0.125, tok(1)),
-            wake(2.125),
-            looked_up(None),
+            wake(0.375),
             probed(True),
-            at(2.5, acc(2, 1, "w2")),
-            at(2.625, tok(1, 2)),
-            at(2.75, tok(2, 2)),
+            looked_up(None),
+            at(0.5, acc(2, 1, "w2")),
+            at(0.625, tok(1, 2)),
+            at(0.75, tok(2, 2)),
         ],
         [
             "accepted#1",
             "t1",
-            "lookup",
             "probe w1",
+            "lookup",
             "gone w1 nak ack.w1",
             "accepted#2",
             "drop duplicate",
@@ -243,10 +243,21 @@ TIMERS = [
         ],
     ),
     (
-        "a worker that answers its ping is waited for again",
+        "a slow worker (ping unanswered) is never given up on; the log is read every heartbeat_timeout",
         {},
-        [at(0, acc()), wake(2.0), looked_up(None), probed(False), wake(3.0), wake(4.0)],
-        ["accepted#1", "lookup", "probe w1", "-", "-", "lookup"],
+        [
+            at(0, acc()),
+            wake(0.25),
+            probed(False),
+            wake(0.5),
+            probed(False),
+            wake(2.0),
+            looked_up(None),
+            wake(2.25),
+            probed(False),
+            at(2.3, tok(1)),
+        ],
+        ["accepted#1", "probe w1", "-", "probe w1", "-", "lookup", "-", "probe w1", "-", "t1"],
     ),
     (
         "a request that ended while its last frames were lost is completed from the log",
@@ -255,25 +266,43 @@ TIMERS = [
         ["accepted#1", "t1", "lookup", "t2 final3 end"],
     ),
     (
-        "heartbeats keep a quiet request alive",
+        "a worker that died after the end: the log answers, no NAK",
         {},
-        [at(0, acc()), at(1.5, beat(0)), wake(2.0), wake(3.5)],
-        ["accepted#1", "-", "-", "lookup"],
+        [at(0, acc()), at(0.125, tok(1)), wake(0.375), probed(True), looked_up(ended(3))],
+        ["accepted#1", "t1", "probe w1", "lookup", "t2 final3 end"],
+    ),
+    (
+        "heartbeats keep a quiet request from being pinged",
+        {},
+        [at(0, acc()), at(0.25, beat(0)), wake(0.25), wake(0.5)],
+        ["accepted#1", "-", "-", "probe w1"],
     ),
     (
         "a frame kind it does not know is no sign of life",
         {},
-        [at(0, acc()), at(1.5, unknown_kind(0)), wake(2.0)],
-        ["accepted#1", "drop unknown kind", "lookup"],
+        [at(0, acc()), at(0.2, unknown_kind(0)), wake(0.25)],
+        ["accepted#1", "drop unknown kind", "probe w1"],
     ),
     (
-        "cut off ourselves (a reconnect): the worker is not blamed, the next silence is checked",
+        "cut off ourselves (a reconnect): no ping for heartbeat_timeout, the log is still read",
         {},
-        [at(0, acc()), wake(2.0, reconnects=1), looked_up(None), wake(4.0, reconnects=1), looked_up(None)],
-        ["accepted#1", "lookup", "-", "lookup", "probe w1"],
+        [
+            at(0, acc()),
+            wake(0.25, reconnects=1),
+            wake(2.0, reconnects=1),
+            looked_up(None),
+            wake(2.25, reconnects=1),
+        ],
+        ["accepted#1", "-", "lookup", "-", "probe w1"],
     ),
     (
-        "migrate off: silence for heartbeat_timeout fails the stream",
+        "a worker given up on that sends again (it was reconnecting) is watched again",
+        {},
+        [at(0, acc()), wake(0.25), probed(True), looked_up(None), at(0.375, tok(1)), wake(0.625)],
+        ["accepted#1", "probe w1", "lookup", "gone w1 nak ack.w1", "t1", "probe w1"],
+    ),
+    (
+        "migrate off: silence for heartbeat_timeout fails the stream, without pings",
         {"migrate": False},
         [at(0, acc()), wake(1.0), wake(2.0)],
         ["accepted#1", "-", "raise WorkerSilent"],
@@ -281,7 +310,7 @@ TIMERS = [
     (
         "a wake-up that comes late, after frames arrived, does nothing",
         {},
-        [at(0, acc()), at(1.5, tok(1)), wake(2.0)],
+        [at(0, acc()), at(0.3, tok(1)), wake(0.31)],
         ["accepted#1", "t1", "-"],
     ),
 ]
@@ -299,11 +328,12 @@ def test_timers(options, events, decisions):
     [
         ({}, [], None),  # no accept_timeout: wait for a worker as long as it takes
         ({"accept_timeout": 5.0}, [], 5.0),
-        ({}, [at(1.0, acc())], 3.0),
-        ({}, [at(1.0, acc()), at(1.25, beat(0))], 3.25),
-        ({}, [at(1.0, acc()), at(1.25, tok(1)), at(1.5, tok(1))], 3.25),  # a duplicate moves nothing
+        ({}, [at(1.0, acc())], 1.25),  # the first ping
+        ({}, [at(1.0, acc()), at(1.25, beat(0))], 1.5),
+        ({}, [at(1.0, acc()), at(1.25, tok(1)), at(1.5, tok(1))], 1.5),  # a duplicate moves nothing
+        ({"probe_after": 5.0}, [at(1.0, acc())], 3.0),  # reading the log comes first then
         ({"migrate": False}, [at(1.0, acc())], 3.0),
-        ({"accept_timeout": 5.0}, [at(1.0, acc()), wake(3.0), looked_up(None), probed(True)], 8.0),
+        ({"accept_timeout": 5.0}, [at(1.0, acc()), wake(1.25), probed(True), looked_up(None)], 6.25),
     ],
 )
 def test_deadline(options, events, deadline):

@@ -87,7 +87,9 @@ class Fleet:
 
 
 def _resume_times(
-    kill_times: list[tuple[float, str]], arrivals: dict[str, list[float]], on: dict[str, list[tuple[float, str]]],
+    kill_times: list[tuple[float, str]],
+    arrivals: dict[str, list[float]],
+    on: dict[str, list[tuple[float, str]]],
     ended: dict[str, float],
 ) -> list[float]:
     """For each request a kill interrupted (running on the killed worker, not ended yet): the time
@@ -241,7 +243,8 @@ async def _main(args: argparse.Namespace, log_dir: Path) -> tuple[Run, Run, Canc
             namespace = f"chaos-{uuid.uuid4().hex[:6]}"
             fleet = Fleet(server.url, namespace, model, served, log_dir, args.workers, extra)
             try:
-                async with Client(server.url, namespace=namespace, heartbeat_timeout=args.heartbeat_timeout) as c:
+                async with Client(server.url, namespace=namespace, heartbeat_timeout=args.heartbeat_timeout,
+                                  probe_after=args.probe_after) as c:
                     await wait_for_workers(c.nc, c.names, model=served, count=args.workers, timeout=600)
                     print(f"bench-chaos: {args.requests} requests, {f'{kills} kills' if kills else 'no kills'} ...",
                           file=sys.stderr, flush=True)
@@ -262,8 +265,9 @@ def report(base: Run, chaos: Run, cancels: CancelTimes, args: argparse.Namespace
         f"Workload: {args.requests} greedy requests, {args.concurrency} concurrent, {args.prompt_len}-token prompts, "
         f"{args.output_len} tokens each, {args.workers} workers ({args.slots} slots each); in the second run a busy "
         f"worker is SIGKILLed every {args.kill_every:.0f} s (while another serves) and restarted ({args.kills} "
-        "kills); producers check "
-        f"a silent worker after {args.heartbeat_timeout:.1f} s.\n\n"
+        f"kills); producers ping a worker after {args.probe_after:.2f} s of silence (only \"no "
+        "responders\", a closed connection, counts as death) and read the request log after "
+        f"{args.heartbeat_timeout:.1f} s.\n\n"
         f"Command: `{command}`\n\n"
         "| run | output tok/s | seconds | kills | requests moved | resume p50 | resume p99 |\n"
         "|---|---:|---:|---:|---:|---:|---:|\n"
@@ -310,7 +314,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kills", type=int, default=2, help="SIGKILLs in the second run")
     p.add_argument("--kill-every", type=float, default=4.0, help="seconds between kills")
     p.add_argument("--ack-wait", type=float, default=10.0, help="the queue's ack_wait (redelivery backstop)")
-    p.add_argument("--heartbeat-timeout", type=float, default=2.0, help="producer: silence before checking the worker")
+    p.add_argument("--heartbeat-timeout", type=float, default=2.0,
+                   help="producer: silence before reading the request log for a result")
+    p.add_argument("--probe-after", type=float, default=0.25,
+                   help="producer: silence before pinging the worker")
     p.add_argument("--model", default=None, help="default: the tiny model")
     p.add_argument("--served-model-name", default=None, help="name of the model on the wire")
     p.add_argument("--write", default=None, help="replace the chaos section of this markdown file")

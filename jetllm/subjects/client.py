@@ -55,6 +55,12 @@ log = logging.getLogger(__name__)
 
 HEADER_MARGIN = 512
 """Bytes kept free under max_payload for headers (nats-py only checks the body)."""
+PROBE_TIMEOUT = 0.25
+"""How long a ping waits: "no responders" comes back within a round trip to the server; later
+than this, the worker is there and busy, and the next ping is soon anyway."""
+PROBE_SHARED = 0.05
+"""A ping sent this recently (or still out) answers for every request on the same worker: many
+quiet requests on one busy worker cost it one ping, not one each."""
 
 
 class _Inbox:
@@ -84,6 +90,17 @@ class _Inbox:
         return self.items.popleft()
 
 
+class _Probe:
+    """One ping of a worker, shared by the requests that wait for it."""
+
+    __slots__ = ("sent", "done", "gone")
+
+    def __init__(self, sent: float) -> None:
+        self.sent = sent
+        self.done = anyio.Event()
+        self.gone = False
+
+
 class Client:
     """A connection to one jetllm namespace, for producers."""
 
@@ -94,6 +111,7 @@ class Client:
         namespace: str = "default",
         nc: NATS | None = None,
         heartbeat_timeout: float = 2.0,
+        probe_after: float = 0.25,
         migrate: bool = True,
         publish_timeout: float = 30.0,
         encoding: codec.Encoding = "msgpack",
@@ -107,7 +125,12 @@ class Client:
         self._own_nc = nc is None
         self._name = name
         self.heartbeat_timeout = heartbeat_timeout
-        """Silence after which the worker is checked: alive, keep waiting; gone, move the job on."""
+        """Silence after which the request log is read in case the request ended while its last frames
+        were lost; with `migrate` off, silence after which the request fails with WorkerSilent."""
+        self.probe_after = probe_after
+        """Silence after which the worker is pinged (and again as often while it lasts). Only "no
+        responders", which the server answers once the worker's connection is gone, moves the job on:
+        a slow worker is never taken for a dead one, so a short silence is enough."""
         self.migrate = migrate
         self.publish_timeout = publish_timeout
         self.encoding = encoding
@@ -118,6 +141,7 @@ class Client:
         self._inbox_root = ""
         self._sub: Subscription | None = None
         self._inboxes: dict[str, _Inbox] = {}
+        self._probes: dict[str, _Probe] = {}
         self._tg: TaskGroup | None = None
 
     @property
@@ -167,14 +191,23 @@ class Client:
             inbox.put(msg.data)
 
     async def _watchdog(self) -> None:
-        """Wakes requests whose wait ran out; a timer per request per frame costs too much."""
+        """Wakes requests whose wait ran out; a timer per request per frame costs too much.
+
+        It sleeps until the nearest deadline it knows of, at most 0.1 s, so a ping is on time
+        and a deadline set meanwhile is noticed within 0.1 s."""
+        pause = 0.1
         while True:
-            await anyio.sleep(0.1)
+            await anyio.sleep(pause)
             now = time.monotonic()
+            pause = 0.1
             for inbox in list(self._inboxes.values()):
-                if inbox.deadline is not None and now > inbox.deadline:
+                if inbox.deadline is None:
+                    continue
+                if now >= inbox.deadline:
                     inbox.deadline = None  # one wake-up per deadline; the request re-arms it
                     inbox.put(None)
+                else:
+                    pause = min(pause, inbox.deadline - now)
 
     # submitting
 
@@ -324,6 +357,7 @@ class Client:
                 migrate=self.migrate,
                 accept_timeout=accept_timeout,
                 heartbeat_timeout=self.heartbeat_timeout,
+                probe_after=self.probe_after,
                 reconnects=self.nc.stats.get("reconnects", 0),
             )
             while True:
@@ -375,12 +409,29 @@ class Client:
         return decision
 
     async def _gone(self, worker: str) -> bool:
-        """Whether a worker fails its ping (a dead one's subject has no responders at once)."""
+        """Whether the worker's connection is gone: then its ping subject has no responders, which the
+        server says at once. No answer in time is a busy worker (or trouble on our side), not a dead one."""
+        now = time.monotonic()
+        probe = self._probes.get(worker)
+        if probe is None or (probe.done.is_set() and now - probe.sent > PROBE_SHARED):
+            if len(self._probes) > 64:  # workers come and go; keep the recent ones
+                self._probes = {w: p for w, p in self._probes.items() if now - p.sent <= PROBE_SHARED}
+            if self._tg is None:  # closing
+                return False
+            probe = self._probes[worker] = _Probe(now)
+            self._tg.start_soon(self._ping, worker, probe)  # its own task: a waiter's cancel is not its end
+        await probe.done.wait()
+        return probe.gone
+
+    async def _ping(self, worker: str, probe: _Probe) -> None:
         try:
-            await self.nc.request(self.names.instance_control(worker, "ping"), b"", timeout=1.0)
-            return False
+            await self.nc.request(self.names.instance_control(worker, "ping"), b"", timeout=PROBE_TIMEOUT)
+        except nats.errors.NoRespondersError:
+            probe.gone = True
         except Exception:
-            return True
+            pass
+        finally:
+            probe.done.set()
 
     async def _leave(
         self, req: GenerateRequest, traceparent: str, cancel: bool, uploaded: str | None

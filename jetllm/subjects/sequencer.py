@@ -11,9 +11,9 @@ the stream live here, so they can be tested row by row without NATS:
   also reveals a loss. A frame from an older attempt than the newest accepted comes from a worker
   that lost the job. A frame of a kind this version does not know is skipped like one that never
   came (docs/messages.md, "Versioning and compatibility").
-- After `heartbeat_timeout` of silence the request log is read (the request may have ended while
-  its last frames were lost), then the worker is pinged: alive, keep waiting; gone, the job moves
-  on. A producer that was cut off itself (a reconnect) does not blame the worker.
+- A worker is dead only when the server says so: a ping of its instance subject that has no
+  responders (the server drops a connection's interest as soon as the connection closes). A ping
+  that goes unanswered is a slow worker, never a dead one. So a short silence is enough to ping.
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True):
     lookup: bool = False
     """Read the request's result from its log: it may have ended while its last frames were lost."""
     probe: str | None = None
-    """Ping this worker: is it alive?"""
+    """Ping this worker: does its connection still exist?"""
     gone: str | None = None
-    """This worker is gone; its job moves on (NAK `nak`, when the worker gave one)."""
+    """This worker's connection is gone; its job moves on (NAK `nak`, when the worker gave one)."""
     nak: str | None = None
 
     @property
@@ -67,6 +67,7 @@ class Sequencer:
         migrate: bool = True,
         accept_timeout: float | None = None,
         heartbeat_timeout: float = 2.0,
+        probe_after: float = 0.25,
         reconnects: int = 0,
     ) -> None:
         self.request_id = request_id
@@ -74,7 +75,10 @@ class Sequencer:
         self.migrate = migrate
         self.accept_timeout = accept_timeout
         self.heartbeat_timeout = heartbeat_timeout
-        """Silence after which the worker is checked (or, with `migrate` off, counts as silent)."""
+        """Silence after which the log is read for a result (the last frames may be lost), and, with
+        `migrate` off, after which the worker counts as silent."""
+        self.probe_after = probe_after
+        """Silence after which the worker is pinged, and again as often while it lasts."""
         self.attempt = 0
         self.accepted = False
         self.worker: str | None = None
@@ -85,17 +89,19 @@ class Sequencer:
         self.finished = False
         """A final or error frame was passed on: nothing is left to cancel."""
         self._held: Frame | None = None
-        self._cut_off = False
+        self._suspect = False
         self._reconnects = reconnects
         self._accept_by = self._accept_deadline(now)
-        self._heard = now
+        self._heard = self._probe_at = self._lookup_at = now
 
     @property
     def deadline(self) -> float | None:
         """When to wake up (`wake`) if nothing arrives before."""
         if not self.accepted:
             return self._accept_by
-        return self._heard + self.heartbeat_timeout
+        if not self.migrate:
+            return self._heard + self.heartbeat_timeout
+        return min(self._probe_at, self._lookup_at)
 
     # frames
 
@@ -111,6 +117,8 @@ class Sequencer:
             return Decision(drop="older attempt")  # from a worker that lost the job to a newer delivery
         if isinstance(frame, AcceptedFrame):
             return self._accepted(frame, now)
+        if not self.accepted and self.worker is not None and frame.attempt == self.attempt:
+            self.accepted = True  # the worker given up on is there after all: watch it again
         beat = isinstance(frame, HeartbeatFrame)
         if beat:
             self._alive(now)
@@ -135,6 +143,7 @@ class Sequencer:
         if self.accepted and frame.attempt <= self.attempt:
             return Decision(drop="repeated accepted")
         self.accepted = True
+        self._suspect = False
         self.attempt = frame.attempt
         self.worker, self.job_ack = frame.worker, frame.job_ack
         self._alive(now)
@@ -164,6 +173,8 @@ class Sequencer:
     def _alive(self, now: float) -> None:
         if self.accepted:
             self._heard = now
+            self._probe_at = now + self.probe_after
+            self._lookup_at = now + self.heartbeat_timeout
 
     # silence
 
@@ -177,17 +188,34 @@ class Sequencer:
                     )
                 )
             return NOTHING
-        if now < self._heard + self.heartbeat_timeout:
-            return NOTHING
         if not self.migrate:
-            return Decision(
-                error=WorkerSilent(
-                    f"request {self.request_id}: no frame for {self.heartbeat_timeout:.1f}s after the worker "
-                    "accepted it"
+            if now >= self._heard + self.heartbeat_timeout:
+                return Decision(
+                    error=WorkerSilent(
+                        f"request {self.request_id}: no frame for {self.heartbeat_timeout:.1f}s after the worker "
+                        "accepted it"
+                    )
                 )
-            )
-        self._cut_off = not connected or reconnects != self._reconnects
-        self._reconnects = reconnects
+            return NOTHING
+        if not connected or reconnects != self._reconnects:
+            # We were cut off ourselves: the worker is probably fine (frames we missed meanwhile are
+            # read from the log), and it may not have resubscribed yet: no pings for a while.
+            self._reconnects = reconnects
+            self._probe_at = max(self._probe_at, now + self.heartbeat_timeout)
+        if now >= self._lookup_at:
+            self._lookup_at = now + self.heartbeat_timeout
+            return Decision(lookup=True)
+        if now >= self._probe_at:
+            self._probe_at = now + self.probe_after
+            return Decision(probe=self.worker)
+        return NOTHING
+
+    def probed(self, gone: bool, now: float) -> Decision:
+        """Whether the worker's ping had no responders. Before the job moves on, the log is read:
+        a request that ended while its last frames were lost is answered from it."""
+        if not gone or not self.accepted:
+            return NOTHING
+        self._suspect = True
         return Decision(lookup=True)
 
     def looked_up(self, ended: Result | None, now: float) -> Decision:
@@ -195,17 +223,9 @@ class Sequencer:
             frames = rest_of(ended, self.seen, self.last_seq)
             self._passed(frames)
             return Decision(emit=tuple(frames), end=True)
-        if self._cut_off:
-            # We were cut off ourselves: the worker is probably fine; frames we missed meanwhile
-            # are recovered from the request log.
-            self._heard = now
+        if not self._suspect or not self.accepted:
             return NOTHING
-        return Decision(probe=self.worker)
-
-    def probed(self, gone: bool, now: float) -> Decision:
-        if not gone:
-            self._heard = now
-            return NOTHING
+        self._suspect = False
         self.accepted = False
         self._accept_by = self._accept_deadline(now)
         return Decision(gone=self.worker, nak=self.job_ack)
