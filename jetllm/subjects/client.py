@@ -30,6 +30,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import PubAck
 
+from ..aio import retried
 from ..errors import PayloadTooLarge, RequestFailed
 from ..schemas import (
     Cancelled,
@@ -61,6 +62,16 @@ than this, the worker is there and busy, and the next ping is soon anyway."""
 PROBE_SHARED = 0.05
 """A ping sent this recently (or still out) answers for every request on the same worker: many
 quiet requests on one busy worker cost it one ping, not one each."""
+
+
+_PUBLISH_RETRIED = (
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionClosedError,
+    nats.errors.OutboundBufferLimitError,
+    nats.js.errors.ServiceUnavailableError,
+)
+"""What a publish meets while the server restarts or a stream's leader moves."""
 
 
 class _Inbox:
@@ -238,18 +249,10 @@ class Client:
             tracecontext.HEADER: traceparent or tracecontext.new_traceparent(),
         }
         subject = self.names.jobs(role, req.model)
-        deadline = time.monotonic() + self.publish_timeout
-        delay = 0.1
-        while True:
-            try:
-                return await self.js.publish(subject, data, headers=headers, timeout=2.0)
-            except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionClosedError,
-                    nats.errors.OutboundBufferLimitError, nats.js.errors.ServiceUnavailableError) as exc:
-                if time.monotonic() + delay > deadline:
-                    raise
-                log.info("publishing %s failed (%s); retrying", req.request_id, type(exc).__name__)
-                await anyio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+        return await retried(
+            lambda: self.js.publish(subject, data, headers=headers, timeout=2.0),
+            errors=_PUBLISH_RETRIED, within=self.publish_timeout, what=f"publishing {req.request_id}",
+        )
 
     async def offload_embeds(self, req: GenerateRequest) -> tuple[GenerateRequest, str | None]:
         """`req` with inline prompt embeddings moved to the object store when they are too big for
