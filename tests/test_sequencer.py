@@ -150,9 +150,14 @@ FRAMES = [
         ["accepted#1", "drop repeated accepted", "t1"],
     ),
     (
-        "migration: the new attempt replays the log, then goes on at the next seq",
-        [acc(), tok(1), tok(2), acc(2, seq=2, worker="w2"), tok(1, 2), tok(2, 2), tok(3, 2), fin(4, 2)],
-        ["accepted#1", "t1", "t2", "accepted#2", "drop duplicate", "drop duplicate", "t3", "final4 end"],
+        "migration: the new attempt replays the log, is accepted, goes on at the next seq",
+        [acc(), tok(1), tok(2), tok(1, 2), tok(2, 2), acc(2, seq=2, worker="w2"), tok(3, 2), fin(4, 2)],
+        ["accepted#1", "t1", "t2", "drop duplicate", "drop duplicate", "accepted#2", "t3", "final4 end"],
+    ),
+    (
+        "migration when the moved request's accepted frame was lost",
+        [acc(), tok(1), tok(1, 2), tok(2, 2)],
+        ["accepted#1", "t1", "drop duplicate", "t2"],
     ),
     (
         "frames of the superseded attempt are dropped",
