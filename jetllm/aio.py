@@ -1,9 +1,10 @@
-"""Running jetllm's async entry points (anyio on asyncio, with uvloop when it is installed), and
-keeping a background task's failure its own."""
+"""Running jetllm's async entry points (anyio on asyncio, with uvloop when it is installed),
+keeping a background task's failure its own, and retrying a call that fails for a while."""
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -54,3 +55,23 @@ def describe(exc: BaseException) -> str:
     while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
         exc = exc.exceptions[0]
     return f"{type(exc).__name__}: {exc}"
+
+
+async def retried(
+    call: Callable[[], Awaitable[T]], *, errors: tuple[type[BaseException], ...], within: float, what: str,
+    first: float = 0.1, longest: float = 1.0,
+) -> T:
+    """`call()`, again after each failure of the kinds in `errors`, pausing twice as long each time
+    (from `first` up to `longest`) for up to `within` seconds; then the last failure is raised.
+    For calls that fail while a server restarts or a stream leader moves: there waiting is the fix."""
+    deadline = time.monotonic() + within
+    delay = first
+    while True:
+        try:
+            return await call()
+        except errors as exc:
+            if time.monotonic() + delay > deadline:
+                raise
+            log.info("%s failed (%s); retrying in %.1fs", what, type(exc).__name__, delay)
+            await anyio.sleep(delay)
+            delay = min(delay * 2, longest)

@@ -85,6 +85,39 @@ async def test_sigkill_mid_stream_continues_on_another_worker_without_gap_or_dup
     assert final.usage.prompt_tokens == 3
 
 
+async def test_a_frozen_worker_keeps_its_request_only_a_closed_connection_moves_it(
+        nats_url, namespace, start_fake_worker):
+    """A worker frozen for longer than the producer's silence and ping timeouts (SIGSTOP: the worst a
+    saturated CPU can do) answers no ping, but its connection stays open: the request is not moved,
+    and it ends on that worker once it runs again."""
+    a = await start_ready(start_fake_worker, nats_url, namespace, "--step-delay", "0.02")
+    b = await start_ready(start_fake_worker, nats_url, namespace, "--step-delay", "0.02")
+    workers = {a.instance: a, b.instance: b}
+
+    async def freeze(worker) -> None:
+        worker.signal(signal.SIGSTOP)
+        try:
+            await anyio.sleep(4)
+        finally:
+            worker.signal(signal.SIGCONT)
+
+    async with Client(nats_url, namespace=namespace, heartbeat_timeout=1.0) as c:
+        r = req("fake", [6, 1], max_tokens=100)
+        frames: list = []
+        tokens = 0
+        async with anyio.create_task_group() as tg:
+            async for frame in c.generate(r):
+                frames.append(frame)
+                if isinstance(frame, TokensFrame):
+                    tokens += len(frame.token_ids)
+                    if tokens >= 10 and tokens - len(frame.token_ids) < 10:  # once, while it streams
+                        tg.start_soon(freeze, workers[frames[0].worker])
+    accepted = [f for f in frames if isinstance(f, AcceptedFrame)]
+    assert [f.attempt for f in accepted] == [1] and {f.attempt for f in frames} == {1}
+    assert [t for f in frames if isinstance(f, TokensFrame) for t in f.token_ids] == expected_tokens([6, 1], 100)
+    assert isinstance(frames[-1], FinalFrame)
+
+
 async def test_detached_job_migrates_and_its_result_is_stored(nats_url, namespace, start_fake_worker):
     a = await start_ready(start_fake_worker, nats_url, namespace, "--step-delay", "0.02", "--ack-wait", "2")
     async with Client(nats_url, namespace=namespace) as c:

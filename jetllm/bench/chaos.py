@@ -49,6 +49,10 @@ class Run(msgspec.Struct, kw_only=True):
     migrated: int
     resume_p50_s: float | None = None
     resume_p99_s: float | None = None
+    resume_s: list[float] = []
+    """Per request running on a killed worker: kill to its next token, sorted."""
+    free_slots: list[int] = []
+    """Per kill: free slots on the other serving workers just before it (their status)."""
     outputs: dict[str, list[int]] = {}
 
 
@@ -82,11 +86,21 @@ class Fleet:
                 os.killpg(p.pid, signal.SIGKILL)
 
 
-def _resume_times(kill_times: list[tuple[float, set[str]]], arrivals: dict[str, list[float]]) -> list[float]:
-    """For each request a kill interrupted: the time from the kill to its next token."""
+def _resume_times(
+    kill_times: list[tuple[float, str]],
+    arrivals: dict[str, list[float]],
+    on: dict[str, list[tuple[float, str]]],
+    ended: dict[str, float],
+) -> list[float]:
+    """For each request a kill interrupted (running on the killed worker, not ended yet): the time
+    from the kill to its next token. Read from the frames, not from a status taken before the kill,
+    which under load misses requests the worker took meanwhile."""
     resume = []
-    for at, rids in kill_times:
-        for rid in rids:
+    for at, victim in kill_times:
+        for rid, accepts in on.items():
+            before = [worker for t, worker in accepts if t < at]
+            if not before or before[-1] != victim or ended.get(rid, at) < at:
+                continue
             later = [t for t in arrivals.get(rid, []) if t > at]
             if later:
                 resume.append(later[0] - at)
@@ -106,9 +120,13 @@ async def _workload(client: Client, fleet: Fleet, served: str, args: argparse.Na
         for _ in range(args.requests)
     ]
     arrivals: dict[str, list[float]] = {r.request_id: [] for r in requests}
+    on: dict[str, list[tuple[float, str]]] = {r.request_id: [] for r in requests}
+    """Per request: when it was accepted, by which worker."""
+    ended: dict[str, float] = {}
     attempts: dict[str, int] = {}
     outputs: dict[int, list[int]] = {}
-    kill_times: list[tuple[float, set[str]]] = []
+    kill_times: list[tuple[float, str]] = []
+    free_slots: list[int] = []
     limiter = anyio.Semaphore(args.concurrency)
 
     async def one(i: int, r: GenerateRequest) -> None:
@@ -120,8 +138,10 @@ async def _workload(client: Client, fleet: Fleet, served: str, args: argparse.Na
                     tokens.extend(f.token_ids)
                 elif isinstance(f, AcceptedFrame):
                     attempts[r.request_id] = f.attempt
+                    on[r.request_id].append((time.monotonic(), f.worker))
                 elif not isinstance(f, FinalFrame):
                     raise RuntimeError(f"{r.request_id} failed: {f}")
+            ended[r.request_id] = time.monotonic()
             outputs[i] = tokens
 
     async def killer() -> None:
@@ -134,8 +154,10 @@ async def _workload(client: Client, fleet: Fleet, served: str, args: argparse.Na
                     break
                 await anyio.sleep(0.2)
             victim = random.Random(len(kill_times)).choice(busy)
-            fleet.kill(victim.pid)
-            kill_times.append((time.monotonic(), set(victim.request_ids)))
+            free_slots.append(sum(s.slots - s.in_flight for s in statuses
+                                  if s.instance != victim.instance and s.state == "serving"))
+            kill_times.append((time.monotonic(), victim.instance))
+            await anyio.to_thread.run_sync(fleet.kill, victim.pid)  # frames keep arriving meanwhile
 
     started = time.monotonic()
     async with anyio.create_task_group() as tg:
@@ -146,7 +168,7 @@ async def _workload(client: Client, fleet: Fleet, served: str, args: argparse.Na
                 reqs.start_soon(one, i, r)
         tg.cancel_scope.cancel()
     seconds = time.monotonic() - started
-    resume = _resume_times(kill_times, arrivals)
+    resume = _resume_times(kill_times, arrivals, on, ended)
     total = sum(len(o) for o in outputs.values())
     return Run(
         label="with kills" if kills else "without kills", seconds=seconds, tokens=total,
@@ -154,6 +176,8 @@ async def _workload(client: Client, fleet: Fleet, served: str, args: argparse.Na
         migrated=sum(1 for a in attempts.values() if a > 1),
         resume_p50_s=statistics.median(resume) if resume else None,
         resume_p99_s=percentile(resume, 99) if resume else None,
+        resume_s=sorted(resume),
+        free_slots=free_slots,
         outputs={str(i): o for i, o in sorted(outputs.items())},
     )
 
@@ -219,7 +243,8 @@ async def _main(args: argparse.Namespace, log_dir: Path) -> tuple[Run, Run, Canc
             namespace = f"chaos-{uuid.uuid4().hex[:6]}"
             fleet = Fleet(server.url, namespace, model, served, log_dir, args.workers, extra)
             try:
-                async with Client(server.url, namespace=namespace, heartbeat_timeout=args.heartbeat_timeout) as c:
+                async with Client(server.url, namespace=namespace, heartbeat_timeout=args.heartbeat_timeout,
+                                  probe_after=args.probe_after) as c:
                     await wait_for_workers(c.nc, c.names, model=served, count=args.workers, timeout=600)
                     print(f"bench-chaos: {args.requests} requests, {f'{kills} kills' if kills else 'no kills'} ...",
                           file=sys.stderr, flush=True)
@@ -240,14 +265,19 @@ def report(base: Run, chaos: Run, cancels: CancelTimes, args: argparse.Namespace
         f"Workload: {args.requests} greedy requests, {args.concurrency} concurrent, {args.prompt_len}-token prompts, "
         f"{args.output_len} tokens each, {args.workers} workers ({args.slots} slots each); in the second run a busy "
         f"worker is SIGKILLed every {args.kill_every:.0f} s (while another serves) and restarted ({args.kills} "
-        "kills); producers check "
-        f"a silent worker after {args.heartbeat_timeout:.1f} s.\n\n"
+        f"kills); producers ping a worker after {args.probe_after:.2f} s of silence (only \"no "
+        "responders\", a closed connection, counts as death) and read the request log after "
+        f"{args.heartbeat_timeout:.1f} s.\n\n"
         f"Command: `{command}`\n\n"
         "| run | output tok/s | seconds | kills | requests moved | resume p50 | resume p99 |\n"
         "|---|---:|---:|---:|---:|---:|---:|\n"
         f"| without kills | {base.tokens_per_s:,.0f} | {base.seconds:.1f} | 0 | 0 | - | - |\n"
         f"| with kills | {chaos.tokens_per_s:,.0f} | {chaos.seconds:.1f} | {chaos.kills} | {chaos.migrated} | {p50} | {p99} |\n\n"
         f"- every output of the run with kills equals the run without: **{'yes' if same else 'NO'}**\n"
+        f"- resume latency: from a kill to the next token of each request that was running on the killed "
+        f"worker ({len(chaos.resume_s)} requests; free slots on the other workers at the kills: "
+        f"{', '.join(map(str, chaos.free_slots)) or '-'}; a request beyond those waits for a slot): "
+        f"{', '.join(f'{t:.2f}' for t in chaos.resume_s) or '-'} s\n"
         f"- throughput with kills / without: {chaos.tokens_per_s / base.tokens_per_s:.2f}x (restarted workers "
         "spend ~15-30 s loading the engine, during which the others carry the load)\n\n"
         f"Cancellation ({cancels.cancels} requests, {args.concurrency} concurrent, each cancelled mid-decode): "
@@ -284,7 +314,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kills", type=int, default=2, help="SIGKILLs in the second run")
     p.add_argument("--kill-every", type=float, default=4.0, help="seconds between kills")
     p.add_argument("--ack-wait", type=float, default=10.0, help="the queue's ack_wait (redelivery backstop)")
-    p.add_argument("--heartbeat-timeout", type=float, default=2.0, help="producer: silence before checking the worker")
+    p.add_argument("--heartbeat-timeout", type=float, default=2.0,
+                   help="producer: silence before reading the request log for a result")
+    p.add_argument("--probe-after", type=float, default=0.25,
+                   help="producer: silence before pinging the worker")
     p.add_argument("--model", default=None, help="default: the tiny model")
     p.add_argument("--served-model-name", default=None, help="name of the model on the wire")
     p.add_argument("--write", default=None, help="replace the chaos section of this markdown file")

@@ -30,15 +30,9 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import PubAck
 
-from ..errors import (
-    AcceptTimeout,
-    FrameGap,
-    PayloadTooLarge,
-    RequestFailed,
-    WorkerSilent,
-)
+from ..aio import retried
+from ..errors import PayloadTooLarge, RequestFailed
 from ..schemas import (
-    AcceptedFrame,
     Cancelled,
     CancelRequest,
     EmbedsPrompt,
@@ -47,9 +41,7 @@ from ..schemas import (
     FinalFrame,
     Frame,
     GenerateRequest,
-    HeartbeatFrame,
     Result,
-    TokensFrame,
 )
 from . import codec, results, tracecontext
 from .completion import Completion, assemble
@@ -57,12 +49,29 @@ from .connection import connect
 from .direct import subscribe_direct
 from .embeds import embeds_store, upload
 from .names import Names, check_role
+from .sequencer import Decision, Sequencer
 from .setup import QueuePolicy, check_server, ensure_streams
 
 log = logging.getLogger(__name__)
 
 HEADER_MARGIN = 512
 """Bytes kept free under max_payload for headers (nats-py only checks the body)."""
+PROBE_TIMEOUT = 0.25
+"""How long a ping waits: "no responders" comes back within a round trip to the server; later
+than this, the worker is there and busy, and the next ping is soon anyway."""
+PROBE_SHARED = 0.05
+"""A ping sent this recently (or still out) answers for every request on the same worker: many
+quiet requests on one busy worker cost it one ping, not one each."""
+
+
+_PUBLISH_RETRIED = (
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.errors.ConnectionClosedError,
+    nats.errors.OutboundBufferLimitError,
+    nats.js.errors.ServiceUnavailableError,
+)
+"""What a publish meets while the server restarts or a stream's leader moves."""
 
 
 class _Inbox:
@@ -74,9 +83,7 @@ class _Inbox:
         self.items: deque[bytes | None] = deque()
         self.waiter: asyncio.Future[None] | None = None
         self.deadline: float | None = None
-
-    def wait_for(self, seconds: float | None) -> None:
-        self.deadline = None if seconds is None else time.monotonic() + seconds
+        """Monotonic time at which the watchdog puts a None (a wake-up) in the inbox."""
 
     def put(self, data: bytes | None) -> None:
         self.items.append(data)
@@ -94,6 +101,17 @@ class _Inbox:
         return self.items.popleft()
 
 
+class _Probe:
+    """One ping of a worker, shared by the requests that wait for it."""
+
+    __slots__ = ("sent", "done", "gone")
+
+    def __init__(self, sent: float) -> None:
+        self.sent = sent
+        self.done = anyio.Event()
+        self.gone = False
+
+
 class Client:
     """A connection to one jetllm namespace, for producers."""
 
@@ -104,6 +122,7 @@ class Client:
         namespace: str = "default",
         nc: NATS | None = None,
         heartbeat_timeout: float = 2.0,
+        probe_after: float = 0.25,
         migrate: bool = True,
         publish_timeout: float = 30.0,
         encoding: codec.Encoding = "msgpack",
@@ -117,7 +136,12 @@ class Client:
         self._own_nc = nc is None
         self._name = name
         self.heartbeat_timeout = heartbeat_timeout
-        """Silence after which the worker is checked: alive, keep waiting; gone, move the job on."""
+        """Silence after which the request log is read in case the request ended while its last frames
+        were lost; with `migrate` off, silence after which the request fails with WorkerSilent."""
+        self.probe_after = probe_after
+        """Silence after which the worker is pinged (and again as often while it lasts). Only "no
+        responders", which the server answers once the worker's connection is gone, moves the job on:
+        a slow worker is never taken for a dead one, so a short silence is enough."""
         self.migrate = migrate
         self.publish_timeout = publish_timeout
         self.encoding = encoding
@@ -128,6 +152,7 @@ class Client:
         self._inbox_root = ""
         self._sub: Subscription | None = None
         self._inboxes: dict[str, _Inbox] = {}
+        self._probes: dict[str, _Probe] = {}
         self._tg: TaskGroup | None = None
 
     @property
@@ -177,14 +202,23 @@ class Client:
             inbox.put(msg.data)
 
     async def _watchdog(self) -> None:
-        """Wakes requests whose wait ran out; a timer per request per frame costs too much."""
+        """Wakes requests whose wait ran out; a timer per request per frame costs too much.
+
+        It sleeps until the nearest deadline it knows of, at most 0.1 s, so a ping is on time
+        and a deadline set meanwhile is noticed within 0.1 s."""
+        pause = 0.1
         while True:
-            await anyio.sleep(0.1)
+            await anyio.sleep(pause)
             now = time.monotonic()
+            pause = 0.1
             for inbox in list(self._inboxes.values()):
-                if inbox.deadline is not None and now > inbox.deadline:
+                if inbox.deadline is None:
+                    continue
+                if now >= inbox.deadline:
                     inbox.deadline = None  # one wake-up per deadline; the request re-arms it
                     inbox.put(None)
+                else:
+                    pause = min(pause, inbox.deadline - now)
 
     # submitting
 
@@ -215,18 +249,10 @@ class Client:
             tracecontext.HEADER: traceparent or tracecontext.new_traceparent(),
         }
         subject = self.names.jobs(role, req.model)
-        deadline = time.monotonic() + self.publish_timeout
-        delay = 0.1
-        while True:
-            try:
-                return await self.js.publish(subject, data, headers=headers, timeout=2.0)
-            except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.errors.ConnectionClosedError,
-                    nats.errors.OutboundBufferLimitError, nats.js.errors.ServiceUnavailableError) as exc:
-                if time.monotonic() + delay > deadline:
-                    raise
-                log.info("publishing %s failed (%s); retrying", req.request_id, type(exc).__name__)
-                await anyio.sleep(delay)
-                delay = min(delay * 2, 1.0)
+        return await retried(
+            lambda: self.js.publish(subject, data, headers=headers, timeout=2.0),
+            errors=_PUBLISH_RETRIED, within=self.publish_timeout, what=f"publishing {req.request_id}",
+        )
 
     async def offload_embeds(self, req: GenerateRequest) -> tuple[GenerateRequest, str | None]:
         """`req` with inline prompt embeddings moved to the object store when they are too big for
@@ -293,7 +319,7 @@ class Client:
 
     # streaming
 
-    async def generate(  # noqa: C901 - one loop over every frame kind, migration and gap recovery
+    async def generate(
         self,
         req: GenerateRequest,
         *,
@@ -311,136 +337,121 @@ class Client:
         """
         check_role(role)
         token = uuid.uuid4().hex
-        inbox = _Inbox()
-        self._inboxes[token] = inbox
-        if req.reply_to is None:
-            req = msgspec.structs.replace(req, reply_to=f"{self._inbox_root}.{token}")
-        elif not req.reply_to.startswith(self._inbox_root):
-            raise ValueError("generate() sets reply_to itself; leave it None (or use submit())")
-        finished = False
+        req = self._replying_here(req, token)
+        inbox = self._inboxes[token] = _Inbox()
         traceparent = traceparent or tracecontext.new_traceparent()
+        ours = True
+        seq = None
         uploaded = None
         try:
             req, uploaded = await self.offload_embeds(req)
             ack = await self.submit(req, role=role, traceparent=traceparent)
             if ack.duplicate:
                 # The job exists already (submitted before, maybe by a run that died): follow it.
-                finished = True  # nothing of ours to cancel: the request belongs to its first submitter
+                ours = False  # nothing of ours to cancel: the request belongs to its first submitter
                 async with aclosing(self.attach(req.request_id)) as frames:
                     async for frame in frames:
                         yield frame
                 return
-            last_seq = 0
-            seen: list[TokensFrame] = []
-            attempt = 0
-            accepted = False
-            worker = job_ack = None
-            seen_reconnects = self.nc.stats.get("reconnects", 0)
-            inbox.wait_for(accept_timeout)
-            decode = codec.frame_decoder.decode
-            encoding = self.encoding
+            seq = Sequencer(
+                req.request_id,
+                time.monotonic(),
+                encoding=self.encoding,
+                migrate=self.migrate,
+                accept_timeout=accept_timeout,
+                heartbeat_timeout=self.heartbeat_timeout,
+                probe_after=self.probe_after,
+                reconnects=self.nc.stats.get("reconnects", 0),
+            )
             while True:
+                inbox.deadline = seq.deadline
                 data = await inbox.get()
+                now = time.monotonic()
                 if data is None:
-                    if not accepted:
-                        raise AcceptTimeout(
-                            f"request {req.request_id}: no worker accepted it within {accept_timeout}s"
-                        )
-                    if not self.migrate:
-                        raise WorkerSilent(
-                            f"request {req.request_id}: no frame for {self.heartbeat_timeout:.1f}s "
-                            "after the worker accepted it"
-                        )
-                    ended = await results.result_quietly(self.js, self.names, req.request_id)
-                    if ended is not None:  # it finished while its last frames were lost (a reconnect)
-                        for missed in results.rest_of(ended, seen, last_seq):
-                            last_seq = missed.seq
-                            finished = finished or isinstance(missed, (FinalFrame, ErrorFrame))
-                            yield missed
-                        return
-                    reconnects = self.nc.stats.get("reconnects", 0)
-                    if not self.nc.is_connected or reconnects != seen_reconnects:
-                        # We were cut off ourselves: the worker is probably fine; frames we
-                        # missed meanwhile are recovered from the request log.
-                        seen_reconnects = reconnects
-                        inbox.wait_for(self.heartbeat_timeout)
-                        continue
-                    if worker is not None and await self._alive(worker):
-                        inbox.wait_for(self.heartbeat_timeout)
-                        continue
-                    log.info("request %s: worker %s is gone; moving the job on", req.request_id, worker)
-                    if job_ack:
-                        with anyio.CancelScope(shield=True):
-                            await self.nc.publish(job_ack, b"-NAK")
-                    accepted = False
-                    inbox.wait_for(accept_timeout)
-                    continue
-                try:
-                    frame = decode(data, encoding)
-                except codec.UnknownKind as exc:  # a newer worker's extra information: not ours to read
-                    log.debug("request %s: skipping a frame: %s", req.request_id, exc)
-                    continue
-                if frame.attempt < attempt:
-                    continue  # from a worker that lost the job to a newer delivery
-                if isinstance(frame, AcceptedFrame):
-                    if accepted and frame.attempt <= attempt:
-                        continue  # a repeat
-                    accepted = True
-                    attempt = frame.attempt
-                    worker, job_ack = frame.worker, frame.job_ack
-                    inbox.wait_for(self.heartbeat_timeout)
+                    decision = seq.wake(
+                        now, connected=self.nc.is_connected, reconnects=self.nc.stats.get("reconnects", 0)
+                    )
+                else:
+                    decision = seq.receive(data, now)
+                if decision.asks:
+                    decision = await self._carry_out(seq, decision)
+                for frame in decision.emit:
                     yield frame
-                    continue
-                beat = isinstance(frame, HeartbeatFrame)
-                if beat:
-                    if accepted:
-                        inbox.wait_for(self.heartbeat_timeout)
-                elif frame.seq <= last_seq:
-                    continue  # a duplicate (replayed by a worker that took the job over)
-                before = frame.seq + 1 if beat else frame.seq  # a heartbeat carries the last seq sent
-                if before > last_seq + 1:
-                    filled = await results.fill_gap(self.js, self.names, req.request_id, seen, last_seq, before)
-                    for missed in filled:
-                        last_seq = missed.seq
-                        if isinstance(missed, TokensFrame):
-                            seen.append(missed)
-                        finished = finished or isinstance(missed, (FinalFrame, ErrorFrame))
-                        yield missed
-                    if finished:
-                        return
-                if beat:
-                    continue
-                if frame.seq != last_seq + 1:
-                    raise FrameGap(f"request {req.request_id}: expected frame {last_seq + 1}, got {frame.seq}")
-                last_seq = frame.seq
-                if accepted:
-                    inbox.wait_for(self.heartbeat_timeout)
-                if isinstance(frame, (FinalFrame, ErrorFrame)):
-                    finished = True  # before the yield: the caller may stop iterating right here
-                    yield frame
+                if decision.error is not None:
+                    raise decision.error
+                if decision.end:
                     return
-                if isinstance(frame, TokensFrame):
-                    seen.append(frame)
-                yield frame
         finally:
             self._inboxes.pop(token, None)
-            if not finished and self._nc is not None and self._nc.is_connected:
-                with anyio.CancelScope(shield=True):
-                    try:
-                        await self.cancel(req.request_id, reason="producer stopped listening", traceparent=traceparent)
-                    except Exception as exc:  # the request still ends: its worker stops on close
-                        log.warning("could not send cancel for %s: %s", req.request_id, exc)
-            if uploaded is not None and self._nc is not None and self._nc.is_connected:
-                with anyio.CancelScope(shield=True):
-                    await self._drop_embeds(uploaded)
+            await self._leave(req, traceparent, ours and not (seq is not None and seq.finished), uploaded)
 
-    async def _alive(self, worker: str) -> bool:
-        """Whether a worker answers its ping (a dead one's subject has no responders at once)."""
+    def _replying_here(self, req: GenerateRequest, token: str) -> GenerateRequest:
+        if req.reply_to is None:
+            return msgspec.structs.replace(req, reply_to=f"{self._inbox_root}.{token}")
+        if not req.reply_to.startswith(self._inbox_root):
+            raise ValueError("generate() sets reply_to itself; leave it None (or use submit())")
+        return req
+
+    async def _carry_out(self, seq: Sequencer, decision: Decision) -> Decision:
+        """What the sequencer asks of the world (the log, a ping, a NAK), reported back until it has decided."""
+        rid = seq.request_id
+        while decision.asks:
+            if decision.fill is not None:
+                filled = await results.fill_gap(self.js, self.names, rid, seq.seen, *decision.fill)
+                decision = seq.filled(filled, time.monotonic())
+            elif decision.probe is not None:
+                decision = seq.probed(await self._gone(decision.probe), time.monotonic())
+            else:
+                ended = await results.result_quietly(self.js, self.names, rid)
+                decision = seq.looked_up(ended, time.monotonic())
+        if decision.gone is not None:
+            log.info("request %s: worker %s is gone; moving the job on", rid, decision.gone)
+        if decision.nak is not None:
+            with anyio.CancelScope(shield=True):
+                await self.nc.publish(decision.nak, b"-NAK")
+        return decision
+
+    async def _gone(self, worker: str) -> bool:
+        """Whether the worker's connection is gone: then its ping subject has no responders, which the
+        server says at once. No answer in time is a busy worker (or trouble on our side), not a dead one."""
+        now = time.monotonic()
+        probe = self._probes.get(worker)
+        if probe is None or (probe.done.is_set() and now - probe.sent > PROBE_SHARED):
+            if len(self._probes) > 64:  # workers come and go; keep the recent ones
+                self._probes = {w: p for w, p in self._probes.items() if now - p.sent <= PROBE_SHARED}
+            if self._tg is None:  # closing
+                return False
+            probe = self._probes[worker] = _Probe(now)
+            self._tg.start_soon(self._ping, worker, probe)  # its own task: a waiter's cancel is not its end
+        await probe.done.wait()
+        return probe.gone
+
+    async def _ping(self, worker: str, probe: _Probe) -> None:
         try:
-            await self.nc.request(self.names.instance_control(worker, "ping"), b"", timeout=1.0)
-            return True
+            await self.nc.request(self.names.instance_control(worker, "ping"), b"", timeout=PROBE_TIMEOUT)
+        except nats.errors.NoRespondersError:
+            probe.gone = True
         except Exception:
-            return False
+            pass
+        finally:
+            probe.done.set()
+
+    async def _leave(
+        self, req: GenerateRequest, traceparent: str, cancel: bool, uploaded: str | None
+    ) -> None:
+        """After a request's stream, whatever ended it: stop the request if it still runs, drop its upload."""
+        if self._nc is None or not self._nc.is_connected:
+            return
+        with anyio.CancelScope(shield=True):
+            if cancel:
+                try:
+                    await self.cancel(
+                        req.request_id, reason="producer stopped listening", traceparent=traceparent
+                    )
+                except Exception as exc:  # the request still ends: its worker stops on close
+                    log.warning("could not send cancel for %s: %s", req.request_id, exc)
+            if uploaded is not None:
+                await self._drop_embeds(uploaded)
 
     async def complete(self, req: GenerateRequest, **kwargs: Any) -> Completion:
         """Run `req` to the end and return the assembled result; error frames raise RequestFailed."""

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import anyio
+import msgspec
 import nats.errors
 from nats.aio.client import Client as NATS
 
@@ -19,23 +21,30 @@ ControlReply = ControlDone | ControlFailed | HealthReport
 _reply_decoder = codec.Decoder(ControlReply)
 
 
-async def _gather(nc: NATS, subject: str, body: bytes, decoder: Any, timeout: float, expected: int = 0) -> list:
-    """Publish once, collect the decodable replies until `timeout` (or until `expected` arrived)."""
+async def gather(
+    nc: NATS, subject: str, body: bytes, decoder: Any, timeout: float, expected: AbstractSet[str] = frozenset()
+) -> list:
+    """Publish once and collect the decodable replies, each naming its `instance`, until `timeout` or
+    until every instance in `expected` has answered; sorted by instance. Every fan-out (status,
+    control verbs, adapters) goes through here, so a missing answer looks the same everywhere."""
     inbox = nc.new_inbox()
     replies: list = []
+    answered: set[str] = set()
     sub = await nc.subscribe(inbox)
     try:
         await nc.publish(subject, body, reply=inbox)
         deadline = time.monotonic() + timeout
-        while (left := deadline - time.monotonic()) > 0 and not (expected and len(replies) >= expected):
+        while (left := deadline - time.monotonic()) > 0 and not (expected and expected <= answered):
             try:
                 msg = await sub.next_msg(timeout=left)
-            except Exception:
+            except nats.errors.Error:  # the time is up (or the connection went): what came is the answer
                 break
             try:
-                replies.append(decoder.decode(msg.data))
-            except Exception:
+                reply = decoder.decode(msg.data)
+            except (msgspec.DecodeError, msgspec.ValidationError):
                 continue
+            answered.add(reply.instance)
+            replies.append(reply)
     finally:
         await sub.unsubscribe()
     return sorted(replies, key=lambda r: r.instance)
@@ -43,7 +52,7 @@ async def _gather(nc: NATS, subject: str, body: bytes, decoder: Any, timeout: fl
 
 async def worker_statuses(nc: NATS, names: Names, timeout: float = 0.5) -> list[WorkerStatus]:
     """Every worker that answers within `timeout`, sorted by instance id."""
-    return await _gather(nc, names.control("status"), codec.encode(StatusRequest()), _decoder, timeout)
+    return await gather(nc, names.control("status"), codec.encode(StatusRequest()), _decoder, timeout)
 
 
 async def instance_status(nc: NATS, names: Names, instance: str, timeout: float = 5.0) -> WorkerStatus:
@@ -80,7 +89,7 @@ async def ask(
 ) -> list[ControlReply]:
     """Send a control verb to one instance, or to every instance of `model`; one reply per instance.
 
-    A fan-out waits for as many replies as the registry lists instances of the model (or until
+    A fan-out waits for a reply from every instance the registry lists for the model (or until
     `timeout`), so a missing answer is visible as a missing row rather than a hang.
     """
     if (instance is None) == (model is None):
@@ -92,7 +101,7 @@ async def ask(
             raise LookupError(f"no instance {instance!r} answers (not running, or not serving yet)") from None
         return [_reply_decoder.decode(msg.data)]
     assert model is not None  # exactly one of the two, checked above
-    expected = len(await instances(nc.jetstream(), names, model=model))
+    expected = {r.instance for r in await instances(nc.jetstream(), names, model=model)}
     # Nothing registered (registry unreachable, or workers just starting): take what comes in 1 s.
-    return await _gather(nc, names.model_control(model, verb), body, _reply_decoder,
-                         timeout if expected else min(timeout, 1.0), expected)
+    return await gather(nc, names.model_control(model, verb), body, _reply_decoder,
+                        timeout if expected else min(timeout, 1.0), expected)

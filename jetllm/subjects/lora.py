@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import builtins
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +45,7 @@ from .adapterfiles import (
     read_config,
     read_safetensors_header,
 )
+from .fleet import gather
 from .names import Names
 from .registry import entries_matching, instances
 
@@ -176,30 +176,10 @@ class LoraAdmin:
         else:
             subject = self.names.model_control(model, verb)
             expected = {r.instance for r in await instances(self.js, self.names, model=model)}
-        inbox = f"_INBOX.lora.{uuid.uuid4().hex}"
-        sub = await self.nc.subscribe(inbox)
-        out = FanOut()
-        answered: set[str] = set()
-        try:
-            await self.nc.publish(subject, codec.encode(body) if body is not None else b"", reply=inbox)
-            # Without a known instance, wait a short while for whoever answers.
-            deadline = time.monotonic() + ((timeout or self.timeout) if expected else 2.0)
-            while (left := deadline - time.monotonic()) > 0 and not (expected and expected <= answered):
-                try:
-                    msg = await sub.next_msg(timeout=left)
-                except nats.errors.TimeoutError:
-                    break
-                try:
-                    reply = decoder.decode(msg.data)
-                except (msgspec.DecodeError, msgspec.ValidationError):
-                    continue
-                answered.add(reply.instance)
-                out.replies.append(reply)
-        finally:
-            await sub.unsubscribe()
-        out.missing = sorted(expected - answered)
-        out.replies.sort(key=lambda r: r.instance)
-        return out
+        # Without a known instance, wait a short while for whoever answers.
+        replies = await gather(self.nc, subject, codec.encode(body) if body is not None else b"", decoder,
+                               (timeout or self.timeout) if expected else 2.0, expected)
+        return FanOut(replies=replies, missing=sorted(expected - {r.instance for r in replies}))
 
 
 def _checked_digests(directory: Path) -> dict[str, str]:

@@ -12,13 +12,13 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 
 import anyio
-import msgspec
 import nats.js.errors
 from nats.js import JetStreamContext
 
 from ..schemas import Cancelled, Frame, Record, Result, Step, TokensFrame
 from . import codec
 from .names import Names
+from .sequencer import rest_of
 
 log = logging.getLogger(__name__)
 
@@ -108,26 +108,6 @@ async def fill_gap(
             found.append(steps[seq])
     log.warning("request %s: recovered %d lost frames from the request log", request_id, len(found))
     return found
-
-
-def rest_of(ended: Result, seen: list[TokensFrame], last_seq: int) -> list[Frame]:
-    """The part of a finished request's output that `seen` lacks, as frames after `last_seq`."""
-    frames: list[Frame] = []
-    seq = last_seq
-    for index, ids in enumerate(ended.token_ids):
-        have = [f for f in seen if f.index == index]
-        n_ids = sum(len(f.token_ids) for f in have)
-        text = None
-        if ended.text:
-            text = ended.text[index][len("".join(f.text or "" for f in have)):]
-        if ids[n_ids:] or text:
-            seq += 1
-            frames.append(TokensFrame(seq=seq, attempt=ended.attempt, index=index, token_ids=ids[n_ids:],
-                                      text=text))
-    end = ended.final or ended.error
-    if end is not None:
-        frames.append(msgspec.structs.replace(end, seq=seq + 1))
-    return frames
 
 
 async def _result_before(js: JetStreamContext, names: Names, request_id: str) -> Result | None:

@@ -1,0 +1,358 @@
+"""The producer's frame sequencer, row by row: events in (frames, timer wake-ups, what the log and a
+ping said), decisions out. No NATS: the rules of the stream on their own."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+
+from jetllm.schemas import (
+    AcceptedFrame,
+    Choice,
+    ErrorCode,
+    ErrorFrame,
+    FinalFrame,
+    HeartbeatFrame,
+    Result,
+    TokensFrame,
+    Usage,
+)
+from jetllm.subjects import codec
+from jetllm.subjects.sequencer import Decision, Sequencer
+
+# -- frames, in short
+
+
+def acc(attempt: int = 1, seq: int = 0, worker: str = "w1") -> AcceptedFrame:
+    return AcceptedFrame(
+        seq=seq, attempt=attempt, request_id="r", worker=worker, model="m", job_ack=f"ack.{worker}"
+    )
+
+
+def tok(seq: int, attempt: int = 1, ids: list[int] | None = None) -> TokensFrame:
+    return TokensFrame(seq=seq, attempt=attempt, token_ids=ids if ids is not None else [seq * 10])
+
+
+def beat(seq: int, attempt: int = 1) -> HeartbeatFrame:
+    return HeartbeatFrame(seq=seq, attempt=attempt)
+
+
+def fin(seq: int, attempt: int = 1) -> FinalFrame:
+    return FinalFrame(
+        seq=seq,
+        attempt=attempt,
+        request_id="r",
+        choices=[Choice(index=0, finish_reason="length", completion_tokens=seq - 1)],
+        usage=Usage(prompt_tokens=1, completion_tokens=seq - 1),
+    )
+
+
+def err(seq: int, attempt: int = 1) -> ErrorFrame:
+    return ErrorFrame(seq=seq, attempt=attempt, request_id="r", code=ErrorCode.ENGINE_ERROR, message="boom")
+
+
+def ended(tokens: int) -> Result:
+    """A result in the log: `tokens` tokens (10, 20, ...), then the final frame."""
+    return Result(attempt=1, final=fin(tokens + 1), token_ids=[[(i + 1) * 10 for i in range(tokens)]])
+
+
+def unknown_kind(seq: int) -> bytes:
+    """A frame kind from a newer worker (docs/messages.md: it repeats the last seq, like a heartbeat)."""
+    return codec.encode({"kind": "progress", "seq": seq, "attempt": 1, "percent": 50})
+
+
+# -- events: a frame (at time t), or one of these
+
+
+def at(t: float, event: Any) -> tuple[float, Any]:
+    return (t, event)
+
+
+def wake(t: float, reconnects: int = 0, connected: bool = True) -> tuple[float, Any]:
+    return (t, ("wake", connected, reconnects))
+
+
+def filled(*frames: Any) -> tuple[None, Any]:
+    return (None, ("filled", list(frames)))
+
+
+def probed(gone: bool) -> tuple[None, Any]:
+    return (None, ("probed", gone))
+
+
+def looked_up(result: Result | None) -> tuple[None, Any]:
+    return (None, ("looked_up", result))
+
+
+def label(frame: Any) -> str:
+    if isinstance(frame, AcceptedFrame):
+        return f"accepted#{frame.attempt}"
+    if isinstance(frame, TokensFrame):
+        return f"t{frame.seq}"
+    return f"{frame.__struct_config__.tag}{frame.seq}"
+
+
+def describe(d: Decision) -> str:
+    parts = [label(f) for f in d.emit]
+    if d.end:
+        parts.append("end")
+    if d.error is not None:
+        parts.append(f"raise {type(d.error).__name__}")
+    if d.drop is not None:
+        parts.append("drop " + ("unknown kind" if "unknown kind" in d.drop else d.drop))
+    if d.fill is not None:
+        parts.append(f"fill {d.fill[0]}<seq<{d.fill[1]}")
+    if d.lookup:
+        parts.append("lookup")
+    if d.probe is not None:
+        parts.append(f"probe {d.probe}")
+    if d.gone is not None:
+        parts.append(f"gone {d.gone} nak {d.nak}")
+    return " ".join(parts) or "-"
+
+
+def play(events: list[Any], **options: Any) -> tuple[list[str], Sequencer]:
+    seq = Sequencer("r", 0.0, **options)
+    now = 0.0
+    out = []
+    for event in events:
+        t, what = event if isinstance(event, tuple) else (None, event)
+        now = t if t is not None else now
+        if isinstance(what, bytes):
+            d = seq.receive(what, now)
+        elif not isinstance(what, tuple):
+            d = seq.receive(codec.encode(what), now)
+        elif what[0] == "wake":
+            d = seq.wake(now, connected=what[1], reconnects=what[2])
+        elif what[0] == "filled":
+            d = seq.filled(what[1], now)
+        elif what[0] == "probed":
+            d = seq.probed(what[1], now)
+        else:
+            d = seq.looked_up(what[1], now)
+        out.append(describe(d))
+    return out, seq
+
+
+FRAMES = [
+    ("in order, to the final", [acc(), tok(1), tok(2), fin(3)], ["accepted#1", "t1", "t2", "final3 end"]),
+    ("an error frame ends the stream", [acc(), tok(1), err(2)], ["accepted#1", "t1", "error2 end"]),
+    (
+        "duplicates are dropped",
+        [acc(), tok(1), tok(2), tok(2), tok(1), tok(3)],
+        ["accepted#1", "t1", "t2", "drop duplicate", "drop duplicate", "t3"],
+    ),
+    (
+        "a repeated accepted is dropped",
+        [acc(), acc(), tok(1)],
+        ["accepted#1", "drop repeated accepted", "t1"],
+    ),
+    (
+        "migration: the new attempt replays the log, is accepted, goes on at the next seq",
+        [acc(), tok(1), tok(2), tok(1, 2), tok(2, 2), acc(2, seq=2, worker="w2"), tok(3, 2), fin(4, 2)],
+        ["accepted#1", "t1", "t2", "drop duplicate", "drop duplicate", "accepted#2", "t3", "final4 end"],
+    ),
+    (
+        "migration when the moved request's accepted frame was lost",
+        [acc(), tok(1), tok(1, 2), tok(2, 2)],
+        ["accepted#1", "t1", "drop duplicate", "t2"],
+    ),
+    (
+        "frames of the superseded attempt are dropped",
+        [acc(), tok(1), acc(2, seq=1, worker="w2"), tok(2, 1), beat(5, 1), fin(2, 1), tok(2, 2)],
+        [
+            "accepted#1",
+            "t1",
+            "accepted#2",
+            "drop older attempt",
+            "drop older attempt",
+            "drop older attempt",
+            "t2",
+        ],
+    ),
+    (
+        "heartbeats repeating the last seq pass nothing on",
+        [acc(), beat(0), tok(1), beat(1), beat(1), tok(2)],
+        ["accepted#1", "-", "t1", "-", "-", "t2"],
+    ),
+    (
+        "a gap is filled from the log before the frame that revealed it",
+        [acc(), tok(1), tok(4), filled(tok(2), tok(3))],
+        ["accepted#1", "t1", "fill 1<seq<4", "t2 t3 t4"],
+    ),
+    (
+        "a heartbeat ahead of what arrived reveals lost frames",
+        [acc(), tok(1), beat(3), filled(tok(2), tok(3)), tok(4)],
+        ["accepted#1", "t1", "fill 1<seq<4", "t2 t3", "t4"],
+    ),
+    (
+        "a gap the log cannot fill fails the stream after what it had",
+        [acc(), tok(1), tok(4), filled(tok(2))],
+        ["accepted#1", "t1", "fill 1<seq<4", "t2 raise FrameGap"],
+    ),
+    (
+        "a gap while the request ended: the log's result completes the stream",
+        [acc(), tok(1), tok(3), filled(tok(2), tok(3), fin(4))],
+        ["accepted#1", "t1", "fill 1<seq<3", "t2 t3 final4 end"],
+    ),
+    (
+        "a lost final frame shows as a gap in the log's result",
+        [acc(), tok(1), beat(2), filled(fin(2))],
+        ["accepted#1", "t1", "fill 1<seq<3", "final2 end"],
+    ),
+    (
+        "a frame kind this version does not know is skipped",
+        [acc(), unknown_kind(0), tok(1), unknown_kind(1), fin(2)],
+        ["accepted#1", "drop unknown kind", "t1", "drop unknown kind", "final2 end"],
+    ),
+    ("frames whose accepted was lost still pass", [tok(1), fin(2)], ["t1", "final2 end"]),
+]
+
+
+@pytest.mark.parametrize(("events", "decisions"), [r[1:] for r in FRAMES], ids=[r[0] for r in FRAMES])
+def test_frames(events, decisions):
+    assert play(events)[0] == decisions
+
+
+TIMERS = [
+    (
+        "no worker accepts within accept_timeout",
+        {"accept_timeout": 5.0},
+        [wake(4.0), wake(5.0)],
+        ["-", "raise AcceptTimeout"],
+    ),
+    (
+        "a dead worker: its ping has no responders, the log has no result, the job moves on",
+        {},
+        [
+            at(0, acc()),
+            at(0.125, tok(1)),
+            wake(0.375),
+            probed(True),
+            looked_up(None),
+            at(0.5, acc(2, 1, "w2")),
+            at(0.625, tok(1, 2)),
+            at(0.75, tok(2, 2)),
+        ],
+        [
+            "accepted#1",
+            "t1",
+            "probe w1",
+            "lookup",
+            "gone w1 nak ack.w1",
+            "accepted#2",
+            "drop duplicate",
+            "t2",
+        ],
+    ),
+    (
+        "a slow worker (ping unanswered) is never given up on; the log is read every heartbeat_timeout",
+        {},
+        [
+            at(0, acc()),
+            wake(0.25),
+            probed(False),
+            wake(0.5),
+            probed(False),
+            wake(2.0),
+            looked_up(None),
+            wake(2.25),
+            probed(False),
+            at(2.3, tok(1)),
+        ],
+        ["accepted#1", "probe w1", "-", "probe w1", "-", "lookup", "-", "probe w1", "-", "t1"],
+    ),
+    (
+        "a request that ended while its last frames were lost is completed from the log",
+        {},
+        [at(0, acc()), at(0.125, tok(1)), wake(2.125), looked_up(ended(2))],
+        ["accepted#1", "t1", "lookup", "t2 final3 end"],
+    ),
+    (
+        "a worker that died after the end: the log answers, no NAK",
+        {},
+        [at(0, acc()), at(0.125, tok(1)), wake(0.375), probed(True), looked_up(ended(3))],
+        ["accepted#1", "t1", "probe w1", "lookup", "t2 final3 end"],
+    ),
+    (
+        "heartbeats keep a quiet request from being pinged",
+        {},
+        [at(0, acc()), at(0.25, beat(0)), wake(0.25), wake(0.5)],
+        ["accepted#1", "-", "-", "probe w1"],
+    ),
+    (
+        "a frame kind it does not know is no sign of life",
+        {},
+        [at(0, acc()), at(0.2, unknown_kind(0)), wake(0.25)],
+        ["accepted#1", "drop unknown kind", "probe w1"],
+    ),
+    (
+        "cut off ourselves (a reconnect): no ping for heartbeat_timeout, the log is still read",
+        {},
+        [
+            at(0, acc()),
+            wake(0.25, reconnects=1),
+            wake(2.0, reconnects=1),
+            looked_up(None),
+            wake(2.25, reconnects=1),
+        ],
+        ["accepted#1", "-", "lookup", "-", "probe w1"],
+    ),
+    (
+        "a worker given up on that sends again (it was reconnecting) is watched again",
+        {},
+        [at(0, acc()), wake(0.25), probed(True), looked_up(None), at(0.375, tok(1)), wake(0.625)],
+        ["accepted#1", "probe w1", "lookup", "gone w1 nak ack.w1", "t1", "probe w1"],
+    ),
+    (
+        "migrate off: silence for heartbeat_timeout fails the stream, without pings",
+        {"migrate": False},
+        [at(0, acc()), wake(1.0), wake(2.0)],
+        ["accepted#1", "-", "raise WorkerSilent"],
+    ),
+    (
+        "a wake-up that comes late, after frames arrived, does nothing",
+        {},
+        [at(0, acc()), at(0.3, tok(1)), wake(0.31)],
+        ["accepted#1", "t1", "-"],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("options", "events", "decisions"), [r[1:] for r in TIMERS], ids=[r[0] for r in TIMERS]
+)
+def test_timers(options, events, decisions):
+    assert play(events, **options)[0] == decisions
+
+
+@pytest.mark.parametrize(
+    ("options", "events", "deadline"),
+    [
+        ({}, [], None),  # no accept_timeout: wait for a worker as long as it takes
+        ({"accept_timeout": 5.0}, [], 5.0),
+        ({}, [at(1.0, acc())], 1.25),  # the first ping
+        ({}, [at(1.0, acc()), at(1.25, beat(0))], 1.5),
+        ({}, [at(1.0, acc()), at(1.25, tok(1)), at(1.5, tok(1))], 1.5),  # a duplicate moves nothing
+        ({"probe_after": 5.0}, [at(1.0, acc())], 3.0),  # reading the log comes first then
+        ({"migrate": False}, [at(1.0, acc())], 3.0),
+        ({"accept_timeout": 5.0}, [at(1.0, acc()), wake(1.25), probed(True), looked_up(None)], 6.25),
+    ],
+)
+def test_deadline(options, events, deadline):
+    assert play(events, **options)[1].deadline == deadline
+
+
+def test_a_terminal_frame_marks_the_request_finished_before_it_is_yielded():
+    """The caller may stop iterating at the final frame; the request must not be cancelled then."""
+    _, seq = play([acc(), tok(1)])
+    assert not seq.finished
+    _, seq = play([acc(), tok(1), fin(2)])
+    assert seq.finished and seq.last_seq == 2 and [f.seq for f in seq.seen] == [1]
+
+
+def test_undecodable_bytes_raise():
+    with pytest.raises(msgspec.DecodeError):
+        Sequencer("r", 0.0).receive(b"\xc1", 0.0)
