@@ -45,6 +45,9 @@ class FrameSink:
         self.log_subject = log_subject
         """Where token frames are recorded before they are sent (the request log)."""
         self.seq = 0
+        self.sent_seq = 0
+        """The highest seq handed to the connection: what a heartbeat repeats. `seq` runs ahead of it
+        while a frame waits for its log record (a token) or for the result to be stored (the end)."""
         self.logged: list[TokensFrame] = []
         """This attempt's token frames, kept to rewrite any the log lost in a broker restart."""
         self.last_sent = time.monotonic()
@@ -71,6 +74,8 @@ class FrameSink:
 
     async def _send(self, frame: Any) -> None:
         self.last_sent = time.monotonic()
+        if frame.seq > self.sent_seq:
+            self.sent_seq = frame.seq
         if self.reply_to is None:
             return
         try:
@@ -163,4 +168,4 @@ class FrameSink:
 
     async def heartbeat_if_idle(self, now: float, interval: float) -> None:
         if now - self.last_sent >= interval:
-            await self._send(HeartbeatFrame(seq=self.seq, attempt=self.attempt))
+            await self._send(HeartbeatFrame(seq=self.sent_seq, attempt=self.attempt))
