@@ -25,7 +25,10 @@ def run(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
 
 
 async def supervised(
-    what: str, fn: Callable[..., Awaitable[Any]], *args: Any, restart_after: float = 1.0,
+    what: str,
+    fn: Callable[..., Awaitable[Any]],
+    *args: Any,
+    restart_after: float = 1.0,
     on_failure: Callable[[], Any] | None = None,
 ) -> None:
     """Run a long-lived companion task for its owner's whole life: a bug or a broken socket in it
@@ -58,8 +61,13 @@ def describe(exc: BaseException) -> str:
 
 
 async def retried(
-    call: Callable[[], Awaitable[T]], *, errors: tuple[type[BaseException], ...], within: float, what: str,
-    first: float = 0.1, longest: float = 1.0,
+    call: Callable[[], Awaitable[T]],
+    *,
+    errors: tuple[type[BaseException], ...],
+    within: float,
+    what: str,
+    first: float = 0.1,
+    longest: float = 1.0,
 ) -> T:
     """`call()`, again after each failure of the kinds in `errors`, pausing twice as long each time
     (from `first` up to `longest`) for up to `within` seconds; then the last failure is raised.

@@ -49,6 +49,8 @@ def _salvage_id(raw: bytes) -> str | None:
     except Exception:
         return None
     return value if isinstance(value, str) else None
+
+
 _encoder = msgspec.json.Encoder()
 
 
@@ -171,13 +173,20 @@ async def run_batch(
                         req = to_request(line, rid, model, max_tokens)
                         done = await client.complete(req)
                         result = BatchResult(
-                            line=n, id=line_id, request_id=rid, text=done.text,
-                            token_ids=done.token_ids, finish_reason=done.finish_reason, usage=done.usage,
+                            line=n,
+                            id=line_id,
+                            request_id=rid,
+                            text=done.text,
+                            token_ids=done.token_ids,
+                            finish_reason=done.finish_reason,
+                            usage=done.usage,
                         )
                         summary.completion_tokens += done.usage.completion_tokens
                     except msgspec.ValidationError as exc:
                         line_id = line_id or _salvage_id(raw)
-                        result = _error(n, line_id, rid, ErrorCode.INVALID_REQUEST, str(exc), field_path(str(exc)))
+                        result = _error(
+                            n, line_id, rid, ErrorCode.INVALID_REQUEST, str(exc), field_path(str(exc))
+                        )
                     except msgspec.DecodeError as exc:
                         result = _error(n, line_id, rid, ErrorCode.MALFORMED, f"line is not JSON: {exc}")
                     except JetllmError as exc:

@@ -50,8 +50,14 @@ class NatsServer:
     """A nats-server child process with JetStream storing in `data_dir`."""
 
     def __init__(
-        self, data_dir: str | Path, *, host: str = "127.0.0.1", port: int | None = None,
-        binary: str | None = None, log_file: str | Path | None = None, sync_always: bool = False,
+        self,
+        data_dir: str | Path,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        binary: str | None = None,
+        log_file: str | Path | None = None,
+        sync_always: bool = False,
     ) -> None:
         self.data_dir = Path(data_dir)
         self.sync_always = sync_always
@@ -77,18 +83,28 @@ class NatsServer:
         conf.write_text(text)
         log = open(self.log_file, "ab")
         self.proc = subprocess.Popen(
-            [self.binary, "-c", str(conf), "-a", self.host, "-p", str(self.port),
-             "-js", "-sd", str(self.data_dir / "jetstream")],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            [
+                self.binary,
+                "-c",
+                str(conf),
+                "-a",
+                self.host,
+                "-p",
+                str(self.port),
+                "-js",
+                "-sd",
+                str(self.data_dir / "jetstream"),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
         )
         log.close()
         reaper.watch_pid(self.proc.pid)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"nats-server exited with {self.proc.returncode}; see {self.log_file}"
-                )
+                raise RuntimeError(f"nats-server exited with {self.proc.returncode}; see {self.log_file}")
             try:
                 with socket.create_connection((self.host, self.port), timeout=0.5):
                     return self

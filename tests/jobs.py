@@ -91,15 +91,26 @@ async def consumer_counts(nc: NATS, names: Names, model: str) -> tuple[int, int]
     return info.num_pending, info.num_ack_pending
 
 
-async def kv_batches(nc: NATS, names: Names, model: str, instance: str, until, start_seq: int | None = None,
-                     timeout: float = 30) -> list:
+async def kv_batches(
+    nc: NATS,
+    names: Names,
+    model: str,
+    instance: str,
+    until,
+    start_seq: int | None = None,
+    timeout: float = 30,
+) -> list:
     """An instance's KV-event batches in the stream, read again until `until(batches)` holds."""
     from jetllm.subjects.kvevents import kv_events
 
     with anyio.fail_after(timeout):
         while True:
-            got = [d.batch async for d in kv_events(nc, names, model, instance=instance, start_seq=start_seq,
-                                                    follow=False)]
+            got = [
+                d.batch
+                async for d in kv_events(
+                    nc, names, model, instance=instance, start_seq=start_seq, follow=False
+                )
+            ]
             if until(got):
                 return got
             await anyio.sleep(0.05)
@@ -113,7 +124,7 @@ def kv_blocks(events) -> dict[int, list[int]]:
     for ev in events:
         if isinstance(ev, KvStored):
             for i, h in enumerate(ev.block_hashes):
-                live[h] = ev.token_ids[i * ev.block_size:(i + 1) * ev.block_size]
+                live[h] = ev.token_ids[i * ev.block_size : (i + 1) * ev.block_size]
         elif isinstance(ev, KvRemoved):
             for h in ev.block_hashes:
                 live.pop(h, None)

@@ -36,9 +36,12 @@ async def served(request, nats_url, namespace):
 
 def job_dict(model: str, reply_to: str, **overrides) -> dict:
     body = {
-        "v": 1, "request_id": f"bad-{uuid.uuid4().hex}", "model": model,
+        "v": 1,
+        "request_id": f"bad-{uuid.uuid4().hex}",
+        "model": model,
         "prompt": {"type": "tokens", "token_ids": [5, 6, 7]},
-        "stop": {"max_tokens": 4, "ignore_eos": True}, "reply_to": reply_to,
+        "stop": {"max_tokens": 4, "ignore_eos": True},
+        "reply_to": reply_to,
     }
     body.update(overrides)
     return body
@@ -51,14 +54,24 @@ async def assert_still_serving(c: Client, model: str) -> None:
 
 CASES = {
     "wrong schema version": (dict(v=99), ErrorCode.UNSUPPORTED_VERSION, "$.v"),
-    "field of the wrong type": (dict(stop={"max_tokens": "four"}), ErrorCode.INVALID_REQUEST, "$.stop.max_tokens"),
+    "field of the wrong type": (
+        dict(stop={"max_tokens": "four"}),
+        ErrorCode.INVALID_REQUEST,
+        "$.stop.max_tokens",
+    ),
     "negative max_tokens": (dict(stop={"max_tokens": -1}), ErrorCode.INVALID_REQUEST, "$.stop.max_tokens"),
     "unknown field": (dict(max_token=5), ErrorCode.INVALID_REQUEST, "$.max_token"),
     "unknown nested field": (
-        dict(sampling={"temprature": 0}), ErrorCode.INVALID_REQUEST, "$.sampling.temprature"
+        dict(sampling={"temprature": 0}),
+        ErrorCode.INVALID_REQUEST,
+        "$.sampling.temprature",
     ),
     "missing prompt": (dict(prompt=None), ErrorCode.INVALID_REQUEST, "$.prompt"),
-    "empty token prompt": (dict(prompt={"type": "tokens", "token_ids": []}), ErrorCode.INVALID_REQUEST, "$.prompt.token_ids"),
+    "empty token prompt": (
+        dict(prompt={"type": "tokens", "token_ids": []}),
+        ErrorCode.INVALID_REQUEST,
+        "$.prompt.token_ids",
+    ),
 }
 
 

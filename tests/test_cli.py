@@ -12,7 +12,9 @@ from .conftest import TINY
 
 
 def jetllm(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "jetllm", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "jetllm", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def test_schema_writes_one_json_schema_per_message(tmp_path):
@@ -32,8 +34,19 @@ def test_producer_commands_do_not_import_vllm():
 
 @pytest.mark.vllm
 def test_generate_streams_text(shared_vllm, nats_url):
-    r = jetllm("generate", "--nats", nats_url, "--namespace", shared_vllm.namespace, "--chat", "Hello there",
-               "--max-tokens", "8", "--temperature", "0")
+    r = jetllm(
+        "generate",
+        "--nats",
+        nats_url,
+        "--namespace",
+        shared_vllm.namespace,
+        "--chat",
+        "Hello there",
+        "--max-tokens",
+        "8",
+        "--temperature",
+        "0",
+    )
     assert r.returncode == 0, r.stderr
     assert "[length; prompt" in r.stderr and "completion 8" in r.stderr
     assert r.stdout.strip() != ""
@@ -41,8 +54,17 @@ def test_generate_streams_text(shared_vllm, nats_url):
 
 @pytest.mark.vllm
 def test_generate_reports_a_rejected_request(shared_vllm, nats_url):
-    r = jetllm("generate", "--nats", nats_url, "--namespace", shared_vllm.namespace, "--tokens", "5,6",
-               "--max-tokens", "100000")
+    r = jetllm(
+        "generate",
+        "--nats",
+        nats_url,
+        "--namespace",
+        shared_vllm.namespace,
+        "--tokens",
+        "5,6",
+        "--max-tokens",
+        "100000",
+    )
     assert r.returncode == 1
     assert "context_length_exceeded" in r.stderr and "512" in r.stderr
 
@@ -56,7 +78,12 @@ def test_generate_refuses_an_invalid_request_before_sending(nats_url):
 def test_batch_writes_one_result_per_line_in_input_order(shared_vllm, nats_url, tmp_path):
     lines = [
         {"id": "a", "prompt": "Hello", "max_tokens": 5, "temperature": 0},
-        {"id": "b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 30, "stop": {"ignore_eos": True}},
+        {
+            "id": "b",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 30,
+            "stop": {"ignore_eos": True},
+        },
         "not json at all",
         {"id": "c", "token_ids": [5, 6, 7], "max_tokens": 3},
         {"id": "d", "prompt": "x", "max_tokens": 0},
@@ -65,8 +92,20 @@ def test_batch_writes_one_result_per_line_in_input_order(shared_vllm, nats_url, 
     src = tmp_path / "in.jsonl"
     src.write_text("\n".join(json.dumps(x) if isinstance(x, dict) else x for x in lines) + "\n")
     out = tmp_path / "out.jsonl"
-    r = jetllm("batch", "--nats", nats_url, "--namespace", shared_vllm.namespace, "--model", TINY,
-               str(src), "-o", str(out), "--concurrency", "3")
+    r = jetllm(
+        "batch",
+        "--nats",
+        nats_url,
+        "--namespace",
+        shared_vllm.namespace,
+        "--model",
+        TINY,
+        str(src),
+        "-o",
+        str(out),
+        "--concurrency",
+        "3",
+    )
     assert r.returncode == 1, r.stderr  # two bad lines
     results = [json.loads(x) for x in out.read_text().splitlines()]
     assert [x["line"] for x in results] == [1, 2, 3, 4, 5, 6]
@@ -86,7 +125,10 @@ def test_demo_runs_the_whole_path():
 
 
 def test_fleet_commands_name_an_instance_that_does_not_answer(nats_url, namespace):
-    for args in (["health", "--instance", "gone-1", "--timeout", "2"], ["ctl", "wake", "--instance", "gone-1"]):
+    for args in (
+        ["health", "--instance", "gone-1", "--timeout", "2"],
+        ["ctl", "wake", "--instance", "gone-1"],
+    ):
         out = jetllm(*args, "--nats", nats_url, "--namespace", namespace, timeout=60)
         assert out.returncode == 1 and "no instance 'gone-1' answers" in out.stderr, out.stderr
         assert "Traceback" not in out.stderr

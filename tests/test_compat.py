@@ -479,7 +479,9 @@ async def test_a_new_error_code_reaches_the_caller_as_sent(client):
 
 
 @pytest.mark.anyio
-async def test_a_worker_continues_a_request_whose_log_ends_in_a_record_kind_it_does_not_know(nats_url, client):
+async def test_a_worker_continues_a_request_whose_log_ends_in_a_record_kind_it_does_not_know(
+    nats_url, client
+):
     """A newer worker wrote a record of a new kind last, then died: an older worker takes the job
     over from the records it can read, and the unknown one is left out."""
     from jetllm.schemas import Claim, Step, TokensFrame
@@ -492,7 +494,9 @@ async def test_a_worker_continues_a_request_whose_log_ends_in_a_record_kind_it_d
     subject = client.names.request_log(job.request_id)
     js = client.nc.jetstream()
     await js.publish(subject, codec.encode(Claim(attempt=1, worker="newer", at=0.0)))
-    await js.publish(subject, codec.encode(Step(attempt=1, frame=TokensFrame(seq=1, attempt=1, token_ids=[7]))))
+    await js.publish(
+        subject, codec.encode(Step(attempt=1, frame=TokensFrame(seq=1, attempt=1, token_ids=[7])))
+    )
     await js.publish(subject, codec.encode({"v": 1, "kind": "checkpoint", "attempt": 1, "blocks": [1, 2]}))
     async with inproc_worker(nats_url, FakeEngine(), namespace=client.names.namespace):
         done = await client.complete(job)

@@ -49,7 +49,9 @@ async def test_list_show_and_replay_after_the_cause_is_fixed(nats_url, namespace
         assert json.loads(shown.stdout)["payload"]["prompt"]["token_ids"] == long_prompt
 
         async with inproc_worker(nats_url, FakeEngine(max_model_len=1000), namespace=namespace):
-            replayed = await anyio.to_thread.run_sync(lambda: jetllm("dlq", "replay", *common, str(row["seq"])))
+            replayed = await anyio.to_thread.run_sync(
+                lambda: jetllm("dlq", "replay", *common, str(row["seq"]))
+            )
             assert replayed.returncode == 0, replayed.stderr
             result = await c.wait_result("too-long-1", timeout=20)
         assert result.final is not None and len(result.token_ids[0]) == 5
@@ -58,9 +60,10 @@ async def test_list_show_and_replay_after_the_cause_is_fixed(nats_url, namespace
         assert ErrorCode.CONTEXT_LENGTH_EXCEEDED.value in shown.stdout
 
 
-
 @pytest.mark.parametrize("queue", ["model", "adapter"])
-async def test_a_job_no_worker_finishes_is_dead_lettered_and_its_producer_told(nats_url, namespace, tmp_path, queue):
+async def test_a_job_no_worker_finishes_is_dead_lettered_and_its_producer_told(
+    nats_url, namespace, tmp_path, queue
+):
     """JetStream gives up after max_deliver deliveries (here: a stalled consumer that never acks);
     the producer still gets one clear error, and the job waits in the dead-letter stream. Also for
     a job naming an adapter as its model, which waits in the adapter's own queue."""
@@ -74,8 +77,9 @@ async def test_a_job_no_worker_finishes_is_dead_lettered_and_its_producer_told(n
     model = "a" if queue == "adapter" else "fake"
     request = req(model, max_tokens=4)
     async with Client(nats_url, namespace=namespace, heartbeat_timeout=60) as c:
-        async with inproc_worker(nats_url, engine, namespace=namespace, policy=policy, pull_expires=1.0,
-                                 lora=lora) as w:
+        async with inproc_worker(
+            nats_url, engine, namespace=namespace, policy=policy, pull_expires=1.0, lora=lora
+        ) as w:
             if queue == "adapter":
                 admin = LoraAdmin(c.nc, c.names, timeout=10)
                 with anyio.fail_after(10):
@@ -111,8 +115,9 @@ async def test_a_job_near_max_payload_that_runs_out_of_deliveries_is_dead_letter
         big = msgspec.structs.replace(small, prompt=TokensPrompt([1] * pad))
         assert limit - 8 < len(c.encode_job(big)) <= limit
         request = msgspec.structs.replace(big, reply_to=None)
-        async with inproc_worker(nats_url, FakeEngine(), namespace=namespace, policy=policy,
-                                 pull_expires=1.0) as w:
+        async with inproc_worker(
+            nats_url, FakeEngine(), namespace=namespace, policy=policy, pull_expires=1.0
+        ) as w:
             err = await run_out_of_deliveries(c, w, "fake", request, deliveries=2)
             dead = await wait_dead_letter(c.nc, c.names, lambda d: d.request_id == request.request_id)
             assert w.counters.dead_lettered == 1

@@ -33,4 +33,6 @@ def test_readme_commands_are_there_and_executable():
 
 
 def test_embedded_server_config_is_the_one_in_infra():
-    assert (ROOT / "infra" / "nats" / "single-node.conf").resolve() == (ROOT / "jetllm" / "data" / "nats-server.conf").resolve()
+    assert (ROOT / "infra" / "nats" / "single-node.conf").resolve() == (
+        ROOT / "jetllm" / "data" / "nats-server.conf"
+    ).resolve()

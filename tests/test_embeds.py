@@ -93,13 +93,19 @@ def test_checks_name_the_field_and_the_limit():
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_nan_and_infinity_are_refused_in_every_dtype(dtype):
     arr = np.ones((2, 8), np.float32)
-    ok = embeds_prompt((arr.view(np.uint32) >> 16).astype(np.uint16), dtype=dtype) if dtype == "bfloat16" \
+    ok = (
+        embeds_prompt((arr.view(np.uint32) >> 16).astype(np.uint16), dtype=dtype)
+        if dtype == "bfloat16"
         else embeds_prompt(arr.astype(dtype))
+    )
     assert to_array(ok.data, dtype, ok.shape).shape == (2, 8)
     for value in (np.nan, np.inf, -np.inf):
         arr[1, 3] = value
-        p = embeds_prompt((arr.view(np.uint32) >> 16).astype(np.uint16), dtype=dtype) if dtype == "bfloat16" \
+        p = (
+            embeds_prompt((arr.view(np.uint32) >> 16).astype(np.uint16), dtype=dtype)
+            if dtype == "bfloat16"
             else embeds_prompt(arr.astype(dtype))
+        )
         with pytest.raises(RequestRejected, match="NaN or infinite"):
             to_array(p.data, dtype, p.shape)
 
@@ -107,8 +113,15 @@ def test_nan_and_infinity_are_refused_in_every_dtype(dtype):
 def test_a_dead_letter_too_big_for_a_message_keeps_its_reason_without_the_payload():
     def record(max_payload, headers=None):
         return dead_letter_record(
-            subject="s", payload=b"x" * 100_000, headers=headers, code=ErrorCode.INVALID_REQUEST,
-            reason="bad", worker="w", deliveries=1, request_id="r", max_payload=max_payload,
+            subject="s",
+            payload=b"x" * 100_000,
+            headers=headers,
+            code=ErrorCode.INVALID_REQUEST,
+            reason="bad",
+            worker="w",
+            deliveries=1,
+            request_id="r",
+            max_payload=max_payload,
         )
 
     whole = record(None)
@@ -120,17 +133,26 @@ def test_a_dead_letter_too_big_for_a_message_keeps_its_reason_without_the_payloa
     assert len(codec.encode(dropped)) + HEADER_MARGIN <= fits - 1
     big_headers = record(50_000, headers={"h": "y" * 60_000})
     assert big_headers.payload == b"" and big_headers.headers == {}
-    assert big_headers.reason == "bad [payload of 100000 bytes and headers not kept: too big for a dead letter]"
+    assert (
+        big_headers.reason == "bad [payload of 100000 bytes and headers not kept: too big for a dead letter]"
+    )
 
 
 @pytest.mark.anyio
 async def test_a_worker_without_embeddings_says_how_to_enable_them_and_goes_on(nats_url, client, fake_engine):
     async with inproc_worker(nats_url, fake_engine, namespace=client.names.namespace):
-        req = GenerateRequest(request_id=f"r-{uuid.uuid4().hex}", model="fake",
-                              prompt=embeds_prompt(np.ones((2, 8), np.float32)), stop=StopConditions(max_tokens=3))
+        req = GenerateRequest(
+            request_id=f"r-{uuid.uuid4().hex}",
+            model="fake",
+            prompt=embeds_prompt(np.ones((2, 8), np.float32)),
+            stop=StopConditions(max_tokens=3),
+        )
         with pytest.raises(RequestFailed) as info:
             await client.complete(req)
-        assert info.value.code == ErrorCode.INVALID_REQUEST and "--enable-prompt-embeds" in info.value.remote_message
+        assert (
+            info.value.code == ErrorCode.INVALID_REQUEST
+            and "--enable-prompt-embeds" in info.value.remote_message
+        )
         ok = msgspec.structs.replace(req, request_id=f"r-{uuid.uuid4().hex}", prompt=TokensPrompt([1, 2]))
         assert len((await client.complete(ok)).token_ids) == 3
 
@@ -169,15 +191,28 @@ async def test_objects_whose_metadata_lies_are_refused_at_once(nats_url, client)
     await forge("garbage", b"{not json")
     await forge("no-chunks", json.dumps({**good_meta, "name": "no-chunks", "nuid": "NoSuchChunks"}).encode())
     await forge("no-nuid", json.dumps({**good_meta, "name": "no-nuid", "nuid": None}).encode())
-    await forge("big-chunks", json.dumps({**good_meta, "name": "big-chunks", "nuid": big_meta["nuid"]}).encode())
+    await forge(
+        "big-chunks", json.dumps({**good_meta, "name": "big-chunks", "nuid": big_meta["nuid"]}).encode()
+    )
     sha = hashlib.sha256(good).hexdigest()
     async with inproc_worker(nats_url, engine, namespace=names.namespace):
         for name in ("garbage", "no-chunks", "no-nuid", "big-chunks"):
-            req = GenerateRequest(request_id=f"r-{uuid.uuid4().hex}", model="fake", stop=StopConditions(max_tokens=2),
-                                  prompt=EmbedsPrompt(dtype="float32", shape=[2, 8], object=name, sha256=sha))
+            req = GenerateRequest(
+                request_id=f"r-{uuid.uuid4().hex}",
+                model="fake",
+                stop=StopConditions(max_tokens=2),
+                prompt=EmbedsPrompt(dtype="float32", shape=[2, 8], object=name, sha256=sha),
+            )
             with anyio.fail_after(15), pytest.raises(RequestFailed) as info:
                 await client.complete(req)
-            assert info.value.code == ErrorCode.INVALID_REQUEST and info.value.field == "$.prompt.object", (name, info)
-        req = GenerateRequest(request_id=f"r-{uuid.uuid4().hex}", model="fake", stop=StopConditions(max_tokens=2),
-                              prompt=EmbedsPrompt(dtype="float32", shape=[2, 8], object="good", sha256=sha))
+            assert info.value.code == ErrorCode.INVALID_REQUEST and info.value.field == "$.prompt.object", (
+                name,
+                info,
+            )
+        req = GenerateRequest(
+            request_id=f"r-{uuid.uuid4().hex}",
+            model="fake",
+            stop=StopConditions(max_tokens=2),
+            prompt=EmbedsPrompt(dtype="float32", shape=[2, 8], object="good", sha256=sha),
+        )
         assert len((await client.complete(req)).token_ids) == 2

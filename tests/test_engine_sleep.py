@@ -31,11 +31,17 @@ class FakeAsyncLLM:
         self.fail = fail
         hf = SimpleNamespace(eos_token_id=2)
         self.model_config = SimpleNamespace(
-            enable_sleep_mode=sleep_mode, max_model_len=64, hf_config=hf, enable_prompt_embeds=False,
-            get_vocab_size=lambda: 100, get_diff_sampling_param=dict, get_hidden_size=lambda: 8,
+            enable_sleep_mode=sleep_mode,
+            max_model_len=64,
+            hf_config=hf,
+            enable_prompt_embeds=False,
+            get_vocab_size=lambda: 100,
+            get_diff_sampling_param=dict,
+            get_hidden_size=lambda: 8,
         )
         self.vllm_config = SimpleNamespace(
-            model_config=self.model_config, lora_config=None,
+            model_config=self.model_config,
+            lora_config=None,
             cache_config=SimpleNamespace(block_size=16, num_gpu_blocks=10),
             scheduler_config=SimpleNamespace(max_num_seqs=4),
             parallel_config=SimpleNamespace(data_parallel_size=1),
@@ -126,7 +132,9 @@ async def test_a_level_2_wake_that_fails_can_be_repeated_from_the_start():
     llm.calls.clear()
     await e.wake()
     assert llm.calls == [
-        ("wake_up", ["weights"]), ("collective_rpc", "reload_weights"), ("wake_up", ["kv_cache"]),
+        ("wake_up", ["weights"]),
+        ("collective_rpc", "reload_weights"),
+        ("wake_up", ["kv_cache"]),
     ]
 
 

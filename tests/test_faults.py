@@ -45,9 +45,15 @@ def faulty_vllm(nats_url, tiny_model, tmp_path_factory):
     require_vllm()
     import concurrent.futures
 
-    w = WorkerProcess(nats_url, f"faults{uuid.uuid4().hex[:6]}", tiny_model,
-                      tmp_path_factory.mktemp("faults") / "worker.log", "--slots", "8",
-                      module="tests.helpers.faulty_worker")
+    w = WorkerProcess(
+        nats_url,
+        f"faults{uuid.uuid4().hex[:6]}",
+        tiny_model,
+        tmp_path_factory.mktemp("faults") / "worker.log",
+        "--slots",
+        "8",
+        module="tests.helpers.faulty_worker",
+    )
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             pool.submit(anyio.run, w.wait_ready, nats_url).result()

@@ -39,7 +39,9 @@ async def _wait_for(predicate, timeout: float = 10.0):
 
 async def test_registry_lists_a_worker_with_its_facts_and_drops_it_on_stop(nats_url, client, fake_engine):
     js, names = client.nc.jetstream(), client.names
-    async with inproc_worker(nats_url, fake_engine, namespace=names.namespace, registry_interval=0.2) as worker:
+    async with inproc_worker(
+        nats_url, fake_engine, namespace=names.namespace, registry_interval=0.2
+    ) as worker:
         (record,) = await _wait_for(lambda: instances(js, names))
         assert record.instance == worker.instance and record.model == "fake" and record.role == "generate"
         assert record.state == "serving" and record.ready
@@ -59,8 +61,11 @@ async def test_registry_lists_a_worker_with_its_facts_and_drops_it_on_stop(nats_
 
 async def test_a_record_whose_heartbeats_stopped_does_not_count(nats_url, client, fake_engine):
     js, names = client.nc.jetstream(), client.names
-    async with inproc_worker(nats_url, fake_engine, namespace=names.namespace, registry_interval=0.2) as worker:
+    async with inproc_worker(
+        nats_url, fake_engine, namespace=names.namespace, registry_interval=0.2
+    ) as worker:
         await _wait_for(lambda: instances(js, names))
+
         def hung():
             raise RuntimeError("hung")
 
@@ -100,8 +105,14 @@ async def test_model_wide_verbs_get_one_reply_per_instance(nats_url, client):
         replies = await ask(client.nc, names, "reset-prefix-cache", model="fake", timeout=5)
         assert sorted(r.instance for r in replies) == sorted([a.instance, b.instance])
         assert all(isinstance(r, ControlDone) and r.detail == "prefix cache cleared" for r in replies)
-        (bad,) = await ask(client.nc, names, "sleep", codec.encode(SleepRequest(level=7)), instance=a.instance)
-        assert isinstance(bad, ControlFailed) and bad.code == ErrorCode.INVALID_REQUEST and "level" in bad.message
+        (bad,) = await ask(
+            client.nc, names, "sleep", codec.encode(SleepRequest(level=7)), instance=a.instance
+        )
+        assert (
+            isinstance(bad, ControlFailed)
+            and bad.code == ErrorCode.INVALID_REQUEST
+            and "level" in bad.message
+        )
         (garbage,) = await ask(client.nc, names, "sleep", b"\xc1not msgpack", instance=a.instance)
         assert isinstance(garbage, ControlFailed) and garbage.code == ErrorCode.INVALID_REQUEST
         with pytest.raises(LookupError):
@@ -114,7 +125,9 @@ async def _count(client, n: int):
 
 async def test_a_sleeping_worker_pulls_nothing_until_woken(nats_url, client, fake_engine):
     js, names = client.nc.jetstream(), client.names
-    async with inproc_worker(nats_url, fake_engine, namespace=names.namespace, registry_interval=0.2) as worker:
+    async with inproc_worker(
+        nats_url, fake_engine, namespace=names.namespace, registry_interval=0.2
+    ) as worker:
         with anyio.fail_after(5):
             while not worker.pulls.outstanding:  # it holds pull credit, as any idle worker does
                 await anyio.sleep(0.01)
@@ -153,7 +166,9 @@ async def _sleeping(js, names):
     return [r for r in await instances(js, names) if r.state == "sleeping"]
 
 
-async def test_a_trace_id_travels_on_the_job_its_frames_and_the_worker_timing_record(nats_url, client, fake_engine):
+async def test_a_trace_id_travels_on_the_job_its_frames_and_the_worker_timing_record(
+    nats_url, client, fake_engine
+):
     names = client.names
     trace_id, parent = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
     async with inproc_worker(nats_url, fake_engine, namespace=names.namespace) as worker:
@@ -175,14 +190,19 @@ async def test_a_trace_id_travels_on_the_job_its_frames_and_the_worker_timing_re
             while not (records := await trace_records(client.nc.jetstream(), names, request.request_id)):
                 await anyio.sleep(0.1)
         (rec,) = records
-        assert rec.trace_id == trace_id and rec.parent_span_id == parent and header == f"00-{trace_id}-{rec.span_id}-01"
+        assert (
+            rec.trace_id == trace_id
+            and rec.parent_span_id == parent
+            and header == f"00-{trace_id}-{rec.span_id}-01"
+        )
         assert rec.instance == worker.instance and rec.outcome == "completed" and rec.completion_tokens == 5
         assert rec.queued_at <= rec.pulled_at <= rec.accepted_at <= rec.first_token_at <= rec.ended_at
 
         # a malformed header from a producer starts a fresh trace instead of failing the job
         bad = req("fake", max_tokens=2)
         job = await client.nc.jetstream().publish(
-            names.jobs("generate", "fake"), codec.encode(bad),
+            names.jobs("generate", "fake"),
+            codec.encode(bad),
             headers={"Nats-Msg-Id": bad.request_id, "traceparent": "00-zz-not-a-trace-01"},
         )
         assert job.seq
@@ -199,8 +219,14 @@ async def test_registry_readers_skip_entries_no_worker_wrote(nats_url, client, f
 
     async with inproc_worker(nats_url, fake_engine, namespace=client.names.namespace) as w:
         bucket = client.names.registry_bucket
-        for key, value in [("i._FF", b"\xa1\xff"), ("i.x", b"\xc1"), ("i.deep", b"\x91" * 100_000 + b"\x00"),
-                           ("i.json", b'{"instance": "x"}'), ("m.x", b"garbage"), ("m._C3_28", b"\xa2\xc3\x28")]:
+        for key, value in [
+            ("i._FF", b"\xa1\xff"),
+            ("i.x", b"\xc1"),
+            ("i.deep", b"\x91" * 100_000 + b"\x00"),
+            ("i.json", b'{"instance": "x"}'),
+            ("m.x", b"garbage"),
+            ("m._C3_28", b"\xa2\xc3\x28"),
+        ]:
             await client.js.publish(f"$KV.{bucket}.{key}", value)
         assert [r.instance for r in await instances(client.js, client.names)] == [w.instance]
         assert [c.model for c in await model_cards(client.js, client.names)] == ["fake"]

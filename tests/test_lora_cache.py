@@ -32,7 +32,9 @@ def _copy(cache: Path, name: str, nbytes: int, used: float) -> Path:
 
 def test_prune_removes_the_least_recently_used_copies_nobody_holds(tmp_path: Path):
     now = time.time()
-    old, mid, new = (_copy(tmp_path, n, 1000, now - age) for n, age in (("old", 300), ("mid", 200), ("new", 100)))
+    old, mid, new = (
+        _copy(tmp_path, n, 1000, now - age) for n, age in (("old", 300), ("mid", 200), ("new", 100))
+    )
     held = hold(old)  # in use: kept although it is the oldest
     assert held is not None
     assert prune(tmp_path, 1500) == ["mid", "new"]
@@ -46,9 +48,15 @@ def test_prune_removes_the_least_recently_used_copies_nobody_holds(tmp_path: Pat
 def test_a_copy_held_by_a_process_is_kept_until_that_process_is_killed(tmp_path: Path):
     copy = _copy(tmp_path, "a", 1000, time.time())
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from pathlib import Path; from jetllm.workers.lora.cache import hold;"
-         " h = hold(Path(sys.argv[1])); print(h is not None, flush=True); time.sleep(600)", str(copy)],
-        stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from pathlib import Path; from jetllm.workers.lora.cache import hold;"
+            " h = hold(Path(sys.argv[1])); print(h is not None, flush=True); time.sleep(600)",
+            str(copy),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert holder.stdout.readline().strip() == "True"
@@ -85,10 +93,20 @@ async def test_a_worker_prunes_unloaded_adapters_and_keeps_loaded_ones(nats_url,
                     await anyio.sleep(0.05)
             shas = {}
             for name in "ab":
-                shas[name] = (await admin.load("fake", name, source="path", ref=str(allowed / name))).replies[0].adapter.sha256
-            assert {p.name for p in cache.iterdir()} == set(shas.values())  # both in use: over the limit, kept
+                shas[name] = (
+                    (await admin.load("fake", name, source="path", ref=str(allowed / name)))
+                    .replies[0]
+                    .adapter.sha256
+                )
+            assert {p.name for p in cache.iterdir()} == set(
+                shas.values()
+            )  # both in use: over the limit, kept
             await admin.unload("fake", "a")
-            shas["c"] = (await admin.load("fake", "c", source="path", ref=str(allowed / "c"))).replies[0].adapter.sha256
+            shas["c"] = (
+                (await admin.load("fake", "c", source="path", ref=str(allowed / "c")))
+                .replies[0]
+                .adapter.sha256
+            )
             with anyio.fail_after(10):
                 while {p.name for p in cache.iterdir()} != {shas["b"], shas["c"]}:
                     await anyio.sleep(0.05)
@@ -97,4 +115,6 @@ async def test_a_worker_prunes_unloaded_adapters_and_keeps_loaded_ones(nats_url,
             await admin.unload("fake", "b")
             out = await admin.load("fake", "a", source="path", ref=str(allowed / "a"))  # fetched again
             assert out.replies[0].action == "loaded" and out.replies[0].adapter.sha256 == shas["a"]
-            assert (Path(engine.adapters[out.replies[0].adapter.lora_id].path) / "adapter_config.json").is_file()
+            assert (
+                Path(engine.adapters[out.replies[0].adapter.lora_id].path) / "adapter_config.json"
+            ).is_file()

@@ -23,8 +23,13 @@ from .jobs import req
 
 pytestmark = pytest.mark.anyio
 
-TINY_FACTS = LoraFacts(capacity=2, max_rank=8, num_layers=2, base_names=["tiny"], modules={
-    "q_proj": (256, 256), "k_proj": (256, 128), "v_proj": (256, 128), "o_proj": (256, 256)})
+TINY_FACTS = LoraFacts(
+    capacity=2,
+    max_rank=8,
+    num_layers=2,
+    base_names=["tiny"],
+    modules={"q_proj": (256, 256), "k_proj": (256, 128), "v_proj": (256, 128), "o_proj": (256, 256)},
+)
 
 
 def test_validation_names_what_is_wrong(tmp_path: Path):
@@ -40,21 +45,33 @@ def test_validation_names_what_is_wrong(tmp_path: Path):
     for name, (build, message) in cases.items():
         d = build(tmp_path / name)
         if name == "shape":
-            (d / "adapter_config.json").write_text((d / "adapter_config.json").read_text().replace('"r": 8', '"r": 4'))
+            (d / "adapter_config.json").write_text(
+                (d / "adapter_config.json").read_text().replace('"r": 8', '"r": 4')
+            )
         if name == "base":
-            (d / "adapter_config.json").write_text((d / "adapter_config.json").read_text().replace(
-                '"base_model_name_or_path": null', '"base_model_name_or_path": "org/other-model"'))
+            (d / "adapter_config.json").write_text(
+                (d / "adapter_config.json")
+                .read_text()
+                .replace('"base_model_name_or_path": null', '"base_model_name_or_path": "org/other-model"')
+            )
         if name == "truncated":
             w = d / "adapter_model.safetensors"
             w.write_bytes(w.read_bytes()[:-10])
         if name == "module":
-            (d / "adapter_config.json").write_text((d / "adapter_config.json").read_text().replace('"q_proj"', '"lm_head"'))
+            (d / "adapter_config.json").write_text(
+                (d / "adapter_config.json").read_text().replace('"q_proj"', '"lm_head"')
+            )
         with pytest.raises(AdapterFileError) as info:
             validate(d, TINY_FACTS)
-        assert info.value.code == ErrorCode.ADAPTER_INVALID and message in info.value.message, (name, info.value)
+        assert info.value.code == ErrorCode.ADAPTER_INVALID and message in info.value.message, (
+            name,
+            info.value,
+        )
 
 
-async def test_desired_state_reaches_every_instance_and_jobs_use_only_loaded_adapters(nats_url, namespace, tmp_path):
+async def test_desired_state_reaches_every_instance_and_jobs_use_only_loaded_adapters(
+    nats_url, namespace, tmp_path
+):
     from .fake_engine import FakeEngine
 
     allowed = tmp_path / "allowed"
@@ -91,11 +108,16 @@ async def test_desired_state_reaches_every_instance_and_jobs_use_only_loaded_ada
                         await anyio.sleep(0.05)
                 assert w1.reports.adapters == ["a"]
                 out = await admin.unload("fake", "a")
-                assert sorted(r.action for r in out.replies if isinstance(r, AdapterReply)) == ["unloaded", "unloaded"]
+                assert sorted(r.action for r in out.replies if isinstance(r, AdapterReply)) == [
+                    "unloaded",
+                    "unloaded",
+                ]
                 assert engines[0].adapters == engines[1].adapters == {}
 
 
-async def test_a_job_naming_an_adapter_as_its_model_runs_only_on_a_worker_holding_it(nats_url, namespace, tmp_path):
+async def test_a_job_naming_an_adapter_as_its_model_runs_only_on_a_worker_holding_it(
+    nats_url, namespace, tmp_path
+):
     """The adapter's own queue: workers pull from it only while they hold the adapter."""
     from jetllm.subjects import Client
 
@@ -122,6 +144,7 @@ async def test_a_job_naming_an_adapter_as_its_model_runs_only_on_a_worker_holdin
             done = []
             async with anyio.create_task_group() as tg:
                 for i in range(6):
+
                     async def one(i=i) -> None:
                         done.append(await c.complete(req("a", [3, 4, 5 + i], max_tokens=4)))
 
@@ -137,7 +160,8 @@ async def test_a_job_naming_an_adapter_as_its_model_runs_only_on_a_worker_holdin
 
 
 async def test_a_worker_stopped_while_it_starts_pulling_an_adapter_queue_still_stops(
-        nats_url, namespace, tmp_path, monkeypatch):
+    nats_url, namespace, tmp_path, monkeypatch
+):
     """Loading an adapter starts a pull on its queue; a stop that lands meanwhile must not leave a
     puller behind that keeps the worker from ever exiting."""
     from jetllm.subjects import Client
@@ -196,8 +220,14 @@ async def test_garbage_in_the_lora_bucket_does_not_stop_the_watch(nats_url, name
         kv = await ensure_lora_bucket(c.js, c.names)
         await kv.put("fake._FF", b"there before the worker")
         async with inproc_worker(nats_url, engine, namespace=namespace, lora=settings) as w:
-            for token, value in [("_FF", b"x"), ("a_", b"x"), ("_2E_2E", b"x"), ("bad-utf8", b"\xa1\xff"),
-                                 ("deep", b"\x91" * 100_000 + b"\x00"), ("junk", b"\xc1")]:
+            for token, value in [
+                ("_FF", b"x"),
+                ("a_", b"x"),
+                ("_2E_2E", b"x"),
+                ("bad-utf8", b"\xa1\xff"),
+                ("deep", b"\x91" * 100_000 + b"\x00"),
+                ("junk", b"\xc1"),
+            ]:
                 await c.nc.publish(f"$KV.{c.names.lora_bucket}.fake.{token}", value)
             spec = {"v": 1, "name": "a", "source": "path", "ref": str(allowed / "a"), "version": 1}
             await kv.put(c.names.lora_key("fake", "a"), msgspec.msgpack.encode(spec))

@@ -64,7 +64,8 @@ async def collect_until_kill(c: Client, request, worker_by_instance, kill_after_
 
 
 async def test_sigkill_mid_stream_continues_on_another_worker_without_gap_or_duplicate(
-        nats_url, namespace, start_fake_worker):
+    nats_url, namespace, start_fake_worker
+):
     a = await start_ready(start_fake_worker, nats_url, namespace, "--step-delay", "0.02")
     b = await start_ready(start_fake_worker, nats_url, namespace, "--step-delay", "0.02")
     workers = {a.instance: a, b.instance: b}
@@ -86,7 +87,8 @@ async def test_sigkill_mid_stream_continues_on_another_worker_without_gap_or_dup
 
 
 async def test_a_frozen_worker_keeps_its_request_only_a_closed_connection_moves_it(
-        nats_url, namespace, start_fake_worker):
+    nats_url, namespace, start_fake_worker
+):
     """A worker frozen for longer than the producer's silence and ping timeouts (SIGSTOP: the worst a
     saturated CPU can do) answers no ping, but its connection stays open: the request is not moved,
     and it ends on that worker once it runs again."""
@@ -114,7 +116,9 @@ async def test_a_frozen_worker_keeps_its_request_only_a_closed_connection_moves_
                         tg.start_soon(freeze, workers[frames[0].worker])
     accepted = [f for f in frames if isinstance(f, AcceptedFrame)]
     assert [f.attempt for f in accepted] == [1] and {f.attempt for f in frames} == {1}
-    assert [t for f in frames if isinstance(f, TokensFrame) for t in f.token_ids] == expected_tokens([6, 1], 100)
+    assert [t for f in frames if isinstance(f, TokensFrame) for t in f.token_ids] == expected_tokens(
+        [6, 1], 100
+    )
     assert isinstance(frames[-1], FinalFrame)
 
 
@@ -135,7 +139,8 @@ async def test_detached_job_migrates_and_its_result_is_stored(nats_url, namespac
 
 
 async def test_n_greater_than_one_refuses_to_migrate_once_tokens_were_delivered(
-        nats_url, namespace, start_fake_worker):
+    nats_url, namespace, start_fake_worker
+):
     a = await start_ready(start_fake_worker, nats_url, namespace, "--step-delay", "0.02")
     b = await start_ready(start_fake_worker, nats_url, namespace, "--step-delay", "0.02")
     workers = {a.instance: a, b.instance: b}
@@ -148,7 +153,8 @@ async def test_n_greater_than_one_refuses_to_migrate_once_tokens_were_delivered(
 
 
 async def test_a_job_that_kills_every_worker_is_dead_lettered_after_its_budget(
-        nats_url, namespace, start_fake_worker):
+    nats_url, namespace, start_fake_worker
+):
     workers = {}
     for _ in range(3):
         w = await start_ready(start_fake_worker, nats_url, namespace, "--step-delay", "0.05")
@@ -168,8 +174,12 @@ async def test_a_job_that_kills_every_worker_is_dead_lettered_after_its_budget(
     assert "2 times" in dead.reason and "budget is 1" in dead.reason
 
 
-async def test_sigterm_with_a_short_grace_moves_requests_without_errors(nats_url, namespace, start_fake_worker):
-    first = await start_ready(start_fake_worker, nats_url, namespace, "--step-delay", "0.03", "--grace-period", "0.5")
+async def test_sigterm_with_a_short_grace_moves_requests_without_errors(
+    nats_url, namespace, start_fake_worker
+):
+    first = await start_ready(
+        start_fake_worker, nats_url, namespace, "--step-delay", "0.03", "--grace-period", "0.5"
+    )
     async with Client(nats_url, namespace=namespace) as c:
         results = []
 
@@ -200,12 +210,17 @@ async def test_a_job_cancelled_while_queued_is_never_run(nats_url, namespace, st
         result = await c.wait_result(queued.request_id, timeout=20)
         assert result.error is not None and result.error.code == ErrorCode.CANCELLED
         assert "changed my mind" in result.error.message
-        statuses = [s for s in await __import__("jetllm.subjects.fleet", fromlist=["x"]).worker_statuses(c.nc, c.names)]
+        statuses = [
+            s
+            for s in await __import__("jetllm.subjects.fleet", fromlist=["x"]).worker_statuses(c.nc, c.names)
+        ]
         (status,) = [s for s in statuses if s.pid == w.proc.pid]
         assert status.extra["completed"] == "0" and status.extra["cancelled"] == "1"
 
 
-async def test_the_same_request_id_twice_runs_once_and_both_get_the_result(nats_url, namespace, start_fake_worker):
+async def test_the_same_request_id_twice_runs_once_and_both_get_the_result(
+    nats_url, namespace, start_fake_worker
+):
     await start_ready(start_fake_worker, nats_url, namespace, "--step-delay", "0.01")
     async with Client(nats_url, namespace=namespace) as c:
         r = req("fake", [4, 4], max_tokens=40)

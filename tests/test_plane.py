@@ -55,15 +55,22 @@ async def test_frames_arrive_in_order_and_end_with_usage(nats_url, client, fake_
 
 async def test_complete_assembles_text_for_chat_and_text_prompts(nats_url, client, fake_engine):
     async with inproc_worker(nats_url, fake_engine, namespace=client.names.namespace):
-        chat = await client.complete(GenerateRequest(
-            request_id="chat-1", model="fake",
-            prompt=ChatPrompt([ChatMessage(role="user", content="hi")]),
-            stop=StopConditions(max_tokens=4, ignore_eos=True),
-        ))
-        text = await client.complete(GenerateRequest(
-            request_id="text-1", model="fake", prompt=TextPrompt("hello"),
-            stop=StopConditions(max_tokens=4, ignore_eos=True),
-        ))
+        chat = await client.complete(
+            GenerateRequest(
+                request_id="chat-1",
+                model="fake",
+                prompt=ChatPrompt([ChatMessage(role="user", content="hi")]),
+                stop=StopConditions(max_tokens=4, ignore_eos=True),
+            )
+        )
+        text = await client.complete(
+            GenerateRequest(
+                request_id="text-1",
+                model="fake",
+                prompt=TextPrompt("hello"),
+                stop=StopConditions(max_tokens=4, ignore_eos=True),
+            )
+        )
         tokens = await client.complete(req("fake", [1, 2], max_tokens=4))
     assert chat.text == "".join(f"<{t}>" for t in chat.token_ids)
     assert text.text is not None and len(text.token_ids) == 4
@@ -72,7 +79,9 @@ async def test_complete_assembles_text_for_chat_and_text_prompts(nats_url, clien
 
 async def test_n_choices_each_get_their_tokens_and_finish(nats_url, client, fake_engine):
     async with inproc_worker(nats_url, fake_engine, namespace=client.names.namespace):
-        done = await client.complete(req("fake", [3, 4], max_tokens=5, sampling=SamplingOptions(n=3, temperature=1)))
+        done = await client.complete(
+            req("fake", [3, 4], max_tokens=5, sampling=SamplingOptions(n=3, temperature=1))
+        )
     assert [len(c.token_ids) for c in done.choices] == [5, 5, 5]
     assert len({tuple(c.token_ids) for c in done.choices}) == 3
     assert done.usage.completion_tokens == 15
@@ -95,7 +104,9 @@ async def test_json_job_from_a_foreign_producer_gets_json_frames(nats_url, clien
 
 async def test_payload_over_server_max_is_refused_before_publishing(nats_url, client, fake_engine):
     big = GenerateRequest(
-        request_id="big-1", model="fake", prompt=TextPrompt("x" * (client.nc.max_payload + 10)),
+        request_id="big-1",
+        model="fake",
+        prompt=TextPrompt("x" * (client.nc.max_payload + 10)),
     )
     with pytest.raises(PayloadTooLarge, match="max_payload"):
         await client.submit(big)
@@ -212,6 +223,7 @@ async def test_heartbeats_keep_a_quiet_request_alive(nats_url, nats_url_client_s
     engine = FakeEngine(step_delay=0.01)
     async with inproc_worker(nats_url, engine, namespace=c.names.namespace, heartbeat_interval=0.1):
         async with anyio.create_task_group() as tg:
+
             async def unstall() -> None:
                 await anyio.sleep(1.5)
                 engine.stalled = False
@@ -226,7 +238,9 @@ async def test_a_silent_worker_is_reported_when_migration_is_off(nats_url, names
     engine = FakeEngine()
     engine.stalled = True
     async with Client(nats_url, namespace=namespace, heartbeat_timeout=0.5, migrate=False) as c:
-        async with inproc_worker(nats_url, engine, namespace=namespace, heartbeat_interval=60, grace_period=0.5):
+        async with inproc_worker(
+            nats_url, engine, namespace=namespace, heartbeat_interval=60, grace_period=0.5
+        ):
             with pytest.raises(WorkerSilent, match="no frame"):
                 await c.complete(req("fake", max_tokens=3))
 
@@ -276,7 +290,9 @@ async def test_grace_period_over_hands_jobs_back_for_another_worker(nats_url, cl
     slow = FakeEngine(step_delay=0.05, max_model_len=10_000)
     await client.submit(req("fake", [1], max_tokens=200))
     policy = QueuePolicy(ack_wait=300)
-    async with inproc_worker(nats_url, slow, namespace=client.names.namespace, grace_period=0.3, policy=policy) as first:
+    async with inproc_worker(
+        nats_url, slow, namespace=client.names.namespace, grace_period=0.3, policy=policy
+    ) as first:
         with anyio.fail_after(10):
             while first.status().in_flight < 1:
                 await anyio.sleep(0.01)
@@ -285,7 +301,9 @@ async def test_grace_period_over_hands_jobs_back_for_another_worker(nats_url, cl
             while first.state != "stopped":
                 await anyio.sleep(0.01)
         assert first.counters.handed_back == 1 and first.counters.acked == 0
-    async with inproc_worker(nats_url, FakeEngine(), namespace=client.names.namespace, policy=policy) as second:
+    async with inproc_worker(
+        nats_url, FakeEngine(), namespace=client.names.namespace, policy=policy
+    ) as second:
         with anyio.fail_after(30):
             while second.counters.acked < 1:
                 await anyio.sleep(0.02)
@@ -295,7 +313,9 @@ async def test_engine_death_hands_jobs_back_and_exits_nonzero(nats_url, client):
     engine = FakeEngine(step_delay=0.02, max_model_len=10_000)
     await client.submit(req("fake", max_tokens=5000))
     policy = QueuePolicy(ack_wait=300)
-    async with inproc_worker(nats_url, engine, namespace=client.names.namespace, health_interval=0.1, policy=policy) as w:
+    async with inproc_worker(
+        nats_url, engine, namespace=client.names.namespace, health_interval=0.1, policy=policy
+    ) as w:
         with anyio.fail_after(10):
             while not engine.running:
                 await anyio.sleep(0.01)
@@ -328,11 +348,17 @@ async def test_context_limits_name_the_limit(nats_url, client):
             await client.complete(req("fake", list(range(1, 80))))
         with pytest.raises(RequestFailed) as too_many:
             await client.complete(req("fake", [1, 2, 3], max_tokens=100))
-        fits = await client.complete(GenerateRequest(
-            request_id=f"fit-{uuid.uuid4().hex}", model="fake", prompt=TokensPrompt([1, 2, 3]),
-            stop=StopConditions(ignore_eos=True),
-        ))
+        fits = await client.complete(
+            GenerateRequest(
+                request_id=f"fit-{uuid.uuid4().hex}",
+                model="fake",
+                prompt=TokensPrompt([1, 2, 3]),
+                stop=StopConditions(ignore_eos=True),
+            )
+        )
     assert long_prompt.value.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED and "64" in str(long_prompt.value)
-    assert too_many.value.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED and too_many.value.field == "$.stop.max_tokens"
+    assert (
+        too_many.value.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED
+        and too_many.value.field == "$.stop.max_tokens"
+    )
     assert len(fits.token_ids) == 64 - 3  # max_tokens defaults to the room left
-

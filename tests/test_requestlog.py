@@ -7,7 +7,9 @@ from jetllm.workers.requestlog import analyze
 
 
 def step(attempt: int, seq: int, *tokens: int, index: int = 0) -> Step:
-    return Step(attempt=attempt, frame=TokensFrame(seq=seq, attempt=attempt, index=index, token_ids=list(tokens)))
+    return Step(
+        attempt=attempt, frame=TokensFrame(seq=seq, attempt=attempt, index=index, token_ids=list(tokens))
+    )
 
 
 def test_an_empty_log_is_a_fresh_request():
@@ -16,21 +18,42 @@ def test_an_empty_log_is_a_fresh_request():
 
 
 def test_delivered_tokens_are_gathered_in_seq_order_across_attempts():
-    h = analyze([Claim(attempt=1, worker="a", at=0), step(1, 1, 10), step(1, 2, 11),
-                 Claim(attempt=2, worker="b", at=1), step(2, 3, 12)])
+    h = analyze(
+        [
+            Claim(attempt=1, worker="a", at=0),
+            step(1, 1, 10),
+            step(1, 2, 11),
+            Claim(attempt=2, worker="b", at=1),
+            step(2, 3, 12),
+        ]
+    )
     assert h.tokens(1) == [[10, 11, 12]] and h.last_seq == 3
     assert h.deaths == 2  # attempt 2 is not the current one: it died too
 
 
 def test_a_superseded_attempt_cannot_change_what_was_delivered():
-    h = analyze([Claim(attempt=1, worker="a", at=0), step(1, 1, 10), Claim(attempt=2, worker="b", at=1),
-                 step(1, 2, 99), step(2, 2, 11)])
+    h = analyze(
+        [
+            Claim(attempt=1, worker="a", at=0),
+            step(1, 1, 10),
+            Claim(attempt=2, worker="b", at=1),
+            step(1, 2, 99),
+            step(2, 2, 11),
+        ]
+    )
     assert h.tokens(1) == [[10, 11]]
 
 
 def test_planned_handoffs_do_not_count_as_deaths():
-    h = analyze([Claim(attempt=1, worker="a", at=0), step(1, 1, 5), Handoff(attempt=1, reason="draining"),
-                 Claim(attempt=2, worker="b", at=1), step(2, 2, 6)])
+    h = analyze(
+        [
+            Claim(attempt=1, worker="a", at=0),
+            step(1, 1, 5),
+            Handoff(attempt=1, reason="draining"),
+            Claim(attempt=2, worker="b", at=1),
+            step(2, 2, 6),
+        ]
+    )
     assert h.handoffs == 1 and h.deaths == 1
 
 

@@ -41,11 +41,22 @@ def test_bad_namespace_is_refused():
         Names("Has.Dots")
 
 
-@pytest.mark.parametrize("subject,ok", [
-    ("_INBOX.abc.def", True), ("replies.client7", True), ("$JS.API.STREAM.DELETE.X", False),
-    ("$SYS.REQ.SERVER.PING", False), ("jetllm.default.cancel.x", False), ("a.*.c", False),
-    ("a.>", False), ("a..b", False), ("a b", False), ("", False), ("x" * 300, False),
-])
+@pytest.mark.parametrize(
+    "subject,ok",
+    [
+        ("_INBOX.abc.def", True),
+        ("replies.client7", True),
+        ("$JS.API.STREAM.DELETE.X", False),
+        ("$SYS.REQ.SERVER.PING", False),
+        ("jetllm.default.cancel.x", False),
+        ("a.*.c", False),
+        ("a.>", False),
+        ("a..b", False),
+        ("a b", False),
+        ("", False),
+        ("x" * 300, False),
+    ],
+)
 def test_reply_subject_safety(subject, ok):
     assert is_safe_reply_subject(subject) is ok
 
@@ -70,7 +81,10 @@ def test_requests_round_trip_in_both_encodings():
 
 
 def test_frames_are_a_tagged_union():
-    frames = [TokensFrame(seq=2, token_ids=[5]), ErrorFrame(seq=3, request_id="r", code=ErrorCode.MALFORMED, message="m")]
+    frames = [
+        TokensFrame(seq=2, token_ids=[5]),
+        ErrorFrame(seq=3, request_id="r", code=ErrorCode.MALFORMED, message="m"),
+    ]
     for f in frames:
         assert msgspec.msgpack.decode(codec.encode(f), type=Frame) == f
     assert json.loads(codec.encode(frames[0], "json"))["kind"] == "tokens"
@@ -86,10 +100,14 @@ def test_content_type_decides_the_encoding():
 def test_decode_errors_name_the_field():
     good = {"request_id": "r", "model": "m", "prompt": {"type": "text", "text": "hi"}}
     with pytest.raises(RejectedJob) as e:
-        decode_request(msgspec.json.encode({**good, "sampling": {"top_p": 3}}), {"Content-Type": "application/json"})
+        decode_request(
+            msgspec.json.encode({**good, "sampling": {"top_p": 3}}), {"Content-Type": "application/json"}
+        )
     assert e.value.field == "$.sampling.top_p" and e.value.request_id == "r"
     with pytest.raises(RejectedJob) as e:
-        decode_request(msgspec.json.encode({**good, "v": 7, "new_field": 1}), {"Content-Type": "application/json"})
+        decode_request(
+            msgspec.json.encode({**good, "v": 7, "new_field": 1}), {"Content-Type": "application/json"}
+        )
     assert e.value.code == ErrorCode.UNSUPPORTED_VERSION
     assert field_path("Object missing required field `model`") == "$.model"
 

@@ -39,12 +39,22 @@ class Tracker:
         return [t for f in self.frames if isinstance(f, TokensFrame) for t in f.token_ids]
 
     def tokens_before(self, moment: float) -> list[int]:
-        return [t for f, at in zip(self.frames, self.times, strict=True) if at < moment
-                and isinstance(f, TokensFrame) for t in f.token_ids]
+        return [
+            t
+            for f, at in zip(self.frames, self.times, strict=True)
+            if at < moment and isinstance(f, TokensFrame)
+            for t in f.token_ids
+        ]
 
     def first_token_after(self, moment: float) -> float | None:
-        return next((at for f, at in zip(self.frames, self.times, strict=True)
-                     if at > moment and isinstance(f, TokensFrame)), None)
+        return next(
+            (
+                at
+                for f, at in zip(self.frames, self.times, strict=True)
+                if at > moment and isinstance(f, TokensFrame)
+            ),
+            None,
+        )
 
 
 async def follow(c: Client, request, tracker: Tracker) -> None:
@@ -73,7 +83,11 @@ async def chaos_run(c, url, workers, requests, kills: int):
                 await anyio.sleep(0.02)
             while True:  # another worker must be serving: resume latency, not restart time, is measured
                 # Who runs what, as the producers saw it (status replies of CPU-starved workers come late).
-                busy = {last_accepted(t) for t in trackers.values() if t.frames and not isinstance(t.frames[-1], FinalFrame)}
+                busy = {
+                    last_accepted(t)
+                    for t in trackers.values()
+                    if t.frames and not isinstance(t.frames[-1], FinalFrame)
+                }
                 serving = [w for w in workers if w.proc.poll() is None and w.instance is not None]
                 victims = [w for w in serving if w.instance in busy]
                 if victims and len(serving) >= 2:
@@ -115,8 +129,11 @@ def resume_latencies(trackers, kill_times) -> list[float]:
 def workers3(nats_url, namespace, tiny_model, tmp_path):
     ws = []
     for i in range(3):
-        ws.append(WorkerProcess(nats_url, namespace, tiny_model, tmp_path / f"w{i}.log", "--slots", "16",
-                                "--ack-wait", "5"))
+        ws.append(
+            WorkerProcess(
+                nats_url, namespace, tiny_model, tmp_path / f"w{i}.log", "--slots", "16", "--ack-wait", "5"
+            )
+        )
     yield ws
     for w in ws:
         w.stop()
@@ -127,17 +144,32 @@ async def start_all(nats_url, workers):
         await w.wait_ready(nats_url)
 
 
-async def test_chaos_greedy_outputs_equal_the_uninterrupted_run(nats_url, namespace, workers3, direct, record_property):
+async def test_chaos_greedy_outputs_equal_the_uninterrupted_run(
+    nats_url, namespace, workers3, direct, record_property
+):
     await start_all(nats_url, workers3)
     rng = random.Random(1)
-    requests = [req(TINY, [rng.randrange(4, 500) for _ in range(rng.randrange(4, 20))],
-                    stop=StopConditions(max_tokens=rng.randrange(120, 300), ignore_eos=True))
-                for _ in range(42)]
+    requests = [
+        req(
+            TINY,
+            [rng.randrange(4, 500) for _ in range(rng.randrange(4, 20))],
+            stop=StopConditions(max_tokens=rng.randrange(120, 300), ignore_eos=True),
+        )
+        for _ in range(42)
+    ]
     async with Client(nats_url, namespace=namespace, heartbeat_timeout=1.0) as c:
         trackers, kills = await chaos_run(c, nats_url, workers3, requests, kills=2)
-    expected = await anyio.to_thread.run_sync(lambda: direct.run_many(
-        [({"token_ids": r.prompt.token_ids}, dict(temperature=0, max_tokens=r.stop.max_tokens, ignore_eos=True))
-         for r in requests]))
+    expected = await anyio.to_thread.run_sync(
+        lambda: direct.run_many(
+            [
+                (
+                    {"token_ids": r.prompt.token_ids},
+                    dict(temperature=0, max_tokens=r.stop.max_tokens, ignore_eos=True),
+                )
+                for r in requests
+            ]
+        )
+    )
     migrated = 0
     for r, want in zip(requests, expected, strict=True):
         t = trackers[r.request_id]
@@ -152,14 +184,23 @@ async def test_chaos_greedy_outputs_equal_the_uninterrupted_run(nats_url, namesp
     if latencies:
         record_property("resume_latency_p50_s", statistics.median(latencies))
         record_property("resume_latency_p99_s", percentile(latencies, 99))
-        print(f"\nchaos: {len(kills)} kills, {migrated} requests migrated, resume latency "
-              f"p50 {statistics.median(latencies):.2f}s p99 {percentile(latencies, 99):.2f}s")
+        print(
+            f"\nchaos: {len(kills)} kills, {migrated} requests migrated, resume latency "
+            f"p50 {statistics.median(latencies):.2f}s p99 {percentile(latencies, 99):.2f}s"
+        )
 
 
 async def test_chaos_seeded_sampling_keeps_every_delivered_token(nats_url, namespace, workers3):
     await start_all(nats_url, workers3)
-    requests = [req(TINY, [5 + i, 6, 7], sampling=SamplingOptions(temperature=1.0, seed=100 + i),
-                    stop=StopConditions(max_tokens=250, ignore_eos=True)) for i in range(24)]
+    requests = [
+        req(
+            TINY,
+            [5 + i, 6, 7],
+            sampling=SamplingOptions(temperature=1.0, seed=100 + i),
+            stop=StopConditions(max_tokens=250, ignore_eos=True),
+        )
+        for i in range(24)
+    ]
     async with Client(nats_url, namespace=namespace, heartbeat_timeout=1.0) as c:
         trackers, kills = await chaos_run(c, nats_url, workers3, requests, kills=2)
     assert kills
@@ -211,7 +252,9 @@ async def test_sigterm_with_long_requests_moves_them_without_an_error(nats_url, 
     await anyio.sleep(5)  # its outstanding pull requests expire on the server
     async with Client(nats_url, namespace=namespace) as c:
         trackers, engine = {}, []
-        requests = [req(TINY, [20 + i, 3], stop=StopConditions(max_tokens=480, ignore_eos=True)) for i in range(6)]
+        requests = [
+            req(TINY, [20 + i, 3], stop=StopConditions(max_tokens=480, ignore_eos=True)) for i in range(6)
+        ]
         try:
             async with anyio.create_task_group() as tg:
                 for r in requests:
@@ -250,11 +293,32 @@ def run_batch():
     procs: list[subprocess.Popen] = []
 
     def start(url: str, namespace: str, src, out) -> subprocess.Popen:
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "jetllm", "batch", "--nats", url, "--namespace", namespace, "--model", TINY,
-             str(src), "-o", str(out), "--concurrency", "8", "--batch-id", "resumable"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        ))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "jetllm",
+                    "batch",
+                    "--nats",
+                    url,
+                    "--namespace",
+                    namespace,
+                    "--model",
+                    TINY,
+                    str(src),
+                    "-o",
+                    str(out),
+                    "--concurrency",
+                    "8",
+                    "--batch-id",
+                    "resumable",
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
         return procs[-1]
 
     yield start
@@ -264,13 +328,21 @@ def run_batch():
             p.wait()
 
 
-async def test_batch_killed_halfway_resumes_with_exactly_one_result_per_line(nats_url, namespace, start_worker, tmp_path,
-                                                                            run_batch):
+async def test_batch_killed_halfway_resumes_with_exactly_one_result_per_line(
+    nats_url, namespace, start_worker, tmp_path, run_batch
+):
     w = start_worker(namespace, "--slots", "8")
     await w.wait_ready(nats_url)
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    src.write_text("".join(json.dumps({"id": f"l{i}", "token_ids": [4 + i, 9], "max_tokens": 60 + i,
-                                       "stop": {"ignore_eos": True}}) + "\n" for i in range(40)))
+    src.write_text(
+        "".join(
+            json.dumps(
+                {"id": f"l{i}", "token_ids": [4 + i, 9], "max_tokens": 60 + i, "stop": {"ignore_eos": True}}
+            )
+            + "\n"
+            for i in range(40)
+        )
+    )
     first = run_batch(nats_url, namespace, src, out)
     async with Client(nats_url, namespace=namespace) as c:
         with anyio.fail_after(120):
@@ -293,21 +365,28 @@ async def test_batch_killed_halfway_resumes_with_exactly_one_result_per_line(nat
 
 
 @pytest.mark.parametrize("how", ["restart", "crash"])
-async def test_broker_restart_during_a_batch_loses_nothing(tiny_model, tmp_path, namespace, run_batch, how,
-                                                           record_property):
+async def test_broker_restart_during_a_batch_loses_nothing(
+    tiny_model, tmp_path, namespace, run_batch, how, record_property
+):
     """A restart (SIGTERM) runs nothing twice. A crash (SIGKILL, even fsyncing every write) loses
     nothing, but the restored server may hand out a running job again before its worker is back
     (docs/durability.md): the producer still gets one result per line; extra runs are reported."""
     data = tmp_path / "nats"
     server = NatsServer(data, sync_always=True).start()
     url = server.url
-    workers = [WorkerProcess(url, namespace, tiny_model, tmp_path / f"w{i}.log", "--slots", "8") for i in range(2)]
+    workers = [
+        WorkerProcess(url, namespace, tiny_model, tmp_path / f"w{i}.log", "--slots", "8") for i in range(2)
+    ]
     try:
         for w in workers:
             await w.wait_ready(url)
         src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-        src.write_text("".join(json.dumps({"token_ids": [4 + i, 5], "max_tokens": 120, "stop": {"ignore_eos": True}})
-                               + "\n" for i in range(32)))
+        src.write_text(
+            "".join(
+                json.dumps({"token_ids": [4 + i, 5], "max_tokens": 120, "stop": {"ignore_eos": True}}) + "\n"
+                for i in range(32)
+            )
+        )
         batch = run_batch(url, namespace, src, out)
         await anyio.sleep(4)
         server.kill() if how == "crash" else server.stop()

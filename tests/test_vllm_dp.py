@@ -31,8 +31,16 @@ def _free_port() -> int:
 
 async def test_a_leader_and_a_headless_rank_serve_together(nats_url, namespace, start_worker):
     port = str(_free_port())
-    dp = ["--data-parallel-size", "2", "--data-parallel-size-local", "1", "--data-parallel-address", "127.0.0.1",
-          "--data-parallel-rpc-port", port]
+    dp = [
+        "--data-parallel-size",
+        "2",
+        "--data-parallel-size-local",
+        "1",
+        "--data-parallel-address",
+        "127.0.0.1",
+        "--data-parallel-rpc-port",
+        port,
+    ]
     leader = start_worker(namespace, *dp, "--slots", "8", "--registry-interval", "0.5")
     headless = start_worker(namespace, *dp, "--headless", "--data-parallel-start-rank", "1")
     instance = await leader.wait_ready(nats_url, timeout=400)
@@ -57,7 +65,8 @@ async def test_a_leader_and_a_headless_rank_serve_together(nats_url, namespace, 
         text = urllib.request.urlopen(record.metrics_url, timeout=10).read().decode()
         generated = {
             s.labels.get("engine"): s.value
-            for f in text_string_to_metric_families(text) for s in f.samples
+            for f in text_string_to_metric_families(text)
+            for s in f.samples
             if s.name == "vllm:generation_tokens_total"
         }
         assert generated.get("0", 0) > 0 and generated.get("1", 0) > 0, generated  # both ranks worked

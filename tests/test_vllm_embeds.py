@@ -54,8 +54,15 @@ def table(tiny_model) -> np.ndarray:
 def embeds_worker(nats_url, tiny_model, tmp_path_factory):
     require_vllm()
     ns = f"emb{uuid.uuid4().hex[:8]}"
-    w = WorkerProcess(nats_url, ns, tiny_model, tmp_path_factory.mktemp("emb") / "worker.log",
-                      "--enable-prompt-embeds", "--max-embeds-bytes", str(LIMIT))
+    w = WorkerProcess(
+        nats_url,
+        ns,
+        tiny_model,
+        tmp_path_factory.mktemp("emb") / "worker.log",
+        "--enable-prompt-embeds",
+        "--max-embeds-bytes",
+        str(LIMIT),
+    )
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             pool.submit(anyio.run, w.wait_ready, nats_url).result()
@@ -66,7 +73,10 @@ def embeds_worker(nats_url, tiny_model, tmp_path_factory):
 
 def request(prompt, *, max_tokens=24, ignore_eos=True) -> GenerateRequest:
     return GenerateRequest(
-        request_id=f"e-{uuid.uuid4().hex}", model=TINY, prompt=prompt, sampling=SamplingOptions(temperature=0),
+        request_id=f"e-{uuid.uuid4().hex}",
+        model=TINY,
+        prompt=prompt,
+        sampling=SamplingOptions(temperature=0),
         stop=StopConditions(max_tokens=max_tokens, ignore_eos=ignore_eos),
     )
 
@@ -89,7 +99,9 @@ async def test_embeddings_generate_what_their_tokens_do_and_bad_tensors_are_type
         assert got.token_ids == want.token_ids
         assert got.usage.prompt_tokens == len(PROMPT)
         assert got.text is None  # numbers in, numbers out (unless output.text asks)
-        texted = await c.complete(msgspec.structs.replace(request(embeds_prompt(rows)), output=OutputOptions(text=True)))
+        texted = await c.complete(
+            msgspec.structs.replace(request(embeds_prompt(rows)), output=OutputOptions(text=True))
+        )
         assert texted.token_ids == want.token_ids and texted.text
         for half in (rows.astype(np.float16), (rows.view(np.uint32) >> 16).astype(np.uint16)):
             dtype = "float16" if half.dtype == np.float16 else "bfloat16"
@@ -100,14 +112,20 @@ async def test_embeddings_generate_what_their_tokens_do_and_bad_tensors_are_type
         good = embeds_prompt(rows)
         cases = [
             (embeds_prompt(np.zeros((4, 128), np.float32)), "$.prompt.shape", "hidden size 128"),
-            (EmbedsPrompt(dtype="float64", shape=[8, HIDDEN], data=rows.astype(np.float64).tobytes()),  # type: ignore[arg-type]
-             "$.prompt.dtype", "float64"),
+            (
+                EmbedsPrompt(dtype="float64", shape=[8, HIDDEN], data=rows.astype(np.float64).tobytes()),  # type: ignore[arg-type]
+                "$.prompt.dtype",
+                "float64",
+            ),
             (EmbedsPrompt(dtype="float32", shape=[1, 8, HIDDEN], data=good.data), "$.prompt.shape", "2-D"),
             (EmbedsPrompt(dtype="float32", shape=[9, HIDDEN], data=good.data), "$.prompt.data", "needs 9216"),
             (embeds_prompt(np.ones((300, HIDDEN), np.float32)), "$.prompt.shape", f"at most {LIMIT} bytes"),
             (embeds_prompt(np.full((2, HIDDEN), np.nan, np.float32)), "$.prompt.data", "NaN"),
-            (EmbedsPrompt(dtype="float32", shape=[8, HIDDEN], object="nope", sha256="0" * 64),
-             "$.prompt.object", "no object"),
+            (
+                EmbedsPrompt(dtype="float32", shape=[8, HIDDEN], object="nope", sha256="0" * 64),
+                "$.prompt.object",
+                "no object",
+            ),
         ]
         for prompt, field, words in cases:
             err = await rejected(c, prompt)
@@ -138,13 +156,22 @@ async def test_big_embeddings_go_through_the_object_store_checked_against_their_
         # Objects uploaded by hand: a wrong digest, and one bigger than the worker takes.
         prompt = embeds_prompt(table[PROMPT])
         ref = await upload(store, "hand/1", prompt)
-        err = await rejected(c, EmbedsPrompt(dtype="float32", shape=ref.shape, object=ref.object,
-                                             sha256=hashlib.sha256(b"other").hexdigest()))
+        err = await rejected(
+            c,
+            EmbedsPrompt(
+                dtype="float32",
+                shape=ref.shape,
+                object=ref.object,
+                sha256=hashlib.sha256(b"other").hexdigest(),
+            ),
+        )
         assert (err.code, err.field) == (ErrorCode.INVALID_REQUEST, "$.prompt.sha256")
         big = await upload(store, "hand/2", embeds_prompt(np.ones((400, HIDDEN), np.float32)))
         err = await rejected(c, big, max_tokens=8)
         assert err.field == "$.prompt.shape" and f"at most {LIMIT} bytes" in err.remote_message
-        assert (await c.complete(request(ref))).token_ids == (await c.complete(request(TokensPrompt(PROMPT)))).token_ids
+        assert (await c.complete(request(ref))).token_ids == (
+            await c.complete(request(TokensPrompt(PROMPT)))
+        ).token_ids
 
 
 async def _names(store):
@@ -171,6 +198,7 @@ async def test_a_drained_worker_hands_an_embeddings_request_on_and_the_output_is
             await anyio.sleep(5)  # the frozen worker's outstanding pulls expire on the server
             frames = []
             async with anyio.create_task_group() as tg:
+
                 async def follow() -> None:
                     async for frame in c.generate(request(embeds_prompt(table[ids]), max_tokens=400)):
                         frames.append(frame)

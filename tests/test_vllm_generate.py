@@ -45,8 +45,12 @@ def request(prompt, *, max_tokens=None, **kw) -> GenerateRequest:
         prompt = TokensPrompt(prompt)
     stop = kw.pop("stop", None) or StopConditions(max_tokens=max_tokens)
     return GenerateRequest(
-        request_id=kw.pop("request_id", f"v-{uuid.uuid4().hex}"), model=TINY, prompt=prompt,
-        sampling=kw.pop("sampling", SamplingOptions(temperature=0)), stop=stop, **kw,
+        request_id=kw.pop("request_id", f"v-{uuid.uuid4().hex}"),
+        model=TINY,
+        prompt=prompt,
+        sampling=kw.pop("sampling", SamplingOptions(temperature=0)),
+        stop=stop,
+        **kw,
     )
 
 
@@ -77,10 +81,14 @@ async def test_eos_ends_generation_unless_ignore_eos(c, direct):
 
 
 async def test_chat_mode_applies_the_chat_template_and_text_deltas_concatenate(c, direct):
-    messages = [{"role": "system", "content": "you are a helpful assistant."},
-                {"role": "user", "content": "write a short poem about the sea."}]
+    messages = [
+        {"role": "system", "content": "you are a helpful assistant."},
+        {"role": "user", "content": "write a short poem about the sea."},
+    ]
     expected = await ref(direct, {"chat": messages}, temperature=0, max_tokens=40)
-    req = request(ChatPrompt([ChatMessage(role=m["role"], content=m["content"]) for m in messages]), max_tokens=40)
+    req = request(
+        ChatPrompt([ChatMessage(role=m["role"], content=m["content"]) for m in messages]), max_tokens=40
+    )
     deltas, tokens, final = [], [], None
     async for frame in c.generate(req):
         if isinstance(frame, TokensFrame):
@@ -96,7 +104,9 @@ async def test_chat_mode_applies_the_chat_template_and_text_deltas_concatenate(c
 
 
 async def test_text_prompt_is_tokenized_like_vllm(c, direct):
-    expected = await ref(direct, {"text": "Once upon a time there was a tiny model"}, temperature=0, max_tokens=30)
+    expected = await ref(
+        direct, {"text": "Once upon a time there was a tiny model"}, temperature=0, max_tokens=30
+    )
     got = await c.complete(request(TextPrompt("Once upon a time there was a tiny model"), max_tokens=30))
     assert got.usage.prompt_tokens == len(expected["prompt_token_ids"])
     assert got.token_ids == expected["token_ids"] and got.text == expected["text"]
@@ -108,10 +118,23 @@ async def test_stop_token_ids_and_min_tokens_behave_as_in_vllm(c, direct):
     ids = base["token_ids"]
     stop_id = next(t for i, t in enumerate(ids) if i >= 3 and t not in ids[:i])
     for min_tokens in (0, ids.index(stop_id) + 2):
-        expected = await ref(direct, {"token_ids": prompt}, temperature=0, max_tokens=60,
-                             stop_token_ids=[stop_id], min_tokens=min_tokens, ignore_eos=True)
-        got = await c.complete(request(prompt, stop=StopConditions(
-            max_tokens=60, stop_token_ids=[stop_id], min_tokens=min_tokens, ignore_eos=True)))
+        expected = await ref(
+            direct,
+            {"token_ids": prompt},
+            temperature=0,
+            max_tokens=60,
+            stop_token_ids=[stop_id],
+            min_tokens=min_tokens,
+            ignore_eos=True,
+        )
+        got = await c.complete(
+            request(
+                prompt,
+                stop=StopConditions(
+                    max_tokens=60, stop_token_ids=[stop_id], min_tokens=min_tokens, ignore_eos=True
+                ),
+            )
+        )
         assert got.token_ids == expected["token_ids"]
         assert (got.finish_reason, got.stop_reason) == (expected["finish_reason"], expected["stop_reason"])
     assert expected["token_ids"] != ids  # the min_tokens run stopped later, at a repeat of the id
@@ -121,14 +144,23 @@ async def test_stop_strings_behave_as_in_vllm(c, direct):
     text_prompt = {"text": "The quick brown fox"}
     base = await ref(direct, text_prompt, temperature=0, max_tokens=60)
     ascii_text = base["text"]
-    stop = next(ascii_text[i:i + 2] for i in range(8, len(ascii_text) - 2)
-                if ascii_text[i:i + 2].isascii() and ascii_text[i:i + 2].strip()
-                and ascii_text[i:i + 2] not in ascii_text[:i + 1])
+    stop = next(
+        ascii_text[i : i + 2]
+        for i in range(8, len(ascii_text) - 2)
+        if ascii_text[i : i + 2].isascii()
+        and ascii_text[i : i + 2].strip()
+        and ascii_text[i : i + 2] not in ascii_text[: i + 1]
+    )
     for include in (False, True):
-        expected = await ref(direct, text_prompt, temperature=0, max_tokens=60, stop=[stop],
-                             include_stop_str_in_output=include)
-        got = await c.complete(request(TextPrompt("The quick brown fox"), stop=StopConditions(
-            max_tokens=60, stop=[stop], include_stop_str_in_output=include)))
+        expected = await ref(
+            direct, text_prompt, temperature=0, max_tokens=60, stop=[stop], include_stop_str_in_output=include
+        )
+        got = await c.complete(
+            request(
+                TextPrompt("The quick brown fox"),
+                stop=StopConditions(max_tokens=60, stop=[stop], include_stop_str_in_output=include),
+            )
+        )
         assert got.text == expected["text"] and got.token_ids == expected["token_ids"]
         assert got.finish_reason == "stop" and got.stop_reason == stop
         assert got.text.endswith(stop) == include
@@ -136,9 +168,16 @@ async def test_stop_strings_behave_as_in_vllm(c, direct):
 
 async def test_seeded_sampling_equals_direct(c, direct):
     prompt = PROMPTS[0]
-    expected = await ref(direct, {"token_ids": prompt}, temperature=1.0, seed=1234, max_tokens=32, ignore_eos=True)
-    got = await c.complete(request(prompt, sampling=SamplingOptions(temperature=1.0, seed=1234),
-                                   stop=StopConditions(max_tokens=32, ignore_eos=True)))
+    expected = await ref(
+        direct, {"token_ids": prompt}, temperature=1.0, seed=1234, max_tokens=32, ignore_eos=True
+    )
+    got = await c.complete(
+        request(
+            prompt,
+            sampling=SamplingOptions(temperature=1.0, seed=1234),
+            stop=StopConditions(max_tokens=32, ignore_eos=True),
+        )
+    )
     assert got.token_ids == expected["token_ids"]
 
 
@@ -178,8 +217,11 @@ async def test_64_concurrent_requests_complete_within_the_workers_slots(c, share
     peak_held = peak_waiting = 0
 
     async def one(i: int) -> None:
-        results.append(await c.complete(request([4 + i, 9, 10 + i], stop=StopConditions(
-            max_tokens=20 + i, ignore_eos=True))))
+        results.append(
+            await c.complete(
+                request([4 + i, 9, 10 + i], stop=StopConditions(max_tokens=20 + i, ignore_eos=True))
+            )
+        )
 
     async def watch() -> None:
         nonlocal peak_held, peak_waiting

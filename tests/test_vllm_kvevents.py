@@ -36,13 +36,14 @@ def stored_blocks(batches: list[KvEventBatch]) -> list[tuple[int, int | None, li
             if isinstance(ev, KvStored):
                 parent = ev.parent_block_hash
                 for i, h in enumerate(ev.block_hashes):
-                    out.append((h, parent, ev.token_ids[i * ev.block_size:(i + 1) * ev.block_size]))
+                    out.append((h, parent, ev.token_ids[i * ev.block_size : (i + 1) * ev.block_size]))
                     parent = h
     return out
 
 
-async def test_a_prompts_blocks_a_cache_reset_and_a_resync_reach_jetstream_in_order(nats_url, namespace,
-                                                                                   start_worker):
+async def test_a_prompts_blocks_a_cache_reset_and_a_resync_reach_jetstream_in_order(
+    nats_url, namespace, start_worker
+):
     """A greedy request's full blocks arrive as stored events with exactly its tokens (chained by
     parent hash); a prefix-cache reset shows as a cleared event at once; a reader starting late at
     seq N replays N, N+1, ... with no gap; kv-resync publishes a cleared event plus the blocks the
@@ -67,7 +68,7 @@ async def test_a_prompts_blocks_a_cache_reset_and_a_resync_reach_jetstream_in_or
         seq_ids = prompt + done.token_ids  # 120 tokens, 119 of them computed: 3 full blocks
         got = await batches(lambda b: len(stored_blocks(b)) >= 3)
         blocks = stored_blocks(got)
-        assert [tokens for _, _, tokens in blocks] == [seq_ids[i * BLOCK:(i + 1) * BLOCK] for i in range(3)]
+        assert [tokens for _, _, tokens in blocks] == [seq_ids[i * BLOCK : (i + 1) * BLOCK] for i in range(3)]
         assert blocks[0][1] is None and blocks[1][1] == blocks[0][0] and blocks[2][1] == blocks[1][0]
         assert all(b.instance == instance and b.model == TINY and b.dp_rank == 0 for b in got)
 
@@ -84,12 +85,14 @@ async def test_a_prompts_blocks_a_cache_reset_and_a_resync_reach_jetstream_in_or
         got = await batches(lambda b: len(stored_blocks(b)) >= 5)
         live = kv_blocks(ev for b in got for ev in b.events)
         seq2 = second + done2.token_ids
-        assert sorted(live.values()) == sorted([seq2[:BLOCK], seq2[BLOCK:2 * BLOCK]])
+        assert sorted(live.values()) == sorted([seq2[:BLOCK], seq2[BLOCK : 2 * BLOCK]])
 
         answer = await control("kv-resync")
         assert isinstance(answer, ControlDone), answer
         seen = len(got)
-        got = await batches(lambda b: any(x.resync is not None and x.resync.reason == "requested" for x in b[seen:]))
+        got = await batches(
+            lambda b: any(x.resync is not None and x.resync.reason == "requested" for x in b[seen:])
+        )
         snapshot = [x for x in got[seen:] if x.resync is not None and x.resync.reason == "requested"]
         assert snapshot[0].events[0] == KvCleared() and snapshot[-1].resync.part == snapshot[-1].resync.parts
         assert kv_blocks(ev for b in snapshot for ev in b.events) == live
@@ -97,4 +100,4 @@ async def test_a_prompts_blocks_a_cache_reset_and_a_resync_reach_jetstream_in_or
         n = 2
         late = [d async for d in kv_events(nc, names, TINY, instance=instance, start_seq=n, follow=False)]
         assert [d.batch.seq for d in late] == list(range(n, got[-1].seq + 1))
-        assert [d.batch for d in late] == got[n - 1:] and not any(d.missed for d in late)
+        assert [d.batch for d in late] == got[n - 1 :] and not any(d.missed for d in late)

@@ -18,15 +18,18 @@ from .jobs import consumer_counts, req
 pytestmark = [pytest.mark.anyio, pytest.mark.vllm]
 
 
-async def test_queued_jobs_wait_for_a_worker_and_sigterm_drains_without_losing_any(nats_url, namespace, start_worker):
+async def test_queued_jobs_wait_for_a_worker_and_sigterm_drains_without_losing_any(
+    nats_url, namespace, start_worker
+):
     """Jobs published before any worker exists are served once one starts; SIGTERM with 8 requests
     in flight lets them finish, the job it had not started goes to a second worker, exit code 0."""
     async with Client(nats_url, namespace=namespace, heartbeat_timeout=60) as c:
         results: dict[int, object] = {}
 
         async def one(i: int, tokens: int) -> None:
-            results[i] = await c.complete(req(TINY, [10 + i, 20, 30], stop=StopConditions(
-                max_tokens=tokens, ignore_eos=True)))
+            results[i] = await c.complete(
+                req(TINY, [10 + i, 20, 30], stop=StopConditions(max_tokens=tokens, ignore_eos=True))
+            )
 
         async def queued() -> int:
             return (await c.nc.jetstream().stream_info(c.names.jobs_stream)).state.messages
@@ -52,8 +55,10 @@ async def test_queued_jobs_wait_for_a_worker_and_sigterm_drains_without_losing_a
                     while (counts := await consumer_counts(c.nc, c.names, TINY))[1] != 8:
                         await anyio.sleep(0.02)
             except TimeoutError:
-                pytest.fail(f"worker never held 8 jobs: (waiting, held)={counts}, "
-                            f"done={sorted(results)}\n{first.log_tail()}")
+                pytest.fail(
+                    f"worker never held 8 jobs: (waiting, held)={counts}, "
+                    f"done={sorted(results)}\n{first.log_tail()}"
+                )
             first.signal(signal.SIGTERM)
             second = start_worker(namespace, "--slots", "8")
             await second.wait_ready(nats_url)

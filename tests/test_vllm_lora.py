@@ -27,12 +27,25 @@ PROMPT = [(7 * i + 3) % 500 + 4 for i in range(80)]  # two and a half KV blocks 
 
 
 def lora_args(allowed: Path, cache: Path) -> tuple[str, ...]:
-    return ("--enable-lora", "--max-loras", "2", "--max-lora-rank", "8", "--lora-dir", str(allowed),
-            "--lora-cache-dir", str(cache), "--slots", "8")
+    return (
+        "--enable-lora",
+        "--max-loras",
+        "2",
+        "--max-lora-rank",
+        "8",
+        "--lora-dir",
+        str(allowed),
+        "--lora-cache-dir",
+        str(cache),
+        "--slots",
+        "8",
+    )
 
 
 async def run(c: Client, adapter: str | None = None):
-    return await c.complete(req(TINY, PROMPT, adapter=adapter, stop=StopConditions(max_tokens=16, ignore_eos=True)))
+    return await c.complete(
+        req(TINY, PROMPT, adapter=adapter, stop=StopConditions(max_tokens=16, ignore_eos=True))
+    )
 
 
 async def refused(c: Client, adapter: str) -> ErrorCode:
@@ -61,8 +74,9 @@ async def lora_loads(c: Client, instance: str) -> int:
     return int(s.extra.get("lora_loads", "0"))
 
 
-async def test_adapters_load_validate_reload_reach_later_workers_and_unload(nats_url, namespace, start_worker,
-                                                                         tmp_path):
+async def test_adapters_load_validate_reload_reach_later_workers_and_unload(
+    nats_url, namespace, start_worker, tmp_path
+):
     allowed, outside = tmp_path / "adapters", tmp_path / "outside"
     alpha = tinymodel.build_lora(allowed / "alpha", seed=1)
     beta = tinymodel.build_lora(tmp_path / "upload" / "beta", seed=2)
@@ -107,21 +121,40 @@ async def test_adapters_load_validate_reload_reach_later_workers_and_unload(nats
         assert with_beta.token_ids not in (base.token_ids, with_alpha.token_ids)
 
         # refused before the engine sees them; every refusal is typed and rolled back
-        assert failure(await admin.load(TINY, "gamma", source="path", ref=str(gamma))) == ErrorCode.NO_ADAPTER_SLOT
-        assert failure(await admin.load(TINY, "evil", source="path", ref=str(outside / "evil"))) \
+        assert (
+            failure(await admin.load(TINY, "gamma", source="path", ref=str(gamma)))
+            == ErrorCode.NO_ADAPTER_SLOT
+        )
+        assert (
+            failure(await admin.load(TINY, "evil", source="path", ref=str(outside / "evil")))
             == ErrorCode.ADAPTER_NOT_ALLOWED
-        assert failure(await admin.load(TINY, "sneaky", source="path", ref=str(allowed / "sneaky"))) \
+        )
+        assert (
+            failure(await admin.load(TINY, "sneaky", source="path", ref=str(allowed / "sneaky")))
             == ErrorCode.ADAPTER_NOT_ALLOWED
-        assert failure(await admin.load(TINY, "dotdot", source="path", ref=str(allowed / ".." / "outside" / "evil"))) \
+        )
+        assert (
+            failure(
+                await admin.load(TINY, "dotdot", source="path", ref=str(allowed / ".." / "outside" / "evil"))
+            )
             == ErrorCode.ADAPTER_NOT_ALLOWED
-        assert failure(await admin.load(TINY, "missing", source="path", ref=str(allowed / "missing"))) \
+        )
+        assert (
+            failure(await admin.load(TINY, "missing", source="path", ref=str(allowed / "missing")))
             == ErrorCode.ADAPTER_NOT_FOUND
-        assert failure(await admin.load(TINY, "nothing", source="object", ref="beta", sha256="0" * 64)) \
+        )
+        assert (
+            failure(await admin.load(TINY, "nothing", source="object", ref="beta", sha256="0" * 64))
             == ErrorCode.ADAPTER_NOT_FOUND
-        assert failure(await admin.load(TINY, "corrupt", source="path", ref=str(corrupt))) \
+        )
+        assert (
+            failure(await admin.load(TINY, "corrupt", source="path", ref=str(corrupt)))
             == ErrorCode.ADAPTER_INVALID
-        assert failure(await admin.load(TINY, "wide", source="path", ref=str(allowed / "wide"))) \
+        )
+        assert (
+            failure(await admin.load(TINY, "wide", source="path", ref=str(allowed / "wide")))
             == ErrorCode.ADAPTER_INVALID
+        )
         assert [s.name for s in await admin.desired(TINY)] == ["alpha", "beta"]
         assert await refused(c, "evil") == ErrorCode.UNKNOWN_ADAPTER
         # the engine is alive and unchanged
@@ -139,7 +172,10 @@ async def test_adapters_load_validate_reload_reach_later_workers_and_unload(nats
         assert one(await admin.load(TINY, "alpha", source="path", ref=str(alpha)), "unchanged")
         # the old weights' copy left the cache; what the engine holds stayed and still serves
         with anyio.fail_after(10):
-            while {p.name for p in (tmp_path / "cache1").iterdir()} != {reloaded.adapter.sha256, pushed.sha256}:
+            while {p.name for p in (tmp_path / "cache1").iterdir()} != {
+                reloaded.adapter.sha256,
+                pushed.sha256,
+            }:
                 await anyio.sleep(0.1)
         assert (await run(c, "alpha")).token_ids == new_alpha.token_ids
         assert (await run(c, "beta")).token_ids == with_beta.token_ids
@@ -154,8 +190,10 @@ async def test_adapters_load_validate_reload_reach_later_workers_and_unload(nats
                 if isinstance(listed, AdapterList) and len(listed.adapters) == 2:
                     break
                 await anyio.sleep(0.2)
-        assert {a.name: a.sha256 for a in listed.adapters} == {"alpha": reloaded.adapter.sha256,
-                                                                 "beta": pushed.sha256}
+        assert {a.name: a.sha256 for a in listed.adapters} == {
+            "alpha": reloaded.adapter.sha256,
+            "beta": pushed.sha256,
+        }
         everyone = await admin.list(TINY)
         assert sorted(r.instance for r in everyone.replies) == sorted([first.instance, second.instance])
         first.signal(signal.SIGTERM)

@@ -57,16 +57,36 @@ class Run(msgspec.Struct, kw_only=True):
 
 
 class Fleet:
-    def __init__(self, url: str, namespace: str, model: str, served: str, log_dir: Path, n: int, extra: list[str]) -> None:
-        self.args = [sys.executable, "-m", "jetllm", "worker", "--nats", url, "--namespace", namespace,
-                     "--model", model, "--served-model-name", served, *extra]
+    def __init__(
+        self, url: str, namespace: str, model: str, served: str, log_dir: Path, n: int, extra: list[str]
+    ) -> None:
+        self.args = [
+            sys.executable,
+            "-m",
+            "jetllm",
+            "worker",
+            "--nats",
+            url,
+            "--namespace",
+            namespace,
+            "--model",
+            model,
+            "--served-model-name",
+            served,
+            *extra,
+        ]
         self.log_dir = log_dir
         self.procs: list[subprocess.Popen] = [self._start(i) for i in range(n)]
 
     def _start(self, i: int) -> subprocess.Popen:
         log = open(self.log_dir / f"chaos-worker-{i}-{uuid.uuid4().hex[:4]}.log", "wb")
-        return subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+        return subprocess.Popen(
+            self.args,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=True,
+        )
 
     def kill(self, pid: int) -> None:
         for i, p in enumerate(self.procs):
@@ -112,7 +132,8 @@ async def _workload(client: Client, fleet: Fleet, served: str, args: argparse.Na
     vocab = args.vocab
     requests = [
         GenerateRequest(
-            request_id=f"chaos-{uuid.uuid4().hex}", model=served,
+            request_id=f"chaos-{uuid.uuid4().hex}",
+            model=served,
             prompt=TokensPrompt([rng.randrange(4, vocab) for _ in range(args.prompt_len)]),
             sampling=SamplingOptions(temperature=0),
             stop=StopConditions(max_tokens=args.output_len, ignore_eos=True),
@@ -154,8 +175,13 @@ async def _workload(client: Client, fleet: Fleet, served: str, args: argparse.Na
                     break
                 await anyio.sleep(0.2)
             victim = random.Random(len(kill_times)).choice(busy)
-            free_slots.append(sum(s.slots - s.in_flight for s in statuses
-                                  if s.instance != victim.instance and s.state == "serving"))
+            free_slots.append(
+                sum(
+                    s.slots - s.in_flight
+                    for s in statuses
+                    if s.instance != victim.instance and s.state == "serving"
+                )
+            )
             kill_times.append((time.monotonic(), victim.instance))
             await anyio.to_thread.run_sync(fleet.kill, victim.pid)  # frames keep arriving meanwhile
 
@@ -171,8 +197,11 @@ async def _workload(client: Client, fleet: Fleet, served: str, args: argparse.Na
     resume = _resume_times(kill_times, arrivals, on, ended)
     total = sum(len(o) for o in outputs.values())
     return Run(
-        label="with kills" if kills else "without kills", seconds=seconds, tokens=total,
-        tokens_per_s=total / seconds, kills=len(kill_times),
+        label="with kills" if kills else "without kills",
+        seconds=seconds,
+        tokens=total,
+        tokens_per_s=total / seconds,
+        kills=len(kill_times),
         migrated=sum(1 for a in attempts.values() if a > 1),
         resume_p50_s=statistics.median(resume) if resume else None,
         resume_p99_s=percentile(resume, 99) if resume else None,
@@ -199,7 +228,8 @@ async def _cancel_latency(client: Client, served: str, args: argparse.Namespace)
 
     async def one(i: int) -> None:
         r = GenerateRequest(
-            request_id=f"cancel-{uuid.uuid4().hex}", model=served,
+            request_id=f"cancel-{uuid.uuid4().hex}",
+            model=served,
             prompt=TokensPrompt([rng.randrange(4, args.vocab) for _ in range(args.prompt_len)]),
             stop=StopConditions(max_tokens=args.output_len * 4, ignore_eos=True),
         )
@@ -222,8 +252,12 @@ async def _cancel_latency(client: Client, served: str, args: argparse.Namespace)
     async with anyio.create_task_group() as tg:
         for i in range(args.concurrency):
             tg.start_soon(one, i)
-    return CancelTimes(cancels=len(waits), p50_s=statistics.median(waits), p99_s=percentile(waits, 99),
-                       step_p50_s=statistics.median(steps))
+    return CancelTimes(
+        cancels=len(waits),
+        p50_s=statistics.median(waits),
+        p99_s=percentile(waits, 99),
+        step_p50_s=statistics.median(steps),
+    )
 
 
 async def _main(args: argparse.Namespace, log_dir: Path) -> tuple[Run, Run, CancelTimes]:
@@ -235,19 +269,34 @@ async def _main(args: argparse.Namespace, log_dir: Path) -> tuple[Run, Run, Canc
         model, served = str(tinymodel.ensure()), served or "tiny"
     served = served or model
     args.vocab = _vocab(type("O", (), {"model": model})())
-    extra = ["--max-model-len", "1024", "--kv-cache-bytes", str(256 << 20), "--slots", str(args.slots),
-             "--ack-wait", str(args.ack_wait)]
+    extra = [
+        "--max-model-len",
+        "1024",
+        "--kv-cache-bytes",
+        str(256 << 20),
+        "--slots",
+        str(args.slots),
+        "--ack-wait",
+        str(args.ack_wait),
+    ]
     with NatsServer(log_dir / "nats") as server:
         results = []
         for kills in (0, args.kills):
             namespace = f"chaos-{uuid.uuid4().hex[:6]}"
             fleet = Fleet(server.url, namespace, model, served, log_dir, args.workers, extra)
             try:
-                async with Client(server.url, namespace=namespace, heartbeat_timeout=args.heartbeat_timeout,
-                                  probe_after=args.probe_after) as c:
+                async with Client(
+                    server.url,
+                    namespace=namespace,
+                    heartbeat_timeout=args.heartbeat_timeout,
+                    probe_after=args.probe_after,
+                ) as c:
                     await wait_for_workers(c.nc, c.names, model=served, count=args.workers, timeout=600)
-                    print(f"bench-chaos: {args.requests} requests, {f'{kills} kills' if kills else 'no kills'} ...",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"bench-chaos: {args.requests} requests, {f'{kills} kills' if kills else 'no kills'} ...",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     results.append(await _workload(c, fleet, served, args, kills))
                     if not kills:
                         print("bench-chaos: cancelling requests mid-decode ...", file=sys.stderr, flush=True)
@@ -265,8 +314,8 @@ def report(base: Run, chaos: Run, cancels: CancelTimes, args: argparse.Namespace
         f"Workload: {args.requests} greedy requests, {args.concurrency} concurrent, {args.prompt_len}-token prompts, "
         f"{args.output_len} tokens each, {args.workers} workers ({args.slots} slots each); in the second run a busy "
         f"worker is SIGKILLed every {args.kill_every:.0f} s (while another serves) and restarted ({args.kills} "
-        f"kills); producers ping a worker after {args.probe_after:.2f} s of silence (only \"no "
-        "responders\", a closed connection, counts as death) and read the request log after "
+        f'kills); producers ping a worker after {args.probe_after:.2f} s of silence (only "no '
+        'responders", a closed connection, counts as death) and read the request log after '
         f"{args.heartbeat_timeout:.1f} s.\n\n"
         f"Command: `{command}`\n\n"
         "| run | output tok/s | seconds | kills | requests moved | resume p50 | resume p99 |\n"
@@ -301,10 +350,13 @@ def cmd_chaos(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench-chaos", help="throughput and resume latency with workers SIGKILLed under load",
-                       description="Run one workload twice on a few workers: undisturbed, then with a busy worker "
-                       "SIGKILLed (and restarted) every few seconds; report throughput, requests moved and resume "
-                       "latency, and check the outputs are identical.")
+    p = sub.add_parser(
+        "bench-chaos",
+        help="throughput and resume latency with workers SIGKILLed under load",
+        description="Run one workload twice on a few workers: undisturbed, then with a busy worker "
+        "SIGKILLed (and restarted) every few seconds; report throughput, requests moved and resume "
+        "latency, and check the outputs are identical.",
+    )
     p.add_argument("--requests", type=int, default=240, help="requests per run")
     p.add_argument("--concurrency", type=int, default=24, help="requests in flight at once")
     p.add_argument("--prompt-len", type=int, default=20, help="tokens per prompt")
@@ -314,12 +366,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kills", type=int, default=2, help="SIGKILLs in the second run")
     p.add_argument("--kill-every", type=float, default=4.0, help="seconds between kills")
     p.add_argument("--ack-wait", type=float, default=10.0, help="the queue's ack_wait (redelivery backstop)")
-    p.add_argument("--heartbeat-timeout", type=float, default=2.0,
-                   help="producer: silence before reading the request log for a result")
-    p.add_argument("--probe-after", type=float, default=0.25,
-                   help="producer: silence before pinging the worker")
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=2.0,
+        help="producer: silence before reading the request log for a result",
+    )
+    p.add_argument(
+        "--probe-after", type=float, default=0.25, help="producer: silence before pinging the worker"
+    )
     p.add_argument("--model", default=None, help="default: the tiny model")
     p.add_argument("--served-model-name", default=None, help="name of the model on the wire")
     p.add_argument("--write", default=None, help="replace the chaos section of this markdown file")
     p.set_defaults(func=cmd_chaos)
-

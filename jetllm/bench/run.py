@@ -41,8 +41,12 @@ def ratios(rows: list[Summary]) -> str:
     o = by.get("vLLM OpenAI server (HTTP streaming)")
     lines = []
     if d and j:
-        lines.append(f"- jetllm / direct throughput: **{j.tokens_per_s / d.tokens_per_s:.3f}x** (target >= 0.95x)")
-        lines.append(f"- TTFT p50 added by jetllm: **{j.ttft_p50_ms - d.ttft_p50_ms:+.1f} ms** (target <= 5 ms)")
+        lines.append(
+            f"- jetllm / direct throughput: **{j.tokens_per_s / d.tokens_per_s:.3f}x** (target >= 0.95x)"
+        )
+        lines.append(
+            f"- TTFT p50 added by jetllm: **{j.ttft_p50_ms - d.ttft_p50_ms:+.1f} ms** (target <= 5 ms)"
+        )
         lines.append(f"- ITL p50 added by jetllm: {j.itl_p50_ms - d.itl_p50_ms:+.2f} ms")
         if j.queued_p50_ms is not None and j.worker_ttft_p50_ms is not None:
             lines.append(
@@ -52,7 +56,9 @@ def ratios(rows: list[Summary]) -> str:
                 "producer's publish and the frame's way back"
             )
     if j and o:
-        lines.append(f"- jetllm / vLLM OpenAI server throughput: **{j.tokens_per_s / o.tokens_per_s:.3f}x** (target >= 1x)")
+        lines.append(
+            f"- jetllm / vLLM OpenAI server throughput: **{j.tokens_per_s / o.tokens_per_s:.3f}x** (target >= 1x)"
+        )
         lines.append(f"- TTFT p50 jetllm vs OpenAI server: {j.ttft_p50_ms - o.ttft_p50_ms:+.1f} ms")
     return "\n".join(lines)
 
@@ -66,25 +72,37 @@ def report(work: Workload, opts: EngineOptions, rows: list[Summary], command: st
         f"model `{opts.name}`, engine arguments identical for all targets "
         f"(max_model_len={opts.max_model_len}, dtype={opts.dtype or 'auto'}, max_num_seqs={opts.max_num_seqs}, "
         f"block_size={opts.block_size or 'default'}, enforce_eager={opts.enforce_eager}).\n\n"
-        f"Command: `{command}`\n\n" + table(rows) + "\n" + ratios(rows) + "\n\n"
+        f"Command: `{command}`\n\n"
+        + table(rows)
+        + "\n"
+        + ratios(rows)
+        + "\n\n"
         + "".join(f"- {r.target}: {r.note}\n" for r in rows if r.note)
     )
 
 
 def combine(runs: list[Summary]) -> Summary:
     """The median of each figure over the rounds of one target."""
+
     def med(attr: str) -> float:
         return statistics.median(getattr(r, attr) for r in runs)
 
     first = runs[0]
     return Summary(
-        target=first.target, requests=first.requests, output_tokens=first.output_tokens,
-        seconds=med("seconds"), tokens_per_s=med("tokens_per_s"), ttft_p50_ms=med("ttft_p50_ms"),
-        ttft_p99_ms=med("ttft_p99_ms"), itl_p50_ms=med("itl_p50_ms"), itl_p99_ms=med("itl_p99_ms"),
+        target=first.target,
+        requests=first.requests,
+        output_tokens=first.output_tokens,
+        seconds=med("seconds"),
+        tokens_per_s=med("tokens_per_s"),
+        ttft_p50_ms=med("ttft_p50_ms"),
+        ttft_p99_ms=med("ttft_p99_ms"),
+        itl_p50_ms=med("itl_p50_ms"),
+        itl_p99_ms=med("itl_p99_ms"),
         errors=sum(r.errors for r in runs),
         queued_p50_ms=_median_of(r.queued_p50_ms for r in runs),
         worker_ttft_p50_ms=_median_of(r.worker_ttft_p50_ms for r in runs),
-        note=f"median of {len(runs)} rounds; tok/s per round: " + ", ".join(f"{r.tokens_per_s:,.0f}" for r in runs),
+        note=f"median of {len(runs)} rounds; tok/s per round: "
+        + ", ".join(f"{r.tokens_per_s:,.0f}" for r in runs),
     )
 
 
@@ -97,7 +115,7 @@ async def _run(args: argparse.Namespace, work: Workload, opts: EngineOptions, lo
     targets = args.targets.split(",")
     per_target: dict[str, list[Summary]] = {t: [] for t in targets}
     for round_no in range(args.rounds):
-        order = targets[round_no % len(targets):] + targets[:round_no % len(targets)]
+        order = targets[round_no % len(targets) :] + targets[: round_no % len(targets)]
         for target in order:
             print(f"bench: round {round_no + 1}/{args.rounds}: {target} ...", file=sys.stderr, flush=True)
             row = await _one(args, work, opts, log_dir, target)
@@ -106,7 +124,9 @@ async def _run(args: argparse.Namespace, work: Workload, opts: EngineOptions, lo
     return [combine(per_target[t]) for t in targets]
 
 
-async def _one(args: argparse.Namespace, work: Workload, opts: EngineOptions, log_dir: Path, target: str) -> Summary:
+async def _one(
+    args: argparse.Namespace, work: Workload, opts: EngineOptions, log_dir: Path, target: str
+) -> Summary:
     from ..natsserver import NatsServer
 
     if target == "direct":
@@ -139,17 +159,27 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if model is None:
         model, served = str(tinymodel.ensure()), served or TINY_MODEL_NAME
     opts = EngineOptions(
-        model=model, served_model_name=served, max_model_len=args.max_model_len, dtype=args.dtype,
-        kv_cache_bytes=args.kv_cache_bytes, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-        enforce_eager=True, kv_events=args.kv_events, extra=parse_kv(args.engine_arg),
+        model=model,
+        served_model_name=served,
+        max_model_len=args.max_model_len,
+        dtype=args.dtype,
+        kv_cache_bytes=args.kv_cache_bytes,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        enforce_eager=True,
+        kv_events=args.kv_events,
+        extra=parse_kv(args.engine_arg),
     )
     if opts.dtype is None:
         from vllm.platforms import current_platform
 
         opts = msgspec.structs.replace(opts, dtype="float32" if current_platform.is_cpu() else "auto")
     work = Workload(
-        requests=args.requests, concurrency=args.concurrency, prompt_len=args.prompt_len,
-        output_len=args.output_len, warmup=args.warmup,
+        requests=args.requests,
+        concurrency=args.concurrency,
+        prompt_len=args.prompt_len,
+        output_len=args.output_len,
+        warmup=args.warmup,
     )
     log_dir = Path(tempfile.mkdtemp(prefix="jetllm-bench-"))
     rows = run(_run, args, work, opts, log_dir)
@@ -185,18 +215,29 @@ def write_section(path: Path, text: str, marks: tuple[str, str] = MARKS) -> None
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="throughput and latency: direct AsyncLLM vs jetllm vs vLLM's HTTP server",
-                       description="Run one workload against AsyncLLM called directly, through jetllm (embedded "
-                       "NATS + a worker process), and vLLM's OpenAI server, one after another, with the same "
-                       "engine arguments; report output tokens/s, TTFT and inter-token latency.")
+    p = sub.add_parser(
+        "bench",
+        help="throughput and latency: direct AsyncLLM vs jetllm vs vLLM's HTTP server",
+        description="Run one workload against AsyncLLM called directly, through jetllm (embedded "
+        "NATS + a worker process), and vLLM's OpenAI server, one after another, with the same "
+        "engine arguments; report output tokens/s, TTFT and inter-token latency.",
+    )
     p.add_argument("--targets", default=",".join(TARGETS), help="comma separated: direct,jetllm,openai")
     p.add_argument("--requests", type=int, default=256, help="measured requests per target and round")
     p.add_argument("--concurrency", type=int, default=32, help="requests in flight at once (closed loop)")
-    p.add_argument("--prompt-len", type=int, default=30, help="tokens per prompt (random ids, distinct prompts)")
-    p.add_argument("--output-len", type=int, default=128, help="generated tokens per request (greedy, ignore_eos)")
+    p.add_argument(
+        "--prompt-len", type=int, default=30, help="tokens per prompt (random ids, distinct prompts)"
+    )
+    p.add_argument(
+        "--output-len", type=int, default=128, help="generated tokens per request (greedy, ignore_eos)"
+    )
     p.add_argument("--warmup", type=int, default=32, help="requests before measuring, per target and round")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="repeat every target this many times (rotating the order) and report medians")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="repeat every target this many times (rotating the order) and report medians",
+    )
     p.add_argument("--model", default=None, help="default: the tiny model")
     p.add_argument("--served-model-name", default=None, help="name of the model on the wire")
     p.add_argument("--max-model-len", type=int, default=1024, help="engine argument, same for every target")
@@ -204,14 +245,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-bytes", type=int, default=512 << 20, help="engine argument")
     p.add_argument("--block-size", type=int, default=None, help="engine argument (default: vLLM's)")
     p.add_argument("--max-num-seqs", type=int, default=256, help="engine argument; also the worker's slots")
-    p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="any other engine argument, for every target (repeatable)")
-    p.add_argument("--kv-events", action=argparse.BooleanOptionalAction, default=False,
-                   help="KV-cache events on for the direct and jetllm targets (default: off, as in the published "
-                   "figures)")
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other engine argument, for every target (repeatable)",
+    )
+    p.add_argument(
+        "--kv-events",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="KV-cache events on for the direct and jetllm targets (default: off, as in the published "
+        "figures)",
+    )
     p.add_argument("--nats", default=None, help="use this NATS server instead of an embedded one")
     p.add_argument("--json", default=None, help="also write the summaries as JSON here")
     p.add_argument("--write", default=None, help="replace the figures section of this markdown file")
-    p.add_argument("--section", default="bench",
-                   help="which section --write replaces: the one between <!-- NAME:begin --> and <!-- NAME:end -->")
+    p.add_argument(
+        "--section",
+        default="bench",
+        help="which section --write replaces: the one between <!-- NAME:begin --> and <!-- NAME:end -->",
+    )
     p.set_defaults(func=cmd_bench)

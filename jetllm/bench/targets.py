@@ -50,7 +50,10 @@ async def run_direct(opts: EngineOptions, work: Workload) -> Summary:
     engine = await VllmEngine.start(opts)
     llm = engine.llm
     params = SamplingParams(
-        temperature=0, max_tokens=work.output_len, ignore_eos=True, detokenize=False,
+        temperature=0,
+        max_tokens=work.output_len,
+        ignore_eos=True,
+        detokenize=False,
         output_kind=RequestOutputKind.DELTA,
     )
 
@@ -74,8 +77,10 @@ def engine_cli_args(opts: EngineOptions) -> list[str]:
     if opts.served_model_name:
         args += ["--served-model-name", opts.served_model_name]
     for flag, value in (
-        ("--max-model-len", opts.max_model_len), ("--dtype", opts.dtype),
-        ("--block-size", opts.block_size), ("--max-num-seqs", opts.max_num_seqs),
+        ("--max-model-len", opts.max_model_len),
+        ("--dtype", opts.dtype),
+        ("--block-size", opts.block_size),
+        ("--max-num-seqs", opts.max_num_seqs),
     ):
         if value is not None:
             args += [flag, str(value)]
@@ -96,13 +101,28 @@ async def run_jetllm(opts: EngineOptions, work: Workload, url: str, log_dir: Pat
     from ..subjects.traces import trace_records
 
     namespace = f"bench-{uuid.uuid4().hex[:8]}"
-    cmd = [sys.executable, "-m", "jetllm", "worker", "--nats", url, "--namespace", namespace,
-           *engine_cli_args(opts), "--kv-cache-bytes", str(opts.kv_cache_bytes or (1 << 30)),
-           "--slots", str(opts.max_num_seqs or 256), "--kv-events" if opts.kv_events else "--no-kv-events"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jetllm",
+        "worker",
+        "--nats",
+        url,
+        "--namespace",
+        namespace,
+        *engine_cli_args(opts),
+        "--kv-cache-bytes",
+        str(opts.kv_cache_bytes or (1 << 30)),
+        "--slots",
+        str(opts.max_num_seqs or 256),
+        "--kv-events" if opts.kv_events else "--no-kv-events",
+    ]
     for key, value in opts.extra.items():
         cmd += ["--engine-arg", f"{key}={json.dumps(value)}"]
     log = open(log_dir / "bench-worker.log", "wb")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
     try:
         async with Client(url, namespace=namespace, heartbeat_timeout=60) as client:
             await wait_for_workers(client.nc, client.names, model=opts.name, timeout=600)
@@ -111,7 +131,9 @@ async def run_jetllm(opts: EngineOptions, work: Workload, url: str, log_dir: Pat
 
             async def one(prompt: list[int]) -> Timing:
                 req = GenerateRequest(
-                    request_id=uuid.uuid4().hex, model=opts.name, prompt=TokensPrompt(prompt),
+                    request_id=uuid.uuid4().hex,
+                    model=opts.name,
+                    prompt=TokensPrompt(prompt),
                     sampling=SamplingOptions(temperature=0),
                     stop=StopConditions(max_tokens=work.output_len, ignore_eos=True),
                 )
@@ -136,9 +158,9 @@ async def run_jetllm(opts: EngineOptions, work: Workload, url: str, log_dir: Pat
         log.close()
     summary = summarize("through jetllm", timings, seconds, errors)
     summary.queued_p50_ms = percentile([r.pulled_at - r.queued_at for r in hops], 50) * 1000
-    summary.worker_ttft_p50_ms = percentile(
-        [r.first_token_at - r.pulled_at for r in hops if r.first_token_at is not None], 50
-    ) * 1000
+    summary.worker_ttft_p50_ms = (
+        percentile([r.first_token_at - r.pulled_at for r in hops if r.first_token_at is not None], 50) * 1000
+    )
     return summary
 
 
@@ -168,9 +190,18 @@ async def run_openai(opts: EngineOptions, work: Workload, log_dir: Path, vocab: 
     from ..natsserver import free_port
 
     port = free_port()
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *engine_cli_args(opts),
-           "--kv-cache-memory-bytes", str(opts.kv_cache_bytes or (1 << 30)),
-           "--host", "127.0.0.1", "--port", str(port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        *engine_cli_args(opts),
+        "--kv-cache-memory-bytes",
+        str(opts.kv_cache_bytes or (1 << 30)),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
     if opts.enforce_eager is not False:
         cmd.append("--enforce-eager")
     for key, value in opts.extra.items():
@@ -187,8 +218,13 @@ async def run_openai(opts: EngineOptions, work: Workload, log_dir: Path, vocab: 
 
             async def one(prompt: list[int]) -> Timing:
                 body = {
-                    "model": opts.name, "prompt": prompt, "max_tokens": work.output_len, "temperature": 0,
-                    "ignore_eos": True, "stream": True, "return_token_ids": True,
+                    "model": opts.name,
+                    "prompt": prompt,
+                    "max_tokens": work.output_len,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "return_token_ids": True,
                 }
                 rec = Recorder(time.perf_counter())
                 async with http.post(f"{base}/v1/completions", json=body) as r:

@@ -16,12 +16,15 @@ TINY_MODEL_NAME = "tiny"
 
 def add_nats(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--nats", default=None, metavar="URL",
+        "--nats",
+        default=None,
+        metavar="URL",
         help="NATS server URL(s), comma separated (default: $NATS_URL, else nats://127.0.0.1:4222); "
         "credentials may be in the URL or in a creds file named by $NATS_CREDS",
     )
     p.add_argument(
-        "--namespace", default=os.environ.get("JETLLM_NAMESPACE", "default"),
+        "--namespace",
+        default=os.environ.get("JETLLM_NAMESPACE", "default"),
         help="jetllm namespace: separate streams and subjects per deployment (default: $JETLLM_NAMESPACE or 'default')",
     )
 

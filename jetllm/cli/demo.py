@@ -31,7 +31,10 @@ async def _wait_ready(url: str, namespace: str, model: str, proc: subprocess.Pop
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(f"the worker exited with code {proc.returncode} before it was ready")
-            if any(s.state == "serving" and s.model == model for s in await worker_statuses(nc, Names(namespace), 0.3)):
+            if any(
+                s.state == "serving" and s.model == model
+                for s in await worker_statuses(nc, Names(namespace), 0.3)
+            ):
                 return
             await anyio.sleep(0.3)
         raise TimeoutError(f"no worker ready after {timeout:.0f}s")
@@ -44,7 +47,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from ..batch import run_batch
     from ..natsserver import NatsServer
 
-    prompts = Path(args.prompts) if args.prompts else Path(str(resources.files("jetllm").joinpath("data", "prompts.jsonl")))
+    prompts = (
+        Path(args.prompts)
+        if args.prompts
+        else Path(str(resources.files("jetllm").joinpath("data", "prompts.jsonl")))
+    )
     work = Path(tempfile.mkdtemp(prefix="jetllm-demo-"))
     print("1/4 building the tiny model (cached after the first run)", file=sys.stderr, flush=True)
     model_dir = tinymodel.ensure()
@@ -53,10 +60,27 @@ def cmd_demo(args: argparse.Namespace) -> int:
         log_path = work / "worker.log"
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "jetllm", "worker", "--nats", server.url, "--model", str(model_dir),
-                 "--served-model-name", TINY_MODEL_NAME, "--max-model-len", "1024", "--kv-cache-bytes", str(256 << 20),
-                 "--block-size", "32"],
-                stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                [
+                    sys.executable,
+                    "-m",
+                    "jetllm",
+                    "worker",
+                    "--nats",
+                    server.url,
+                    "--model",
+                    str(model_dir),
+                    "--served-model-name",
+                    TINY_MODEL_NAME,
+                    "--max-model-len",
+                    "1024",
+                    "--kv-cache-bytes",
+                    str(256 << 20),
+                    "--block-size",
+                    "32",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
             )
         try:
             print(f"3/4 starting a vLLM worker (log: {log_path}) ...", file=sys.stderr, flush=True)
@@ -66,8 +90,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
             out = work / "results.jsonl"
             print(f"4/4 jetllm batch {prompts.name} -> {out}", file=sys.stderr, flush=True)
             summary = run(
-                lambda: run_batch(server.url, "default", prompts, out, model=TINY_MODEL_NAME,
-                                  batch_id=f"demo-{int(time.time())}", progress=sys.stderr.isatty())
+                lambda: run_batch(
+                    server.url,
+                    "default",
+                    prompts,
+                    out,
+                    model=TINY_MODEL_NAME,
+                    batch_id=f"demo-{int(time.time())}",
+                    progress=sys.stderr.isatty(),
+                )
             )
             for raw in out.read_bytes().splitlines():
                 r = msgspec.json.decode(raw, type=BatchResult)
@@ -91,9 +122,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("demo", help="embedded NATS + a real vLLM worker + a batch of example prompts",
-                       description="Start nats-server and a vLLM worker on the tiny model, run a batch of "
-                       "example prompts through them, print the results, and stop everything.")
+    p = sub.add_parser(
+        "demo",
+        help="embedded NATS + a real vLLM worker + a batch of example prompts",
+        description="Start nats-server and a vLLM worker on the tiny model, run a batch of "
+        "example prompts through them, print the results, and stop everything.",
+    )
     p.add_argument("--prompts", default=None, help="a JSONL file of prompts (default: the bundled examples)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the worker to start")
     p.set_defaults(func=cmd_demo)

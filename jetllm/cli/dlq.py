@@ -31,7 +31,14 @@ async def _list(args: argparse.Namespace) -> int:
         await nc.close()
     if args.json:
         for e in rows:
-            print(msgspec.json.encode({"seq": e.seq, **{k: v for k, v in msgspec.to_builtins(e.record).items() if k != "payload"}}).decode())
+            print(
+                msgspec.json.encode(
+                    {
+                        "seq": e.seq,
+                        **{k: v for k, v in msgspec.to_builtins(e.record).items() if k != "payload"},
+                    }
+                ).decode()
+            )
         return 0
     if not rows:
         print("no dead letters", file=sys.stderr)
@@ -39,8 +46,10 @@ async def _list(args: argparse.Namespace) -> int:
     print(f"{'seq':>6}  {'failed at (UTC)':19}  {'code':26}  {'deliv':>5}  {'request':24}  reason")
     for e in rows:
         r = e.record
-        print(f"{e.seq:>6}  {_when(r.failed_at):19}  {r.code.value:26}  {r.deliveries:>5}  "
-              f"{(r.request_id or '-')[:24]:24}  {r.reason[:80]}")
+        print(
+            f"{e.seq:>6}  {_when(r.failed_at):19}  {r.code.value:26}  {r.deliveries:>5}  "
+            f"{(r.request_id or '-')[:24]:24}  {r.reason[:80]}"
+        )
     return 0
 
 
@@ -53,7 +62,11 @@ async def _show(args: argparse.Namespace) -> int:
     out = msgspec.to_builtins(e.record)
     try:
         encoding = codec.encoding_of(e.record.headers)
-        job = msgspec.json.decode(e.record.payload) if encoding == "json" else msgspec.msgpack.decode(e.record.payload)
+        job = (
+            msgspec.json.decode(e.record.payload)
+            if encoding == "json"
+            else msgspec.msgpack.decode(e.record.payload)
+        )
         out["payload"] = job
     except Exception:
         out["payload"] = repr(e.record.payload[:2000])
@@ -67,7 +80,9 @@ async def _replay(args: argparse.Namespace) -> int:
     names = Names(args.namespace)
     try:
         if args.all:
-            chosen = [e for e in await entries(nc, names) if args.code is None or e.record.code.value == args.code]
+            chosen = [
+                e for e in await entries(nc, names) if args.code is None or e.record.code.value == args.code
+            ]
         else:
             chosen = [await get(nc, names, seq) for seq in args.seq]
         for e in chosen:
@@ -79,24 +94,35 @@ async def _replay(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("dlq", help="list, show and replay dead-lettered jobs",
-                       description="Jobs that could not be served, kept with the reason in the dead-letter stream.")
+    p = sub.add_parser(
+        "dlq",
+        help="list, show and replay dead-lettered jobs",
+        description="Jobs that could not be served, kept with the reason in the dead-letter stream.",
+    )
     verbs = p.add_subparsers(dest="verb", metavar="VERB", required=True)
 
-    v = verbs.add_parser("list", help="one line per dead letter", description="List dead letters, oldest first.")
+    v = verbs.add_parser(
+        "list", help="one line per dead letter", description="List dead letters, oldest first."
+    )
     add_nats(v)
     v.add_argument("--limit", type=int, default=None, help="only the newest N")
     v.add_argument("--json", action="store_true", help="one JSON object per line (without payloads)")
     v.set_defaults(func=lambda a: run(_list, a))
 
-    v = verbs.add_parser("show", help="one dead letter in full, its job decoded",
-                         description="Print one dead letter with its job decoded.")
+    v = verbs.add_parser(
+        "show",
+        help="one dead letter in full, its job decoded",
+        description="Print one dead letter with its job decoded.",
+    )
     add_nats(v)
     v.add_argument("seq", type=int, help="sequence number from `jetllm dlq list`")
     v.set_defaults(func=lambda a: run(_show, a))
 
-    v = verbs.add_parser("replay", help="publish dead-lettered jobs again",
-                         description="Publish dead-lettered jobs to their subject again, so they run afresh.")
+    v = verbs.add_parser(
+        "replay",
+        help="publish dead-lettered jobs again",
+        description="Publish dead-lettered jobs to their subject again, so they run afresh.",
+    )
     add_nats(v)
     v.add_argument("seq", type=int, nargs="*", help="sequence numbers from `jetllm dlq list`")
     v.add_argument("--all", action="store_true", help="every dead letter (with --code: of that code)")

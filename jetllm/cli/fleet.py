@@ -55,7 +55,9 @@ async def _status(args: argparse.Namespace) -> int:
             return 0
         shown = None
         async for current in watch(js, names):
-            records = sorted((r for r in current.values() if args.model in (None, r.model)), key=lambda r: r.instance)
+            records = sorted(
+                (r for r in current.values() if args.model in (None, r.model)), key=lambda r: r.instance
+            )
             text = _table(records)
             if text != shown:
                 if args.json:
@@ -90,9 +92,14 @@ async def _health(args: argparse.Namespace) -> int:
     nc = await connect(nats_url(args))
     names = Names(args.namespace)
     try:
-        targets = [{"instance": args.instance}] if args.instance else (
-            [{"model": args.model}] if args.model
-            else [{"model": m} for m in sorted({r.model for r in await instances(nc.jetstream(), names)})]
+        targets = (
+            [{"instance": args.instance}]
+            if args.instance
+            else (
+                [{"model": args.model}]
+                if args.model
+                else [{"model": m} for m in sorted({r.model for r in await instances(nc.jetstream(), names)})]
+            )
         )
         body = codec.encode(HealthCheck(canary=not args.no_canary, stall_timeout=args.stall_timeout))
         replies = []
@@ -105,10 +112,17 @@ async def _health(args: argparse.Namespace) -> int:
         if args.json:
             print(msgspec.json.encode(r).decode())
         elif isinstance(r, HealthReport):
-            canary = "-" if r.canary_ok is None else (
-                f"{'ok' if r.canary_ok else 'FAILED'} {r.canary_tokens} tok {r.canary_latency_ms:.0f} ms")
-            print(f"{r.instance:34} {'healthy' if r.healthy else 'UNHEALTHY':9} engine={'up' if r.engine_alive else 'DEAD'} "
-                  f"state={r.state} canary={canary}" + (f" last_error={r.last_error}" if r.last_error else ""))
+            canary = (
+                "-"
+                if r.canary_ok is None
+                else (
+                    f"{'ok' if r.canary_ok else 'FAILED'} {r.canary_tokens} tok {r.canary_latency_ms:.0f} ms"
+                )
+            )
+            print(
+                f"{r.instance:34} {'healthy' if r.healthy else 'UNHEALTHY':9} engine={'up' if r.engine_alive else 'DEAD'} "
+                f"state={r.state} canary={canary}" + (f" last_error={r.last_error}" if r.last_error else "")
+            )
         else:
             print(f"{r.instance:34} failed: {getattr(r, 'message', r)}")
         bad += not (isinstance(r, HealthReport) and r.healthy)
@@ -137,8 +151,10 @@ async def _trace(args: argparse.Namespace) -> int:
     finally:
         await nc.close()
     if not records:
-        print(f"no trace records for {args.request_id!r} (unknown, or older than the results retention)",
-              file=sys.stderr)
+        print(
+            f"no trace records for {args.request_id!r} (unknown, or older than the results retention)",
+            file=sys.stderr,
+        )
         return 1
     if args.json:
         for r in records:
@@ -178,17 +194,25 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--instance", default=None)
     p.add_argument("--model", default=None, help="every instance of this model (default: every model)")
     p.add_argument("--no-canary", action="store_true", help="engine liveness only")
-    p.add_argument("--stall-timeout", type=float, default=5.0, help="fail the canary after this long without a token")
+    p.add_argument(
+        "--stall-timeout", type=float, default=5.0, help="fail the canary after this long without a token"
+    )
     p.add_argument("--timeout", type=float, default=30.0)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=lambda a: run(_health, a))
 
-    p = sub.add_parser("ctl", help="engine control: reset-prefix-cache, sleep, wake (one instance or a model)")
+    p = sub.add_parser(
+        "ctl", help="engine control: reset-prefix-cache, sleep, wake (one instance or a model)"
+    )
     add_nats(p)
     p.add_argument("verb", choices=["reset-prefix-cache", "sleep", "wake"])
     p.add_argument("--instance", default=None)
     p.add_argument("--model", default=None)
-    p.add_argument("--level", type=int, default=1,
-                   help="sleep level; GPU only, both drop the KV cache: 1 moves weights to CPU memory, 2 discards them")
+    p.add_argument(
+        "--level",
+        type=int,
+        default=1,
+        help="sleep level; GPU only, both drop the KV cache: 1 moves weights to CPU memory, 2 discards them",
+    )
     p.add_argument("--timeout", type=float, default=60.0)
     p.set_defaults(func=lambda a: run(_ctl, a))

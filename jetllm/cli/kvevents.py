@@ -23,11 +23,22 @@ async def _print(args: argparse.Namespace) -> int:
     try:
         await check_server(nc)
         names = Names(args.namespace)
-        async for d in kv_events(nc, names, args.model, instance=args.instance, start_seq=args.from_seq,
-                                 stream_seq=args.stream_seq, new_only=args.new, follow=args.follow):
+        async for d in kv_events(
+            nc,
+            names,
+            args.model,
+            instance=args.instance,
+            start_seq=args.from_seq,
+            stream_seq=args.stream_seq,
+            new_only=args.new,
+            follow=args.follow,
+        ):
             if d.missed:
-                print(f"gap: instance {d.batch.instance} seq {d.batch.seq - d.missed}..{d.batch.seq - 1} "
-                      "expired from the stream", file=sys.stderr)
+                print(
+                    f"gap: instance {d.batch.instance} seq {d.batch.seq - d.missed}..{d.batch.seq - 1} "
+                    "expired from the stream",
+                    file=sys.stderr,
+                )
             sys.stdout.write(msgspec.json.encode(d.batch).decode() + "\n")
             sys.stdout.flush()
     finally:
@@ -36,18 +47,32 @@ async def _print(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("kv-events", help="print KV-cache events, one JSON line per batch",
-                       description="Replay the KV-cache events of a model's instances from JetStream (oldest "
-                       "kept first), one JSON line per batch; gaps in an instance's seq go to stderr.")
+    p = sub.add_parser(
+        "kv-events",
+        help="print KV-cache events, one JSON line per batch",
+        description="Replay the KV-cache events of a model's instances from JetStream (oldest "
+        "kept first), one JSON line per batch; gaps in an instance's seq go to stderr.",
+    )
     add_nats(p)
     p.add_argument("--model", required=True, help="model name as jobs use it")
-    p.add_argument("--instance", default=None, help="one instance only (default: every instance of the model)")
-    p.add_argument("--from-seq", type=int, default=None, metavar="N",
-                   help="start at the instance's batch N (with --instance)")
+    p.add_argument(
+        "--instance", default=None, help="one instance only (default: every instance of the model)"
+    )
+    p.add_argument(
+        "--from-seq",
+        type=int,
+        default=None,
+        metavar="N",
+        help="start at the instance's batch N (with --instance)",
+    )
     p.add_argument("--stream-seq", type=int, default=None, metavar="S", help="start at stream sequence S")
     p.add_argument("--new", action="store_true", help="only batches published from now on")
-    p.add_argument("-f", "--follow", action="store_true",
-                   help="keep printing new batches until interrupted (default: stop at the end of the stream)")
+    p.add_argument(
+        "-f",
+        "--follow",
+        action="store_true",
+        help="keep printing new batches until interrupted (default: stop at the end of the stream)",
+    )
 
     def main(a: argparse.Namespace) -> int:
         try:

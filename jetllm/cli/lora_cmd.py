@@ -106,45 +106,65 @@ def _common(v: argparse.ArgumentParser, model: bool = True) -> None:
     add_nats(v)
     if model:
         v.add_argument("--model", required=True, help="the base model whose workers serve the adapter")
-        v.add_argument("--instance", default=None, help="wait for this one instance's answer only (the desired "
-                       "state stays model-wide)")
+        v.add_argument(
+            "--instance",
+            default=None,
+            help="wait for this one instance's answer only (the desired state stays model-wide)",
+        )
         v.add_argument("--json", action="store_true", help="one JSON reply per line")
     v.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the instances' answers")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("lora", help="push, load, unload and list LoRA adapters",
-                       description="LoRA adapters: files in the object store, and the adapters each model serves.")
+    p = sub.add_parser(
+        "lora",
+        help="push, load, unload and list LoRA adapters",
+        description="LoRA adapters: files in the object store, and the adapters each model serves.",
+    )
     verbs = p.add_subparsers(dest="verb", metavar="VERB", required=True)
 
-    v = verbs.add_parser("push", help="upload an adapter directory to the adapters object store",
-                         description="Upload adapter_config.json and adapter_model.safetensors under their content "
-                         "hash and name them; load them with `jetllm lora load --object NAME`.")
+    v = verbs.add_parser(
+        "push",
+        help="upload an adapter directory to the adapters object store",
+        description="Upload adapter_config.json and adapter_model.safetensors under their content "
+        "hash and name them; load them with `jetllm lora load --object NAME`.",
+    )
     _common(v, model=False)
     v.add_argument("directory", help="the adapter directory")
     v.add_argument("--name", required=True, help="the adapter's name")
     v.set_defaults(func=lambda a: run(_push, a))
 
-    v = verbs.add_parser("load", help="make a model serve an adapter, on every instance",
-                         description="Add the adapter to the model's desired set; every instance loads it (and "
-                         "instances started later too) and answers with what it did.")
+    v = verbs.add_parser(
+        "load",
+        help="make a model serve an adapter, on every instance",
+        description="Add the adapter to the model's desired set; every instance loads it (and "
+        "instances started later too) and answers with what it did.",
+    )
     _common(v)
     v.add_argument("name", help="the adapter's name (requests name it in `adapter`)")
     src = v.add_mutually_exclusive_group(required=True)
     src.add_argument("--path", help="a directory on the workers, inside one of their --lora-dir")
     src.add_argument("--object", help="an adapter pushed with `jetllm lora push`")
     src.add_argument("--hub", help="a hub repository id (workers need --lora-allow-hub and network access)")
-    v.add_argument("--remote-path", action="store_true", help="pass --path as given (do not make it absolute here)")
+    v.add_argument(
+        "--remote-path", action="store_true", help="pass --path as given (do not make it absolute here)"
+    )
     v.set_defaults(func=lambda a: run(_load, a))
 
-    v = verbs.add_parser("unload", help="stop serving an adapter, on every instance",
-                         description="Remove the adapter from the model's desired set; every instance unloads it.")
+    v = verbs.add_parser(
+        "unload",
+        help="stop serving an adapter, on every instance",
+        description="Remove the adapter from the model's desired set; every instance unloads it.",
+    )
     _common(v)
     v.add_argument("name", help="the adapter's name")
     v.set_defaults(func=lambda a: run(_unload, a))
 
-    v = verbs.add_parser("list", help="the adapters each instance holds",
-                         description="Every instance of the model lists its adapters and the ones it failed to load.")
+    v = verbs.add_parser(
+        "list",
+        help="the adapters each instance holds",
+        description="Every instance of the model lists its adapters and the ones it failed to load.",
+    )
     _common(v)
     v.add_argument("--desired", action="store_true", help="print the desired set (the bucket) instead")
     v.set_defaults(func=lambda a: run(_list, a))

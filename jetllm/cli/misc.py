@@ -62,8 +62,10 @@ def _open_error_codes(schema: dict) -> dict:
     if codes is not None and "enum" in codes:
         known = codes.pop("enum")
         codes["anyOf"] = [{"enum": known}, {"type": "string"}]
-        codes["description"] = ("Machine-readable error code. Codes not listed come from newer writers: "
-                                "read them as a failure, keeping the code as sent.")
+        codes["description"] = (
+            "Machine-readable error code. Codes not listed come from newer writers: "
+            "read them as a failure, keeping the code as sent."
+        )
     return schema
 
 
@@ -118,29 +120,53 @@ def cmd_make_tiny_lora(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("schema", help="write the JSON Schema of every message",
-                       description="Write the JSON Schema of every wire message (one file each with -o).")
-    p.add_argument("-o", "--output", default=None, help="directory for NAME.schema.json files (default: stdout)")
+    p = sub.add_parser(
+        "schema",
+        help="write the JSON Schema of every message",
+        description="Write the JSON Schema of every wire message (one file each with -o).",
+    )
+    p.add_argument(
+        "-o", "--output", default=None, help="directory for NAME.schema.json files (default: stdout)"
+    )
     p.add_argument("--markdown", action="store_true", help="the message reference as markdown tables instead")
-    p.add_argument("--write", default=None, metavar="FILE",
-                   help="with --markdown: replace the generated section of FILE (docs/messages.md)")
+    p.add_argument(
+        "--write",
+        default=None,
+        metavar="FILE",
+        help="with --markdown: replace the generated section of FILE (docs/messages.md)",
+    )
     p.set_defaults(func=cmd_schema)
 
-    p = sub.add_parser("flags", help="print the reference of every command and flag (markdown)",
-                       description="Print every command and flag as markdown, as in docs/operations.md.")
-    p.add_argument("--write", default=None, metavar="FILE",
-                   help="replace the generated section of FILE (docs/operations.md)")
+    p = sub.add_parser(
+        "flags",
+        help="print the reference of every command and flag (markdown)",
+        description="Print every command and flag as markdown, as in docs/operations.md.",
+    )
+    p.add_argument(
+        "--write",
+        default=None,
+        metavar="FILE",
+        help="replace the generated section of FILE (docs/operations.md)",
+    )
     p.set_defaults(func=cmd_flags)
 
-    p = sub.add_parser("make-tiny-model", help="build the deterministic tiny test model",
-                       description="Build a tiny random Llama with tokenizer and chat template, offline.")
+    p = sub.add_parser(
+        "make-tiny-model",
+        help="build the deterministic tiny test model",
+        description="Build a tiny random Llama with tokenizer and chat template, offline.",
+    )
     p.add_argument("directory", help="where to write it")
     p.add_argument("--seed", type=int, default=0, help="weights seed (the same seed gives the same model)")
     p.set_defaults(func=cmd_make_tiny_model)
 
-    p = sub.add_parser("make-tiny-lora", help="build a LoRA adapter for the tiny test model",
-                       description="Write a PEFT-format LoRA adapter (q_proj, v_proj) for the tiny model, offline.")
+    p = sub.add_parser(
+        "make-tiny-lora",
+        help="build a LoRA adapter for the tiny test model",
+        description="Write a PEFT-format LoRA adapter (q_proj, v_proj) for the tiny model, offline.",
+    )
     p.add_argument("directory", help="where to write it")
-    p.add_argument("--seed", type=int, default=1, help="weights seed (different seeds give different adapters)")
+    p.add_argument(
+        "--seed", type=int, default=1, help="weights seed (different seeds give different adapters)"
+    )
     p.add_argument("--rank", type=int, default=8, help="LoRA rank")
     p.set_defaults(func=cmd_make_tiny_lora)

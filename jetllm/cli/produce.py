@@ -61,7 +61,9 @@ def request_from_args(args: argparse.Namespace) -> GenerateRequest:
         request_id=args.request_id or f"gen-{uuid.uuid4().hex}",
         model=args.model,
         prompt=prompt,
-        sampling=SamplingOptions(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed),
+        sampling=SamplingOptions(
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+        ),
         stop=StopConditions(
             max_tokens=args.max_tokens, min_tokens=args.min_tokens, stop=args.stop, ignore_eos=args.ignore_eos
         ),
@@ -78,7 +80,9 @@ async def _generate(args: argparse.Namespace) -> int:
         print(f"error: invalid request: {exc}", file=sys.stderr)
         return 2
     started = time.monotonic()
-    async with Client(nats_url(args), namespace=args.namespace, heartbeat_timeout=args.heartbeat_timeout) as c:
+    async with Client(
+        nats_url(args), namespace=args.namespace, heartbeat_timeout=args.heartbeat_timeout
+    ) as c:
         first = None
         async for frame in c.generate(req, accept_timeout=args.accept_timeout):
             if args.json:
@@ -91,7 +95,9 @@ async def _generate(args: argparse.Namespace) -> int:
                 print(f"[accepted by {frame.worker}]", file=sys.stderr, flush=True)
             elif isinstance(frame, TokensFrame):
                 first = first or time.monotonic()
-                sys.stdout.write(frame.text if frame.text is not None else " ".join(map(str, frame.token_ids)) + " ")
+                sys.stdout.write(
+                    frame.text if frame.text is not None else " ".join(map(str, frame.token_ids)) + " "
+                )
                 sys.stdout.flush()
             elif isinstance(frame, FinalFrame):
                 ch = frame.choices[0]
@@ -143,8 +149,14 @@ def cmd_batch(args: argparse.Namespace) -> int:
     try:
         summary = run(
             lambda: run_batch(
-                nats_url(args), args.namespace, path, out, model=args.model, batch_id=bid,
-                concurrency=args.concurrency, max_tokens=args.max_tokens,
+                nats_url(args),
+                args.namespace,
+                path,
+                out,
+                model=args.model,
+                batch_id=bid,
+                concurrency=args.concurrency,
+                max_tokens=args.max_tokens,
                 progress=not args.quiet and sys.stderr.isatty() or args.progress,
                 heartbeat_timeout=args.heartbeat_timeout,
             )
@@ -161,35 +173,57 @@ def cmd_batch(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="stream one request to stdout",
-                       description="Submit one generate job and stream its text (or tokens) to stdout.")
+    p = sub.add_parser(
+        "generate",
+        help="stream one request to stdout",
+        description="Submit one generate job and stream its text (or tokens) to stdout.",
+    )
     add_nats(p)
     p.add_argument("text", nargs="?", default="", help="the prompt")
     p.add_argument("--model", default=TINY_MODEL_NAME, help=f"model name (default: {TINY_MODEL_NAME})")
-    p.add_argument("--chat", action="store_true", help="send the text as a user chat message (chat template applied)")
+    p.add_argument(
+        "--chat", action="store_true", help="send the text as a user chat message (chat template applied)"
+    )
     p.add_argument("--system", default=None, help="system message, with --chat")
     p.add_argument("--tokens", default=None, help="send token ids instead of text, e.g. '1,5,7'")
     p.add_argument("--text-out", action="store_true", help="with --tokens: also stream text")
     p.add_argument("--request-id", default=None, help="default: a random one (a request id runs once)")
     p.add_argument("--json", action="store_true", help="print every frame as a JSON line")
-    p.add_argument("--accept-timeout", type=float, default=None,
-                   help="give up if no worker accepts the job within this many seconds (default: wait)")
-    p.add_argument("--heartbeat-timeout", type=float, default=10.0,
-                   help="give up if an accepted request sends nothing for this many seconds")
+    p.add_argument(
+        "--accept-timeout",
+        type=float,
+        default=None,
+        help="give up if no worker accepts the job within this many seconds (default: wait)",
+    )
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=10.0,
+        help="give up if an accepted request sends nothing for this many seconds",
+    )
     add_sampling(p)
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("batch", help="run a JSONL file of prompts, one result per line",
-                       description="Submit every line of INPUT as a job; write one result per input line, in input order.")
+    p = sub.add_parser(
+        "batch",
+        help="run a JSONL file of prompts, one result per line",
+        description="Submit every line of INPUT as a job; write one result per input line, in input order.",
+    )
     add_nats(p)
-    p.add_argument("input", help="JSONL: one object per line with prompt | messages | token_ids (see docs/messages.md)")
+    p.add_argument(
+        "input", help="JSONL: one object per line with prompt | messages | token_ids (see docs/messages.md)"
+    )
     p.add_argument("-o", "--output", default=None, help="results file (default: INPUT with .results.jsonl)")
     p.add_argument("--model", default=TINY_MODEL_NAME, help="model for lines that name none")
     p.add_argument("--concurrency", type=int, default=64, help="requests in flight at once")
     p.add_argument("--max-tokens", type=int, default=None, help="default max_tokens for lines that set none")
     p.add_argument("--batch-id", default=None, help="default: a hash of the input file and model")
-    p.add_argument("--heartbeat-timeout", type=float, default=30.0,
-                   help="give up on a request whose worker sends nothing for this many seconds")
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=30.0,
+        help="give up on a request whose worker sends nothing for this many seconds",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--progress", action="store_true", help="progress bar even when stderr is not a terminal")
     p.add_argument("--print", action="store_true", help="print the results file when done")

@@ -20,18 +20,53 @@ BEGIN = "<!-- generated:begin -->"
 END = "<!-- generated:end -->"
 
 SECTIONS: list[tuple[str, list[type]]] = [
-    ("Generate job", [s.GenerateRequest, s.TokensPrompt, s.ChatPrompt, s.ChatMessage, s.TextPrompt,
-                      s.EmbedsPrompt,
-                      s.SamplingOptions, s.StopConditions, s.OutputOptions]),
-    ("Reply frames", [s.AcceptedFrame, s.TokensFrame, s.HeartbeatFrame, s.FinalFrame, s.Choice, s.Usage,
-                      s.ErrorFrame]),
+    (
+        "Generate job",
+        [
+            s.GenerateRequest,
+            s.TokensPrompt,
+            s.ChatPrompt,
+            s.ChatMessage,
+            s.TextPrompt,
+            s.EmbedsPrompt,
+            s.SamplingOptions,
+            s.StopConditions,
+            s.OutputOptions,
+        ],
+    ),
+    (
+        "Reply frames",
+        [s.AcceptedFrame, s.TokensFrame, s.HeartbeatFrame, s.FinalFrame, s.Choice, s.Usage, s.ErrorFrame],
+    ),
     ("Request log", [s.Claim, s.Step, s.Handoff, s.Cancelled, s.Result]),
     ("Control", [s.CancelRequest, s.StatusRequest, s.WorkerStatus]),
-    ("Fleet: registry, load, control replies", [s.InstanceRecord, s.EngineInfo, s.ModelCard, s.LoadReport,
-                                                 s.HealthCheck, s.HealthReport, s.SleepRequest, s.ControlDone, s.ControlFailed]),
+    (
+        "Fleet: registry, load, control replies",
+        [
+            s.InstanceRecord,
+            s.EngineInfo,
+            s.ModelCard,
+            s.LoadReport,
+            s.HealthCheck,
+            s.HealthReport,
+            s.SleepRequest,
+            s.ControlDone,
+            s.ControlFailed,
+        ],
+    ),
     ("Tracing", [s.TraceRecord]),
-    ("LoRA adapters", [s.AdapterSpec, s.AdapterManifest, s.LoraLoad, s.LoraUnload, s.AdapterReply,
-                       s.AdapterList, s.LoadedAdapter]),
+    (
+        "LoRA adapters",
+        [
+            s.AdapterSpec,
+            s.AdapterManifest,
+            s.LoraLoad,
+            s.LoraUnload,
+            s.AdapterReply,
+            s.AdapterList,
+            s.LoadedAdapter,
+        ],
+    ),
     ("KV-cache events", [s.KvEventBatch, s.KvStored, s.KvRemoved, s.KvCleared, s.KvResync]),
     ("Dead letters", [s.DeadLetter]),
     ("Batch files", [s.BatchLine, s.BatchResult, s.BatchError]),
@@ -47,9 +82,13 @@ def _attribute_docs(cls: type) -> dict[str, str]:
         tree = ast.parse(inspect.getsource(klass))
         body = tree.body[0].body  # type: ignore[attr-defined]
         for stmt, nxt in zip(body, body[1:], strict=False):
-            if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
-                    and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                    and isinstance(nxt.value.value, str)):
+            if (
+                isinstance(stmt, ast.AnnAssign)
+                and isinstance(stmt.target, ast.Name)
+                and isinstance(nxt, ast.Expr)
+                and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)
+            ):
                 docs[stmt.target.id] = " ".join(nxt.value.value.split())
     return docs
 
@@ -71,12 +110,25 @@ def _type(t: mi.Type) -> str:
         return f"[{t.cls.__name__}](#{t.cls.__name__.lower()})"
     if isinstance(t, mi.LiteralType):
         return " \\| ".join(f"`{v!r}`".replace("'", '"') for v in t.values)
-    names = {mi.IntType: "int", mi.FloatType: "float", mi.StrType: "str", mi.BoolType: "bool",
-             mi.BytesType: "bytes", mi.AnyType: "any"}
+    names = {
+        mi.IntType: "int",
+        mi.FloatType: "float",
+        mi.StrType: "str",
+        mi.BoolType: "bool",
+        mi.BytesType: "bytes",
+        mi.AnyType: "any",
+    }
     base = names.get(type(t), type(t).__name__.removesuffix("Type").lower())
     limits = []
-    for attr, sym in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"), ("min_length", "len >="),
-                      ("max_length", "len <="), ("pattern", "matches")):
+    for attr, sym in (
+        ("ge", ">="),
+        ("gt", ">"),
+        ("le", "<="),
+        ("lt", "<"),
+        ("min_length", "len >="),
+        ("max_length", "len <="),
+        ("pattern", "matches"),
+    ):
         value = getattr(t, attr, None)
         if value is not None:
             limits.append(f"{sym} `{value}`" if attr == "pattern" else f"{sym} {value}")
@@ -101,7 +153,11 @@ def _default(f: mi.Field) -> str:
         return f"`{msgspec.json.encode(value).decode()}`"
     if f.default_factory is not msgspec.NODEFAULT:
         made = f.default_factory()
-        return f"{type(made).__name__}()" if isinstance(made, msgspec.Struct) else f"`{msgspec.json.encode(made).decode()}`"
+        return (
+            f"{type(made).__name__}()"
+            if isinstance(made, msgspec.Struct)
+            else f"`{msgspec.json.encode(made).decode()}`"
+        )
     return ""
 
 
@@ -110,7 +166,7 @@ def struct_table(cls: type) -> str:
     if not isinstance(info, mi.StructType):
         raise TypeError(f"{cls.__name__} is not a msgspec Struct")
     docs = _attribute_docs(cls)
-    tag = f" — `{info.tag_field}: \"{info.tag}\"`" if getattr(info, "tag", None) else ""
+    tag = f' — `{info.tag_field}: "{info.tag}"`' if getattr(info, "tag", None) else ""
     lines = [f"### {cls.__name__}{tag}", ""]
     if cls.__doc__:
         lines += [" ".join(cls.__doc__.split()), ""]
@@ -135,8 +191,10 @@ def messages_reference() -> str:
         parts.extend(struct_table(t) for t in types)
     parts.append("## ErrorCode\n")
     docs = _enum_docs(s.ErrorCode)
-    parts.append("| code | meaning |\n|---|---|\n" + "".join(
-        f"| `{c.value}` | {docs.get(c.name, '')} |\n" for c in s.ErrorCode))
+    parts.append(
+        "| code | meaning |\n|---|---|\n"
+        + "".join(f"| `{c.value}` | {docs.get(c.name, '')} |\n" for c in s.ErrorCode)
+    )
     return "\n".join(parts)
 
 
@@ -145,8 +203,12 @@ def _enum_docs(enum_cls: type) -> dict[str, str]:
     body = tree.body[0].body  # type: ignore[attr-defined]
     out = {}
     for stmt, nxt in zip(body, body[1:], strict=False):
-        if (isinstance(stmt, ast.Assign) and isinstance(nxt, ast.Expr)
-                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str)):
+        if (
+            isinstance(stmt, ast.Assign)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
             out[stmt.targets[0].id] = " ".join(nxt.value.value.split())  # type: ignore[attr-defined]
     return out
 

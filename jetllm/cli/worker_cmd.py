@@ -16,82 +16,184 @@ log = logging.getLogger("jetllm")
 
 def add_worker_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model and engine")
-    g.add_argument("--model", default=None,
-                   help="model directory or name vLLM can load (default: the bundled tiny model, built on first use)")
-    g.add_argument("--served-model-name", default=None,
-                   help=f"name jobs use for the model (default: --model, or '{TINY_MODEL_NAME}' for the tiny model)")
+    g.add_argument(
+        "--model",
+        default=None,
+        help="model directory or name vLLM can load (default: the bundled tiny model, built on first use)",
+    )
+    g.add_argument(
+        "--served-model-name",
+        default=None,
+        help=f"name jobs use for the model (default: --model, or '{TINY_MODEL_NAME}' for the tiny model)",
+    )
     g.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     g.add_argument("--dtype", default=None, help="default: float32 on CPU, vLLM's 'auto' elsewhere")
-    g.add_argument("--kv-cache-bytes", type=int, default=None,
-                   help="KV cache size in bytes (default on CPU: 1 GiB; on GPU vLLM sizes it)")
+    g.add_argument(
+        "--kv-cache-bytes",
+        type=int,
+        default=None,
+        help="KV cache size in bytes (default on CPU: 1 GiB; on GPU vLLM sizes it)",
+    )
     g.add_argument("--block-size", type=int, default=None, help="KV block size (a multiple of 32 on CPU)")
     g.add_argument("--max-num-seqs", type=int, default=None, help="engine batch limit")
-    g.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
-                   help="skip graph compilation (default on CPU: on)")
+    g.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="skip graph compilation (default on CPU: on)",
+    )
     g.add_argument("--seed", type=int, default=0, help="engine seed (requests without their own seed)")
-    g.add_argument("--enable-prompt-embeds", action="store_true",
-                   help="accept embeddings prompts (off by default: it slows every request a little)")
-    g.add_argument("--kv-events", action=argparse.BooleanOptionalAction, default=True,
-                   help="relay the engine's KV-cache events to JetStream for KV-aware routing (turns prefix "
-                   "caching on; costs about nothing, see docs/fleet.md)")
-    g.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="any other vLLM AsyncEngineArgs field, VALUE as JSON (repeatable)")
-    d = p.add_argument_group("data parallel (one worker schedules onto every rank; other hosts run --headless)")
+    g.add_argument(
+        "--enable-prompt-embeds",
+        action="store_true",
+        help="accept embeddings prompts (off by default: it slows every request a little)",
+    )
+    g.add_argument(
+        "--kv-events",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="relay the engine's KV-cache events to JetStream for KV-aware routing (turns prefix "
+        "caching on; costs about nothing, see docs/fleet.md)",
+    )
+    g.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="any other vLLM AsyncEngineArgs field, VALUE as JSON (repeatable)",
+    )
+    d = p.add_argument_group(
+        "data parallel (one worker schedules onto every rank; other hosts run --headless)"
+    )
     d.add_argument("--data-parallel-size", type=int, default=1, help="engine ranks in total")
-    d.add_argument("--data-parallel-size-local", type=int, default=None,
-                   help="ranks on this host (default: all); the others join from --headless processes")
-    d.add_argument("--data-parallel-start-rank", type=int, default=None, help="first rank of a --headless process")
+    d.add_argument(
+        "--data-parallel-size-local",
+        type=int,
+        default=None,
+        help="ranks on this host (default: all); the others join from --headless processes",
+    )
+    d.add_argument(
+        "--data-parallel-start-rank", type=int, default=None, help="first rank of a --headless process"
+    )
     d.add_argument("--data-parallel-address", default=None, help="the leader's address, for headless ranks")
-    d.add_argument("--data-parallel-rpc-port", type=int, default=None,
-                   help="the leader's port for headless ranks (only needed with --headless ranks)")
-    d.add_argument("--headless", action="store_true",
-                   help="run engine ranks for a leader on another host: no NATS, no jobs, no control subjects")
+    d.add_argument(
+        "--data-parallel-rpc-port",
+        type=int,
+        default=None,
+        help="the leader's port for headless ranks (only needed with --headless ranks)",
+    )
+    d.add_argument(
+        "--headless",
+        action="store_true",
+        help="run engine ranks for a leader on another host: no NATS, no jobs, no control subjects",
+    )
     lo = p.add_argument_group("LoRA adapters")
-    lo.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters of the model (jetllm lora load)")
+    lo.add_argument(
+        "--enable-lora", action="store_true", help="serve LoRA adapters of the model (jetllm lora load)"
+    )
     lo.add_argument("--max-loras", type=int, default=1, help="adapters this worker holds at once")
     lo.add_argument("--max-lora-rank", type=int, default=16, help="largest adapter rank accepted")
-    lo.add_argument("--lora-dir", action="append", default=[], metavar="DIR",
-                    help="directory path sources may come from (repeatable); none: path sources are refused")
-    lo.add_argument("--lora-cache-dir", default=None, metavar="DIR",
-                    help="where verified adapter copies are kept by content hash (default: jetllm's cache directory)")
-    lo.add_argument("--lora-cache-max-bytes", type=int, default=10 << 30, metavar="N",
-                    help="above this size, copies no worker on this host uses are removed, oldest use first "
-                         "(0: never)")
-    lo.add_argument("--lora-allow-hub", action="store_true",
-                    help="allow hub sources (the worker downloads them; needs network access)")
+    lo.add_argument(
+        "--lora-dir",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="directory path sources may come from (repeatable); none: path sources are refused",
+    )
+    lo.add_argument(
+        "--lora-cache-dir",
+        default=None,
+        metavar="DIR",
+        help="where verified adapter copies are kept by content hash (default: jetllm's cache directory)",
+    )
+    lo.add_argument(
+        "--lora-cache-max-bytes",
+        type=int,
+        default=10 << 30,
+        metavar="N",
+        help="above this size, copies no worker on this host uses are removed, oldest use first (0: never)",
+    )
+    lo.add_argument(
+        "--lora-allow-hub",
+        action="store_true",
+        help="allow hub sources (the worker downloads them; needs network access)",
+    )
     w = p.add_argument_group("worker")
-    w.add_argument("--role", default="generate", metavar="ROLE",
-                   help="what the worker does with its jobs (default: generate, prefill and decode on this "
-                   "engine); a flag that means nothing for the role is refused")
-    w.add_argument("--slots", type=int, default=None,
-                   help="jobs run at once; never more un-acked jobs than this (default: the engine's max_num_seqs)")
-    w.add_argument("--grace-period", type=float, default=30.0,
-                   help="seconds running requests get to finish on SIGTERM before they are handed back")
-    w.add_argument("--heartbeat-interval", type=float, default=0.5,
-                   help="seconds between heartbeat frames of a quiet request")
-    w.add_argument("--max-migrations", type=int, default=3,
-                   help="default migration budget: how often workers may die under one request before it fails "
-                   "(a request's max_migrations overrides it; planned hand-backs do not count)")
+    w.add_argument(
+        "--role",
+        default="generate",
+        metavar="ROLE",
+        help="what the worker does with its jobs (default: generate, prefill and decode on this "
+        "engine); a flag that means nothing for the role is refused",
+    )
+    w.add_argument(
+        "--slots",
+        type=int,
+        default=None,
+        help="jobs run at once; never more un-acked jobs than this (default: the engine's max_num_seqs)",
+    )
+    w.add_argument(
+        "--grace-period",
+        type=float,
+        default=30.0,
+        help="seconds running requests get to finish on SIGTERM before they are handed back",
+    )
+    w.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        default=0.5,
+        help="seconds between heartbeat frames of a quiet request",
+    )
+    w.add_argument(
+        "--max-migrations",
+        type=int,
+        default=3,
+        help="default migration budget: how often workers may die under one request before it fails "
+        "(a request's max_migrations overrides it; planned hand-backs do not count)",
+    )
     w.add_argument("--health-interval", type=float, default=5.0, help="seconds between engine health checks")
-    w.add_argument("--max-embeds-bytes", type=int, default=None,
-                   help="largest embeddings prompt accepted, in bytes (default: max-model-len * hidden size * 4; "
-                   "never more than 1 GiB)")
+    w.add_argument(
+        "--max-embeds-bytes",
+        type=int,
+        default=None,
+        help="largest embeddings prompt accepted, in bytes (default: max-model-len * hidden size * 4; "
+        "never more than 1 GiB)",
+    )
     w.add_argument("--instance-id", default=None, help="default: <host>-<pid>-<random>")
-    w.add_argument("--metrics-port", type=int, default=0,
-                   help="Prometheus endpoint port; 0 picks a free one and publishes it in the registry "
-                   "(no ports to assign by hand)")
+    w.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="Prometheus endpoint port; 0 picks a free one and publishes it in the registry "
+        "(no ports to assign by hand)",
+    )
     w.add_argument("--no-metrics", action="store_true", help="no Prometheus endpoint")
-    w.add_argument("--registry-interval", type=float, default=2.0,
-                   help="seconds between registry heartbeats; a silent worker stops counting after 3")
-    w.add_argument("--nats-wait", type=float, default=60.0,
-                   help="seconds to keep retrying the first connection to NATS")
+    w.add_argument(
+        "--registry-interval",
+        type=float,
+        default=2.0,
+        help="seconds between registry heartbeats; a silent worker stops counting after 3",
+    )
+    w.add_argument(
+        "--nats-wait", type=float, default=60.0, help="seconds to keep retrying the first connection to NATS"
+    )
     q = p.add_argument_group("queue policy (applied when creating or updating streams and consumers)")
-    q.add_argument("--ack-wait", type=float, default=10.0,
-                   help="seconds before an un-acked job is redelivered (running jobs refresh it)")
-    q.add_argument("--max-deliver", type=int, default=10,
-                   help="deliveries of a job before JetStream gives up and it is dead-lettered (a backstop "
-                   "behind the migration budget)")
-    q.add_argument("--max-age", type=float, default=86400.0, help="seconds a queued job may wait for a worker")
+    q.add_argument(
+        "--ack-wait",
+        type=float,
+        default=10.0,
+        help="seconds before an un-acked job is redelivered (running jobs refresh it)",
+    )
+    q.add_argument(
+        "--max-deliver",
+        type=int,
+        default=10,
+        help="deliveries of a job before JetStream gives up and it is dead-lettered (a backstop "
+        "behind the migration budget)",
+    )
+    q.add_argument(
+        "--max-age", type=float, default=86400.0, help="seconds a queued job may wait for a worker"
+    )
     q.add_argument("--replicas", type=int, default=1, help="stream replicas (3 on a JetStream cluster)")
 
 
@@ -145,10 +247,16 @@ def worker_config(args: argparse.Namespace, slots: int | None = None):
         metrics_port=None if args.no_metrics else args.metrics_port,
         registry_interval=args.registry_interval,
         max_embeds_bytes=args.max_embeds_bytes,
-        lora=LoraSettings(dirs=args.lora_dir, cache_dir=args.lora_cache_dir, allow_hub=args.lora_allow_hub,
-                          cache_max_bytes=args.lora_cache_max_bytes),
+        lora=LoraSettings(
+            dirs=args.lora_dir,
+            cache_dir=args.lora_cache_dir,
+            allow_hub=args.lora_allow_hub,
+            cache_max_bytes=args.lora_cache_max_bytes,
+        ),
         policy=QueuePolicy(
-            ack_wait=args.ack_wait, max_deliver=args.max_deliver, max_age=args.max_age,
+            ack_wait=args.ack_wait,
+            max_deliver=args.max_deliver,
+            max_age=args.max_age,
             replicas=args.replicas,
         ),
     )
@@ -159,7 +267,8 @@ def given_flags(args: argparse.Namespace) -> list[str]:
     ref = argparse.ArgumentParser(add_help=False)
     add_worker_options(ref)
     return [
-        action.option_strings[0] for action in ref._actions
+        action.option_strings[0]
+        for action in ref._actions
         if action.option_strings and getattr(args, action.dest, action.default) != action.default
     ]
 
@@ -225,10 +334,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         opts = engine_options(args)
         print(
             f"jetllm up: NATS at {url}  (namespace {args.namespace!r}, model {opts.name!r})\n"
-            f"  try:  jetllm generate --nats {url} --model {opts.name} \"Hello\"\n"
+            f'  try:  jetllm generate --nats {url} --model {opts.name} "Hello"\n'
             f"        jetllm batch --nats {url} --model {opts.name} prompts.jsonl -o results.jsonl\n"
             "  Ctrl-C stops the worker and the server.",
-            file=sys.stderr, flush=True,
+            file=sys.stderr,
+            flush=True,
         )
         config = worker_config(args)
         return run(lambda: run_worker(url, opts, config, nats_wait=args.nats_wait))
@@ -243,20 +353,29 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("worker", help="run one worker against a NATS server",
-                       description="Run one worker: pull one role's jobs (generate by default) for one model "
-                       "and serve them with vLLM.")
+    p = sub.add_parser(
+        "worker",
+        help="run one worker against a NATS server",
+        description="Run one worker: pull one role's jobs (generate by default) for one model "
+        "and serve them with vLLM.",
+    )
     add_nats(p)
     add_worker_options(p)
     p.set_defaults(func=cmd_worker)
 
-    p = sub.add_parser("up", help="start an embedded NATS server and a worker",
-                       description="Start nats-server with JetStream (unless --nats is given) and one worker.")
+    p = sub.add_parser(
+        "up",
+        help="start an embedded NATS server and a worker",
+        description="Start nats-server with JetStream (unless --nats is given) and one worker.",
+    )
     add_nats(p)
     p.add_argument("--data-dir", default=None, help="where the embedded server keeps its JetStream data")
     p.add_argument("--port", type=int, default=4222, help="port of the embedded server")
-    p.add_argument("--sync-always", action="store_true",
-                   help="embedded server fsyncs every write before acknowledging it: a crash (not only a "
-                        "restart) then loses nothing acknowledged, at a cost in throughput")
+    p.add_argument(
+        "--sync-always",
+        action="store_true",
+        help="embedded server fsyncs every write before acknowledging it: a crash (not only a "
+        "restart) then loses nothing acknowledged, at a cost in throughput",
+    )
     add_worker_options(p)
     p.set_defaults(func=cmd_up)

@@ -9,8 +9,13 @@ from msgspec import Meta
 
 from .common import Command, Report
 
-AdapterName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
-                                  description="Letters, digits, '.', '_', '-'; starts with a letter or digit.")]
+AdapterName = Annotated[
+    str,
+    Meta(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$",
+        description="Letters, digits, '.', '_', '-'; starts with a letter or digit.",
+    ),
+]
 AdapterSource = Literal["path", "object", "hub"]
 Sha256 = Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$")]
 

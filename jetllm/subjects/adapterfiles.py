@@ -60,7 +60,11 @@ def check_present(directory: Path) -> None:
     missing = [f for f in ADAPTER_FILES if not (directory / f).is_file()]
     if missing:
         pickles = sorted(p.name for p in directory.glob("adapter_model.*") if p.suffix in (".bin", ".pt"))
-        hint = f" (found {', '.join(pickles)}: pickle formats are refused, convert to safetensors)" if pickles else ""
+        hint = (
+            f" (found {', '.join(pickles)}: pickle formats are refused, convert to safetensors)"
+            if pickles
+            else ""
+        )
         raise AdapterFileError(ErrorCode.ADAPTER_INVALID, f"the adapter lacks {', '.join(missing)}{hint}")
 
 
@@ -113,8 +117,11 @@ def read_safetensors_header(path: Path) -> dict[str, tuple[str, list[int]]]:
         except (KeyError, TypeError, ValueError):
             ok = False
         if not ok:
-            raise AdapterFileError(bad, f"{WEIGHTS}: tensor {name!r} is corrupt or of an unsupported dtype "
-                                        f"(supported: {', '.join(_DTYPES)})")
+            raise AdapterFileError(
+                bad,
+                f"{WEIGHTS}: tensor {name!r} is corrupt or of an unsupported dtype "
+                f"(supported: {', '.join(_DTYPES)})",
+            )
         tensors[name] = (dtype, [int(d) for d in shape])
     if not tensors:
         raise AdapterFileError(bad, f"{WEIGHTS} holds no tensors")

@@ -232,7 +232,9 @@ class Client:
             )
         return data
 
-    async def submit(self, req: GenerateRequest, *, role: str = "generate", traceparent: str | None = None) -> PubAck:
+    async def submit(
+        self, req: GenerateRequest, *, role: str = "generate", traceparent: str | None = None
+    ) -> PubAck:
         """Publish a job durably; the PubAck says it is stored (or was a duplicate).
 
         Retried across reconnects and JetStream leader changes for up to `publish_timeout`
@@ -245,13 +247,16 @@ class Client:
         req, _ = await self.offload_embeds(req)
         data = self.encode_job(req)
         headers = {
-            "Nats-Msg-Id": req.request_id, codec.CONTENT_TYPE: codec.content_type(self.encoding),
+            "Nats-Msg-Id": req.request_id,
+            codec.CONTENT_TYPE: codec.content_type(self.encoding),
             tracecontext.HEADER: traceparent or tracecontext.new_traceparent(),
         }
         subject = self.names.jobs(role, req.model)
         return await retried(
             lambda: self.js.publish(subject, data, headers=headers, timeout=2.0),
-            errors=_PUBLISH_RETRIED, within=self.publish_timeout, what=f"publishing {req.request_id}",
+            errors=_PUBLISH_RETRIED,
+            within=self.publish_timeout,
+            what=f"publishing {req.request_id}",
         )
 
     async def offload_embeds(self, req: GenerateRequest) -> tuple[GenerateRequest, str | None]:
@@ -268,7 +273,9 @@ class Client:
                 return req, None
             except PayloadTooLarge:
                 pass
-        store = await embeds_store(self.js, self.names, ttl=self._policy.max_age, replicas=self._policy.replicas)
+        store = await embeds_store(
+            self.js, self.names, ttl=self._policy.max_age, replicas=self._policy.replicas
+        )
         name = f"{req.request_id}/{uuid.uuid4().hex[:12]}"
         ref = await upload(store, name, prompt)
         return msgspec.structs.replace(req, prompt=ref), name
@@ -280,18 +287,23 @@ class Client:
         except Exception as exc:  # it expires with the store's TTL anyway
             log.info("could not delete embeddings object %s: %s", name, exc)
 
-    async def cancel(self, request_id: str, reason: str | None = None, *, traceparent: str | None = None) -> None:
+    async def cancel(
+        self, request_id: str, reason: str | None = None, *, traceparent: str | None = None
+    ) -> None:
         """Stop a request wherever it is: running (live notice) or still queued (durable record).
 
         The record is stored first: a worker that pulls the job between the two finds it in the
         request's history, and one that is already running it gets the notice."""
         try:
             await self.js.publish(
-                self.names.request_log(request_id), codec.encode(Cancelled(attempt=0, reason=reason)), timeout=2.0
+                self.names.request_log(request_id),
+                codec.encode(Cancelled(attempt=0, reason=reason)),
+                timeout=2.0,
             )
         finally:  # a running request stops even when the record could not be stored
             await self.nc.publish(
-                self.names.cancel(request_id), codec.encode(CancelRequest(request_id=request_id, reason=reason)),
+                self.names.cancel(request_id),
+                codec.encode(CancelRequest(request_id=request_id, reason=reason)),
                 headers={tracecontext.HEADER: traceparent} if traceparent else None,
             )
 

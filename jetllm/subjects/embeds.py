@@ -52,7 +52,10 @@ async def embeds_store(js: Any, names: Names, *, ttl: float, replicas: int = 1) 
         return await js.object_store(names.embeds_store)
     except nats.js.errors.BucketNotFoundError:
         config = ObjectStoreConfig(
-            bucket=names.embeds_store, ttl=ttl, replicas=replicas, storage=StorageType.FILE,
+            bucket=names.embeds_store,
+            ttl=ttl,
+            replicas=replicas,
+            storage=StorageType.FILE,
             description="jetllm prompt embeddings too big for a job message",
         )
         return await js.create_object_store(names.embeds_store, config=config)

@@ -22,7 +22,12 @@ _reply_decoder = codec.Decoder(ControlReply)
 
 
 async def gather(
-    nc: NATS, subject: str, body: bytes, decoder: Any, timeout: float, expected: AbstractSet[str] = frozenset()
+    nc: NATS,
+    subject: str,
+    body: bytes,
+    decoder: Any,
+    timeout: float,
+    expected: AbstractSet[str] = frozenset(),
 ) -> list:
     """Publish once and collect the decodable replies, each naming its `instance`, until `timeout` or
     until every instance in `expected` has answered; sorted by instance. Every fan-out (status,
@@ -59,8 +64,9 @@ async def instance_status(nc: NATS, names: Names, instance: str, timeout: float 
     """One worker's status, waiting as long as `timeout` for it (a busy worker may answer late);
     raises LookupError when no such worker is listening."""
     try:
-        msg = await nc.request(names.instance_control(instance, "status"), codec.encode(StatusRequest()),
-                               timeout=timeout)
+        msg = await nc.request(
+            names.instance_control(instance, "status"), codec.encode(StatusRequest()), timeout=timeout
+        )
     except nats.errors.NoRespondersError:
         raise LookupError(f"no worker {instance} answers") from None
     return _decoder.decode(msg.data)
@@ -73,7 +79,8 @@ async def wait_for_workers(
     deadline = time.monotonic() + timeout
     while True:
         found = [
-            s for s in await worker_statuses(nc, names, timeout=0.3)
+            s
+            for s in await worker_statuses(nc, names, timeout=0.3)
             if s.state == "serving" and (model is None or s.model == model)
         ]
         if len(found) >= count:
@@ -84,8 +91,14 @@ async def wait_for_workers(
 
 
 async def ask(
-    nc: NATS, names: Names, verb: str, body: bytes = b"", *, instance: str | None = None,
-    model: str | None = None, timeout: float = 10.0,
+    nc: NATS,
+    names: Names,
+    verb: str,
+    body: bytes = b"",
+    *,
+    instance: str | None = None,
+    model: str | None = None,
+    timeout: float = 10.0,
 ) -> list[ControlReply]:
     """Send a control verb to one instance, or to every instance of `model`; one reply per instance.
 
@@ -103,5 +116,11 @@ async def ask(
     assert model is not None  # exactly one of the two, checked above
     expected = {r.instance for r in await instances(nc.jetstream(), names, model=model)}
     # Nothing registered (registry unreachable, or workers just starting): take what comes in 1 s.
-    return await gather(nc, names.model_control(model, verb), body, _reply_decoder,
-                        timeout if expected else min(timeout, 1.0), expected)
+    return await gather(
+        nc,
+        names.model_control(model, verb),
+        body,
+        _reply_decoder,
+        timeout if expected else min(timeout, 1.0),
+        expected,
+    )

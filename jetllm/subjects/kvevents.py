@@ -92,8 +92,9 @@ async def kv_events(
         if stream_seq is None:  # nothing that recent yet: wait for it
             new_only = True
     config = _start_at(stream_seq, new_only)
-    sub = await js.subscribe(subject, stream=names.kv_events_stream, ordered_consumer=True, config=config,
-                             idle_heartbeat=2.0)
+    sub = await js.subscribe(
+        subject, stream=names.kv_events_stream, ordered_consumer=True, config=config, idle_heartbeat=2.0
+    )
     last: dict[str, int] = {instance: start_seq - 1} if instance and start_seq else {}
     try:
         if not follow:

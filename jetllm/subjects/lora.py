@@ -60,8 +60,13 @@ class AdapterError(Exception):
 
 
 async def ensure_lora_bucket(js: JetStreamContext, names: Names, *, replicas: int = 1) -> KeyValue:
-    cfg = KeyValueConfig(bucket=names.lora_bucket, description="jetllm: LoRA adapters each model should serve",
-                         history=5, storage=StorageType.FILE, replicas=replicas)
+    cfg = KeyValueConfig(
+        bucket=names.lora_bucket,
+        description="jetllm: LoRA adapters each model should serve",
+        history=5,
+        storage=StorageType.FILE,
+        replicas=replicas,
+    )
     try:
         return await js.create_key_value(cfg)
     except nats.js.errors.BadRequestError:
@@ -70,10 +75,14 @@ async def ensure_lora_bucket(js: JetStreamContext, names: Names, *, replicas: in
 
 async def ensure_adapters_store(js: JetStreamContext, names: Names, *, replicas: int = 1) -> ObjectStore:
     try:
-        return await js.create_object_store(names.adapters_store, ObjectStoreConfig(
-            description="jetllm: LoRA adapter files", storage=StorageType.FILE,
-            replicas=replicas,
-        ))
+        return await js.create_object_store(
+            names.adapters_store,
+            ObjectStoreConfig(
+                description="jetllm: LoRA adapter files",
+                storage=StorageType.FILE,
+                replicas=replicas,
+            ),
+        )
     except nats.js.errors.BadRequestError:
         return await js.object_store(names.adapters_store)
 
@@ -120,7 +129,13 @@ class LoraAdmin:
         return manifest
 
     async def load(
-        self, model: str, name: str, *, source: AdapterSource, ref: str, sha256: str | None = None,
+        self,
+        model: str,
+        name: str,
+        *,
+        source: AdapterSource,
+        ref: str,
+        sha256: str | None = None,
         instance: str | None = None,
     ) -> FanOut:
         if source == "object" and sha256 is None:
@@ -130,12 +145,23 @@ class LoraAdmin:
         prev = await _get(kv, key)
         version = (_spec.decode(prev.value).version + 1) if prev is not None and prev.value else 1
         try:
-            spec = msgspec.convert({"name": name, "source": source, "ref": ref, "sha256": sha256,
-                                    "version": version, "updated_at": time.time()}, AdapterSpec)
+            spec = msgspec.convert(
+                {
+                    "name": name,
+                    "source": source,
+                    "ref": ref,
+                    "sha256": sha256,
+                    "version": version,
+                    "updated_at": time.time(),
+                },
+                AdapterSpec,
+            )
         except msgspec.ValidationError as exc:
             raise AdapterError(f"bad adapter: {exc}") from None
         revision = await kv.put(key, codec.encode(spec))
-        out = await self._ask(model, "lora-load", LoraLoad(name=name, version=version), _change_reply, instance)
+        out = await self._ask(
+            model, "lora-load", LoraLoad(name=name, version=version), _change_reply, instance
+        )
         if out.replies and len(out.failed) == len(out.replies):
             out.rolled_back = await _restore(kv, key, prev, revision)
         return out
@@ -162,13 +188,24 @@ class LoraAdmin:
         try:
             store = await self.js.object_store(self.names.adapters_store)
             found = await store.get(self.names.adapter_manifest(name))
-        except (nats.js.errors.NotFoundError, nats.js.errors.ObjectNotFoundError, nats.js.errors.BucketNotFoundError,
-                nats.js.errors.ObjectDeletedError):
-            raise AdapterError(f"no adapter {name!r} in the adapters object store; `jetllm lora push` it first") from None
+        except (
+            nats.js.errors.NotFoundError,
+            nats.js.errors.ObjectNotFoundError,
+            nats.js.errors.BucketNotFoundError,
+            nats.js.errors.ObjectDeletedError,
+        ):
+            raise AdapterError(
+                f"no adapter {name!r} in the adapters object store; `jetllm lora push` it first"
+            ) from None
         return _manifest.decode(found.data)  # type: ignore[arg-type]  # nats-py: data Optional
 
     async def _ask(
-        self, model: str, verb: str, body: msgspec.Struct | None, decoder: codec.Decoder, instance: str | None,
+        self,
+        model: str,
+        verb: str,
+        body: msgspec.Struct | None,
+        decoder: codec.Decoder,
+        instance: str | None,
         timeout: float | None = None,
     ) -> FanOut:
         if instance is not None:
@@ -177,8 +214,14 @@ class LoraAdmin:
             subject = self.names.model_control(model, verb)
             expected = {r.instance for r in await instances(self.js, self.names, model=model)}
         # Without a known instance, wait a short while for whoever answers.
-        replies = await gather(self.nc, subject, codec.encode(body) if body is not None else b"", decoder,
-                               (timeout or self.timeout) if expected else 2.0, expected)
+        replies = await gather(
+            self.nc,
+            subject,
+            codec.encode(body) if body is not None else b"",
+            decoder,
+            (timeout or self.timeout) if expected else 2.0,
+            expected,
+        )
         return FanOut(replies=replies, missing=sorted(expected - {r.instance for r in replies}))
 
 

@@ -12,7 +12,9 @@ from .names import Names
 _decoder = codec.Decoder(TraceRecord)
 
 
-async def trace_records(js: JetStreamContext, names: Names, request_id: str | None = None) -> list[TraceRecord]:
+async def trace_records(
+    js: JetStreamContext, names: Names, request_id: str | None = None
+) -> list[TraceRecord]:
     """Every stored hop of `request_id` (of every request when None), in the order they ended."""
     subject = names.trace_all if request_id is None else names.trace(request_id)
     sub = await js.subscribe(subject, stream=names.traces_stream, ordered_consumer=True)

@@ -121,7 +121,9 @@ class ControlServer:
         except ControlError as exc:
             reply = ControlFailed(instance=self.instance, code=exc.code, message=exc.message)
         except (msgspec.ValidationError, msgspec.DecodeError, codec.UnknownContentType) as exc:
-            reply = ControlFailed(instance=self.instance, code=ErrorCode.INVALID_REQUEST, message=f"{verb}: {exc}")
+            reply = ControlFailed(
+                instance=self.instance, code=ErrorCode.INVALID_REQUEST, message=f"{verb}: {exc}"
+            )
         except Exception as exc:
             log.exception("control verb %s failed", verb)
             reply = ControlFailed(instance=self.instance, code=ErrorCode.INTERNAL, message=f"{verb}: {exc}")

@@ -46,7 +46,8 @@ def check_header(prompt: EmbedsPrompt, facts: EngineFacts, max_bytes: int) -> in
     if not facts.prompt_embeds or not facts.hidden_size:
         raise _reject(
             f"the workers of {facts.model!r} do not accept prompt embeddings "
-            "(they run without --enable-prompt-embeds)", "$.prompt",
+            "(they run without --enable-prompt-embeds)",
+            "$.prompt",
         )
     if (prompt.data is None) == (prompt.object is None):
         raise _reject("an embeddings prompt needs exactly one of `data` and `object`", "$.prompt.data")
@@ -55,7 +56,8 @@ def check_header(prompt: EmbedsPrompt, facts: EngineFacts, max_bytes: int) -> in
     if len(prompt.shape) != 2:
         raise _reject(
             f"prompt embeddings must be 2-D [rows, hidden]; got shape {list(prompt.shape)} "
-            f"({len(prompt.shape)}-D)", "$.prompt.shape",
+            f"({len(prompt.shape)}-D)",
+            "$.prompt.shape",
         )
     rows, hidden = prompt.shape
     if rows < 1:
@@ -63,7 +65,8 @@ def check_header(prompt: EmbedsPrompt, facts: EngineFacts, max_bytes: int) -> in
     if hidden != facts.hidden_size:
         raise _reject(
             f"prompt embeddings have hidden size {hidden}, but {facts.model!r} has hidden size "
-            f"{facts.hidden_size}", "$.prompt.shape",
+            f"{facts.hidden_size}",
+            "$.prompt.shape",
         )
     if rows >= facts.max_model_len:
         raise RequestRejected(
@@ -76,12 +79,14 @@ def check_header(prompt: EmbedsPrompt, facts: EngineFacts, max_bytes: int) -> in
     if nbytes > max_bytes:
         raise _reject(
             f"prompt embeddings of shape {[rows, hidden]} ({prompt.dtype}) take {nbytes} bytes; this worker "
-            f"accepts at most {max_bytes} bytes (--max-embeds-bytes)", "$.prompt.shape",
+            f"accepts at most {max_bytes} bytes (--max-embeds-bytes)",
+            "$.prompt.shape",
         )
     if prompt.data is not None and len(prompt.data) != nbytes:
         raise _reject(
             f"`data` has {len(prompt.data)} bytes, but shape {[rows, hidden]} of {prompt.dtype} needs "
-            f"{nbytes} (rows * hidden * {ITEMSIZE[prompt.dtype]})", "$.prompt.data",
+            f"{nbytes} (rows * hidden * {ITEMSIZE[prompt.dtype]})",
+            "$.prompt.data",
         )
     return nbytes
 
@@ -126,19 +131,27 @@ class EmbedsLoader:
         try:
             store = await self.js.object_store(store_name)
             info = await store.get_info(name)
-        except (nats.js.errors.NotFoundError, nats.js.errors.ObjectDeletedError,
-                nats.js.errors.InvalidObjectNameError):
-            raise _reject(f"no object {name!r} in the embeddings store {store_name}", "$.prompt.object") from None
+        except (
+            nats.js.errors.NotFoundError,
+            nats.js.errors.ObjectDeletedError,
+            nats.js.errors.InvalidObjectNameError,
+        ):
+            raise _reject(
+                f"no object {name!r} in the embeddings store {store_name}", "$.prompt.object"
+            ) from None
         except nats.js.errors.BadObjectMetaError:
             raise _reject(f"object {name!r} has unreadable metadata", "$.prompt.object") from None
         except Exception as exc:
             raise StoreUnavailable(f"embeddings store {store_name}: {type(exc).__name__}: {exc}") from None
         if info.is_link():
-            raise _reject(f"object {name!r} is a link; embeddings must be stored as plain objects", "$.prompt.object")
+            raise _reject(
+                f"object {name!r} is a link; embeddings must be stored as plain objects", "$.prompt.object"
+            )
         if info.size != nbytes:
             raise _reject(
                 f"object {name!r} has {info.size} bytes, but shape {list(prompt.shape)} of {prompt.dtype} "
-                f"needs {nbytes}", "$.prompt.object",
+                f"needs {nbytes}",
+                "$.prompt.object",
             )
         if not isinstance(info.nuid, str) or not info.nuid:
             raise _reject(f"object {name!r} has unreadable metadata (no chunk id)", "$.prompt.object")

@@ -34,8 +34,15 @@ class FrameSink:
     """
 
     def __init__(
-        self, nc: NATS, reply_to: str | None, encoding: codec.Encoding, request_id: str,
-        *, attempt: int = 1, log_subject: str | None = None, headers: dict[str, str] | None = None,
+        self,
+        nc: NATS,
+        reply_to: str | None,
+        encoding: codec.Encoding,
+        request_id: str,
+        *,
+        attempt: int = 1,
+        log_subject: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         self._nc = nc
         self.reply_to = reply_to
@@ -88,13 +95,20 @@ class FrameSink:
         self.seq += 1
         return self.seq
 
-    async def accepted(self, worker: str, model: str, *, resumed_tokens: int = 0, job_ack: str | None = None) -> None:
+    async def accepted(
+        self, worker: str, model: str, *, resumed_tokens: int = 0, job_ack: str | None = None
+    ) -> None:
         self.accepted_at = time.time()
         self.resumed_tokens = resumed_tokens
         await self._send(
             AcceptedFrame(
-                seq=self.seq, attempt=self.attempt, request_id=self.request_id, worker=worker, model=model,
-                resumed_tokens=resumed_tokens, job_ack=job_ack,
+                seq=self.seq,
+                attempt=self.attempt,
+                request_id=self.request_id,
+                worker=worker,
+                model=model,
+                resumed_tokens=resumed_tokens,
+                job_ack=job_ack,
             )
         )
 
@@ -130,8 +144,13 @@ class FrameSink:
         if self._held is not None:
             await self._held.wait()
         frame = TokensFrame(
-            seq=self._next(), attempt=self.attempt, index=index, token_ids=token_ids, text=text,
-            logprobs=logprobs, top_logprobs=top_logprobs,
+            seq=self._next(),
+            attempt=self.attempt,
+            index=index,
+            token_ids=token_ids,
+            text=text,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
         )
         if self.first_token_at is None:
             self.first_token_at = time.time()
@@ -140,29 +159,47 @@ class FrameSink:
             # Recorded first, on the same connection: the log never holds less than was sent.
             self.logged.append(frame)
             try:
-                await self._nc.publish(self.log_subject, codec.encode(Step(attempt=self.attempt, frame=frame)))
+                await self._nc.publish(
+                    self.log_subject, codec.encode(Step(attempt=self.attempt, frame=frame))
+                )
             except Exception as exc:
                 log.warning("request %s: step %d not logged: %s", self.request_id, frame.seq, exc)
         await self._send(frame)
 
     def final_frame(self, choices: list[Choice], usage: Usage) -> FinalFrame:
-        return FinalFrame(seq=self._next(), attempt=self.attempt, request_id=self.request_id, choices=choices, usage=usage)
+        return FinalFrame(
+            seq=self._next(), attempt=self.attempt, request_id=self.request_id, choices=choices, usage=usage
+        )
 
-    def error_frame(self, code: ErrorCode, message: str, field: str | None = None, retryable: bool = False) -> ErrorFrame:
+    def error_frame(
+        self, code: ErrorCode, message: str, field: str | None = None, retryable: bool = False
+    ) -> ErrorFrame:
         return ErrorFrame(
-            seq=self._next(), attempt=self.attempt, request_id=self.request_id, code=code, message=message,
-            field=field, retryable=retryable,
+            seq=self._next(),
+            attempt=self.attempt,
+            request_id=self.request_id,
+            code=code,
+            message=message,
+            field=field,
+            retryable=retryable,
         )
 
     async def send(self, frame: FinalFrame | ErrorFrame) -> None:
         """The request's one terminal frame; a second one (a failure after the end) is not sent."""
         if self.ended_with is not None:
-            log.warning("request %s: ended (%s) already; %s frame not sent", self.request_id, self.ended_with,
-                        frame.code.value if isinstance(frame, ErrorFrame) else "final")
+            log.warning(
+                "request %s: ended (%s) already; %s frame not sent",
+                self.request_id,
+                self.ended_with,
+                frame.code.value if isinstance(frame, ErrorFrame) else "final",
+            )
             return
         self.ended_with = (
-            frame.code.value if isinstance(frame, ErrorFrame)
-            else frame.choices[0].finish_reason if frame.choices else "stop"
+            frame.code.value
+            if isinstance(frame, ErrorFrame)
+            else frame.choices[0].finish_reason
+            if frame.choices
+            else "stop"
         )
         await self._send(frame)
 

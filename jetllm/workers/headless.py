@@ -26,9 +26,15 @@ def run_headless(opts: EngineOptions) -> int:
     from .. import reaper
     from .engine.args import engine_args
 
-    if opts.data_parallel_size < 2 or not opts.data_parallel_size_local or opts.data_parallel_start_rank is None:
-        raise ValueError("--headless needs --data-parallel-size > 1, --data-parallel-size-local and "
-                         "--data-parallel-start-rank (and the leader's --data-parallel-address/-rpc-port)")
+    if (
+        opts.data_parallel_size < 2
+        or not opts.data_parallel_size_local
+        or opts.data_parallel_start_rank is None
+    ):
+        raise ValueError(
+            "--headless needs --data-parallel-size > 1, --data-parallel-size-local and "
+            "--data-parallel-start-rank (and the leader's --data-parallel-address/-rpc-port)"
+        )
     args = engine_args(opts)
     config = args.create_engine_config(usage_context=UsageContext.ENGINE_CONTEXT, headless=True)
     parallel = config.parallel_config
@@ -43,8 +49,13 @@ def run_headless(opts: EngineOptions) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     leader = get_tcp_uri(parallel.data_parallel_master_ip, parallel.data_parallel_rpc_port)
-    log.info("headless: ranks %d..%d of %d for the leader at %s", parallel.data_parallel_rank,
-             parallel.data_parallel_rank + parallel.data_parallel_size_local - 1, parallel.data_parallel_size, leader)
+    log.info(
+        "headless: ranks %d..%d of %d for the leader at %s",
+        parallel.data_parallel_rank,
+        parallel.data_parallel_rank + parallel.data_parallel_size_local - 1,
+        parallel.data_parallel_size,
+        leader,
+    )
     before = reaper.descendants()
     manager = CoreEngineProcManager(
         local_engine_count=parallel.data_parallel_size_local,

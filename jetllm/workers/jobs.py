@@ -18,12 +18,19 @@ from ..subjects.codec import field_path
 from ..subjects.names import is_safe_reply_subject
 
 log = logging.getLogger(__name__)
+
+
 class RejectedJob(RequestRejected):
     """A job that failed to decode, with whatever could be salvaged to report it."""
 
     def __init__(
-        self, code: ErrorCode, message: str, *, field: str | None = None,
-        request_id: str | None = None, reply_to: str | None = None,
+        self,
+        code: ErrorCode,
+        message: str,
+        *,
+        field: str | None = None,
+        request_id: str | None = None,
+        reply_to: str | None = None,
         encoding: codec.Encoding = "msgpack",
     ) -> None:
         super().__init__(code, message, field=field)
@@ -78,29 +85,45 @@ def decode_request(
             raise RejectedJob(
                 ErrorCode.UNSUPPORTED_VERSION,
                 f"schema version {version!r} is not supported (this worker speaks {sorted(SUPPORTED_VERSIONS)})",
-                field="$.v", request_id=rid, reply_to=reply, encoding=encoding,
+                field="$.v",
+                request_id=rid,
+                reply_to=reply,
+                encoding=encoding,
             ) from None
         text = str(exc)
         raise RejectedJob(
-            ErrorCode.INVALID_REQUEST, text, field=field_path(text),
-            request_id=rid, reply_to=reply, encoding=encoding,
+            ErrorCode.INVALID_REQUEST,
+            text,
+            field=field_path(text),
+            request_id=rid,
+            reply_to=reply,
+            encoding=encoding,
         ) from None
     except msgspec.DecodeError as exc:
         _, rid, reply = _salvage(data, encoding)
         raise RejectedJob(
-            ErrorCode.MALFORMED, f"not valid {encoding}: {exc}", request_id=rid, reply_to=reply, encoding=encoding
+            ErrorCode.MALFORMED,
+            f"not valid {encoding}: {exc}",
+            request_id=rid,
+            reply_to=reply,
+            encoding=encoding,
         ) from None
     if req.v not in SUPPORTED_VERSIONS:
         raise RejectedJob(
             ErrorCode.UNSUPPORTED_VERSION,
             f"schema version {req.v} is not supported (this worker speaks {sorted(SUPPORTED_VERSIONS)})",
-            field="$.v", request_id=req.request_id, reply_to=_safe(req.reply_to), encoding=encoding,
+            field="$.v",
+            request_id=req.request_id,
+            reply_to=_safe(req.reply_to),
+            encoding=encoding,
         )
     if req.reply_to is not None and not is_safe_reply_subject(req.reply_to):
         raise RejectedJob(
             ErrorCode.INVALID_REQUEST,
             "reply_to must be a plain subject outside `$...` and `jetllm.` (no wildcards or spaces)",
-            field="$.reply_to", request_id=req.request_id, encoding=encoding,
+            field="$.reply_to",
+            request_id=req.request_id,
+            encoding=encoding,
         )
     return req, encoding
 
@@ -155,16 +178,31 @@ class Job:
 
 
 def dead_letter_record(
-    *, subject: str, payload: bytes, headers: dict[str, str] | None, code: ErrorCode, reason: str,
-    worker: str, deliveries: int, request_id: str | None, max_payload: int | None = None,
+    *,
+    subject: str,
+    payload: bytes,
+    headers: dict[str, str] | None,
+    code: ErrorCode,
+    reason: str,
+    worker: str,
+    deliveries: int,
+    request_id: str | None,
+    max_payload: int | None = None,
 ) -> DeadLetter:
     """The record for the DLQ stream, built here for every way a job dies so that it always fits
     one message: a job near max_payload (big prompts, inline embeddings) cannot also fit beside its
     reason, so it is recorded without its payload (and, if need be, its headers) rather than not
     at all, which would leave it in the queue and its producer without an answer."""
     record = DeadLetter(
-        code=code, reason=reason[:4000], subject=subject, deliveries=deliveries, worker=worker,
-        failed_at=time.time(), request_id=request_id, headers=dict(headers or {}), payload=bytes(payload),
+        code=code,
+        reason=reason[:4000],
+        subject=subject,
+        deliveries=deliveries,
+        worker=worker,
+        failed_at=time.time(),
+        request_id=request_id,
+        headers=dict(headers or {}),
+        payload=bytes(payload),
     )
     if max_payload is None:
         return record

@@ -78,8 +78,9 @@ class BlockSet:
                 for i, h in enumerate(ev.block_hashes):
                     key = (ev.medium, h)
                     self.blocks.pop(key, None)
-                    self.blocks[key] = _Block(parent, array("q", ev.token_ids[i * size:(i + 1) * size]),
-                                              ev.lora_name, ev.medium)
+                    self.blocks[key] = _Block(
+                        parent, array("q", ev.token_ids[i * size : (i + 1) * size]), ev.lora_name, ev.medium
+                    )
                     parent = h
             elif isinstance(ev, KvRemoved):
                 for h in ev.block_hashes:
@@ -93,13 +94,24 @@ class BlockSet:
         chain: KvStored | None = None
         for (medium, h), b in self.blocks.items():
             size = len(b.tokens)
-            if (chain is not None and b.parent == chain.block_hashes[-1] and chain.medium == medium
-                    and chain.lora_name == b.lora and chain.block_size == size):
+            if (
+                chain is not None
+                and b.parent == chain.block_hashes[-1]
+                and chain.medium == medium
+                and chain.lora_name == b.lora
+                and chain.block_size == size
+            ):
                 chain.block_hashes.append(h)
                 chain.token_ids.extend(b.tokens)
             else:
-                chain = KvStored(block_hashes=[h], parent_block_hash=b.parent, token_ids=list(b.tokens),
-                                 block_size=size, lora_name=b.lora, medium=medium)
+                chain = KvStored(
+                    block_hashes=[h],
+                    parent_block_hash=b.parent,
+                    token_ids=list(b.tokens),
+                    block_size=size,
+                    lora_name=b.lora,
+                    medium=medium,
+                )
                 out.append(chain)
         return out
 
@@ -117,10 +129,15 @@ def _split_stored(ev: KvStored, limit: int) -> Iterator[KvStored]:
     per = max(1, (limit - 96) // (9 + 5 * max(1, ev.block_size)))
     parent = ev.parent_block_hash
     for i in range(0, len(ev.block_hashes), per):
-        hashes = ev.block_hashes[i:i + per]
-        yield KvStored(block_hashes=hashes, parent_block_hash=parent,
-                       token_ids=ev.token_ids[i * ev.block_size:(i + len(hashes)) * ev.block_size],
-                       block_size=ev.block_size, lora_name=ev.lora_name, medium=ev.medium)
+        hashes = ev.block_hashes[i : i + per]
+        yield KvStored(
+            block_hashes=hashes,
+            parent_block_hash=parent,
+            token_ids=ev.token_ids[i * ev.block_size : (i + len(hashes)) * ev.block_size],
+            block_size=ev.block_size,
+            lora_name=ev.lora_name,
+            medium=ev.medium,
+        )
         parent = hashes[-1]
 
 
@@ -166,8 +183,15 @@ class KvEventRelay:
         self.seq = 0
         """The last seq JetStream acknowledged."""
         self.sets: dict[int, BlockSet] = {rank: BlockSet() for rank in self.sources}
-        self.counters = {"engine_batches": 0, "replayed": 0, "engine_gaps": 0, "undecodable": 0,
-                         "published": 0, "resyncs": 0, "dropped_for_backlog": 0}
+        self.counters = {
+            "engine_batches": 0,
+            "replayed": 0,
+            "engine_gaps": 0,
+            "undecodable": 0,
+            "published": 0,
+            "resyncs": 0,
+            "dropped_for_backlog": 0,
+        }
         self._pending: deque[_Pending] = deque()
         self._wake = anyio.Event()
         self._resync_asked = 0
@@ -193,13 +217,19 @@ class KvEventRelay:
         await self._load_last_seq()
         self.ask_resync("start")
         self.running = True
-        log.info("relaying KV-cache events of %d rank(s) to %s from seq %d", len(self.sources), self.subject,
-                 self.seq + 1)
+        log.info(
+            "relaying KV-cache events of %d rank(s) to %s from seq %d",
+            len(self.sources),
+            self.subject,
+            self.seq + 1,
+        )
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._supervised, "publisher", self._publish_loop)
                 for rank, source in self.sources.items():
-                    tg.start_soon(self._supervised, f"rank {rank} receiver", RankReader(rank, source, self).run)
+                    tg.start_soon(
+                        self._supervised, f"rank {rank} receiver", RankReader(rank, source, self).run
+                    )
         finally:
             self.running = False
 
@@ -230,7 +260,9 @@ class KvEventRelay:
 
     async def resync_verb(self, _: None) -> ControlDone:
         if not self.sources:
-            raise ControlError(ErrorCode.CONFLICT, "this worker publishes no KV-cache events (start it with --kv-events)")
+            raise ControlError(
+                ErrorCode.CONFLICT, "this worker publishes no KV-cache events (start it with --kv-events)"
+            )
         if not self.running:
             raise ControlError(ErrorCode.CONFLICT, "the KV-event relay is not running yet; try again shortly")
         ticket = self.ask_resync("requested")
@@ -248,7 +280,9 @@ class KvEventRelay:
 
     def _enqueue(self, item: _Pending) -> None:
         if len(self._pending) >= MAX_PENDING:
-            log.warning("KV events: JetStream is %d batches behind; a resync replaces them", len(self._pending))
+            log.warning(
+                "KV events: JetStream is %d batches behind; a resync replaces them", len(self._pending)
+            )
             self.counters["dropped_for_backlog"] += len(self._pending)
             self._pending.clear()
             self.ask_resync("backlog")
@@ -270,7 +304,9 @@ class KvEventRelay:
                 self.seq = 0
                 return
             except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-                log.error("KV events: the last batch on %s is unreadable (%s); numbering from 1", self.subject, exc)
+                log.error(
+                    "KV events: the last batch on %s is unreadable (%s); numbering from 1", self.subject, exc
+                )
                 self.seq = 0
                 return
             except Exception as exc:
@@ -288,29 +324,47 @@ class KvEventRelay:
             else:
                 item = self._pending.popleft()
                 for events in chunks(item.events, self._limit()):
-                    await self._send(KvEventBatch(
-                        instance=self.ctx.instance, model=self.ctx.model, dp_rank=item.rank, seq=self.seq + 1,
-                        engine_seq=item.engine_seq, engine_ts=item.ts, events=events,
-                    ))
+                    await self._send(
+                        KvEventBatch(
+                            instance=self.ctx.instance,
+                            model=self.ctx.model,
+                            dp_rank=item.rank,
+                            seq=self.seq + 1,
+                            engine_seq=item.engine_seq,
+                            engine_ts=item.ts,
+                            events=events,
+                        )
+                    )
 
     async def _publish_resync(self) -> None:
         ticket, reason = self._resync_asked, self._resync_reason
         self._pending.clear()  # the snapshot holds everything received so far
         now = time.time()
-        parts = [(rank, events) for rank in sorted(self.sets)
-                 for events in chunks(self.sets[rank].as_events(), self._limit())]
+        parts = [
+            (rank, events)
+            for rank in sorted(self.sets)
+            for events in chunks(self.sets[rank].as_events(), self._limit())
+        ]
         blocks = sum(len(b.blocks) for b in self.sets.values())
         first = self.seq + 1
         for i, (rank, events) in enumerate(parts, 1):
-            await self._send(KvEventBatch(
-                instance=self.ctx.instance, model=self.ctx.model, dp_rank=rank, seq=self.seq + 1,
-                engine_ts=now, events=events,
-                resync=KvResync(reason=reason, part=i, parts=len(parts), blocks=blocks),
-            ))
+            await self._send(
+                KvEventBatch(
+                    instance=self.ctx.instance,
+                    model=self.ctx.model,
+                    dp_rank=rank,
+                    seq=self.seq + 1,
+                    engine_ts=now,
+                    events=events,
+                    resync=KvResync(reason=reason, part=i, parts=len(parts), blocks=blocks),
+                )
+            )
         self.counters["resyncs"] += 1
         self.last_resync = (first, self.seq, blocks)
         if reason != "start":
-            log.info("KV events: resync (%s) published as seq %d..%d, %d blocks", reason, first, self.seq, blocks)
+            log.info(
+                "KV events: resync (%s) published as seq %d..%d, %d blocks", reason, first, self.seq, blocks
+            )
         self._resync_done = ticket
         self._resynced.set()
         self._resynced = anyio.Event()
@@ -326,16 +380,25 @@ class KvEventRelay:
         failures = 0
         while True:
             try:
-                await self.ctx.js.publish(self.subject, data, stream=self.ctx.names.kv_events_stream,
-                                          headers={"Nats-Msg-Id": msg_id}, timeout=5.0)
+                await self.ctx.js.publish(
+                    self.subject,
+                    data,
+                    stream=self.ctx.names.kv_events_stream,
+                    headers={"Nats-Msg-Id": msg_id},
+                    timeout=5.0,
+                )
                 break
             except (nats.js.errors.NoStreamResponseError, nats.errors.NoRespondersError):
                 await self._recreate_stream()
             except Exception as exc:
                 failures += 1
                 if failures in (1, 10) or failures % 100 == 0:
-                    log.warning("KV events: publishing seq %d failed %d times (%s); retrying", batch.seq, failures,
-                                exc)
+                    log.warning(
+                        "KV events: publishing seq %d failed %d times (%s); retrying",
+                        batch.seq,
+                        failures,
+                        exc,
+                    )
             await anyio.sleep(delay)
             delay = min(delay * 2, 5.0)
         self.seq = batch.seq
@@ -347,5 +410,8 @@ class KvEventRelay:
             await ensure_kv_events_stream(self.ctx.js, self.ctx.names, self.ctx.policy)
             log.warning("KV events: stream %s was missing; created it again", self.ctx.names.kv_events_stream)
         except Exception as exc:
-            log.warning("KV events: stream %s is missing and cannot be created (%s)",
-                        self.ctx.names.kv_events_stream, exc)
+            log.warning(
+                "KV events: stream %s is missing and cannot be created (%s)",
+                self.ctx.names.kv_events_stream,
+                exc,
+            )

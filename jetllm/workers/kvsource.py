@@ -33,6 +33,7 @@ _END = -1
 # vLLM's wire format (vllm/distributed/kv_events.py): the batch is an array, events are tagged
 # maps (arrays in older releases). Unknown fields and event types are skipped, not fatal.
 
+
 class _VStored(msgspec.Struct, tag_field="type", tag="BlockStored"):
     block_hashes: list[int | bytes]
     parent_block_hash: int | bytes | None
@@ -97,11 +98,16 @@ def decode_engine_batch(payload: bytes) -> tuple[float, int | None, list[KvEvent
             except (msgspec.ValidationError, msgspec.DecodeError):
                 continue
         if isinstance(ev, _VStored):
-            events.append(KvStored(
-                block_hashes=[_hash(h) for h in ev.block_hashes],
-                parent_block_hash=None if ev.parent_block_hash is None else _hash(ev.parent_block_hash),
-                token_ids=ev.token_ids, block_size=ev.block_size, lora_name=ev.lora_name, medium=ev.medium,
-            ))
+            events.append(
+                KvStored(
+                    block_hashes=[_hash(h) for h in ev.block_hashes],
+                    parent_block_hash=None if ev.parent_block_hash is None else _hash(ev.parent_block_hash),
+                    token_ids=ev.token_ids,
+                    block_size=ev.block_size,
+                    lora_name=ev.lora_name,
+                    medium=ev.medium,
+                )
+            )
         elif isinstance(ev, _VRemoved):
             events.append(KvRemoved(block_hashes=[_hash(h) for h in ev.block_hashes], medium=ev.medium))
         elif isinstance(ev, _VCleared):
@@ -183,14 +189,18 @@ class RankReader:
                     self._take(seq, payload)
                     last = seq
         except TimeoutError:
-            log.warning("KV events, rank %d: the engine's replay socket did not answer in %.0fs",
-                        self.rank, REPLAY_TIMEOUT)
+            log.warning(
+                "KV events, rank %d: the engine's replay socket did not answer in %.0fs",
+                self.rank,
+                REPLAY_TIMEOUT,
+            )
             replay.reset()
         return last
 
     def _engine_gap(self, first: int, last: int) -> None:
-        log.warning("KV events, rank %d: engine batches %d..%d are lost; publishing a resync",
-                    self.rank, first, last)
+        log.warning(
+            "KV events, rank %d: engine batches %d..%d are lost; publishing a resync", self.rank, first, last
+        )
         self.relay.counters["engine_gaps"] += 1
         self.relay.ask_resync("engine-gap")
 
@@ -198,8 +208,9 @@ class RankReader:
         try:
             ts, batch_rank, events = decode_engine_batch(payload)
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            log.warning("KV events, rank %d: batch %d is unreadable (%s); publishing a resync",
-                        self.rank, seq, exc)
+            log.warning(
+                "KV events, rank %d: batch %d is unreadable (%s); publishing a resync", self.rank, seq, exc
+            )
             self.relay.counters["undecodable"] += 1
             self.relay.ask_resync("engine-gap")
             return

@@ -33,7 +33,9 @@ async def connect_waiting(url: str, wait: float, name: str) -> NATS:
             delay = min(delay * 2, 5.0)
 
 
-async def run_worker(url: str, engine_opts: EngineOptions, config: WorkerConfig, *, nats_wait: float = 60.0) -> int:
+async def run_worker(
+    url: str, engine_opts: EngineOptions, config: WorkerConfig, *, nats_wait: float = 60.0
+) -> int:
     from .engine.vllm_engine import VllmEngine
 
     nc = await connect_waiting(url, nats_wait, name=f"jetllm-worker-{engine_opts.name}"[:64])
@@ -54,4 +56,3 @@ async def run_worker(url: str, engine_opts: EngineOptions, config: WorkerConfig,
                 await nc.drain()
             except Exception:
                 pass
-

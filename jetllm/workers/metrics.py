@@ -38,25 +38,35 @@ class PlaneCollector(Collector):
             if event != "frames_sent":
                 jobs.add_metric([*ids, event], n)
         yield jobs
-        frames = CounterMetricFamily("jetllm_frames_sent", "Reply frames published to producers", labels=labels)
+        frames = CounterMetricFamily(
+            "jetllm_frames_sent", "Reply frames published to producers", labels=labels
+        )
         frames.add_metric(ids, ctx.counters.frames_sent)
         yield frames
-        errors = CounterMetricFamily("jetllm_errors", "Error frames sent, by error code", labels=[*labels, "code"])
+        errors = CounterMetricFamily(
+            "jetllm_errors", "Error frames sent, by error code", labels=[*labels, "code"]
+        )
         for code, n in ctx.errors.items():
             errors.add_metric([*ids, str(code)], n)
         yield errors
         relay = self._kv
         if relay.running:
-            kv = CounterMetricFamily("jetllm_kv_events", "KV-event relay: engine batches read, published, "
-                                     "replayed, gaps, resyncs", labels=[*labels, "event"])
+            kv = CounterMetricFamily(
+                "jetllm_kv_events",
+                "KV-event relay: engine batches read, published, replayed, gaps, resyncs",
+                labels=[*labels, "event"],
+            )
             for event, n in relay.counters.items():
                 kv.add_metric([*ids, event], n)
             yield kv
         for name, doc, value in (
             ("jetllm_in_flight", "Jobs held now (pulled, not yet settled)", self._slots.busy),
             ("jetllm_slots", "Jobs this worker runs at once", self._slots.total),
-            ("jetllm_ready", "1 when the worker takes jobs (consumer bound, engine answered, awake)",
-             int(self._lifecycle.ready)),
+            (
+                "jetllm_ready",
+                "1 when the worker takes jobs (consumer bound, engine answered, awake)",
+                int(self._lifecycle.ready),
+            ),
         ):
             g = GaugeMetricFamily(name, doc, labels=labels)
             g.add_metric(ids, value)

@@ -101,7 +101,9 @@ class RegistryKeeper:
             await anyio.sleep(self.load_interval)
             try:
                 for report in self._load():
-                    await self.nc.publish(self.names.load(report.model, report.instance), codec.encode(report))
+                    await self.nc.publish(
+                        self.names.load(report.model, report.instance), codec.encode(report)
+                    )
             except Exception as exc:
                 log.debug("load report not sent: %s", exc)
 
@@ -112,4 +114,3 @@ class RegistryKeeper:
             await kv.delete(self.names.instance_key(instance))
         except Exception as exc:
             log.warning("registry record not removed (it ages out in %.0fs): %s", RECORD_TTL, exc)
-

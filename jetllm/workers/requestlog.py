@@ -25,7 +25,6 @@ class Unreadable:
     __slots__ = ()
 
 
-
 class LogUnavailable(Exception):
     """The request log could not be read (JetStream restarting or unreachable): the job must wait,
     as running it blind could run a finished or running request again."""
@@ -134,30 +133,45 @@ class RequestLog:
                     await self.js.publish(self.names.request_log(request_id), codec.encode(record), timeout=5)
                     return
                 except (nats.errors.Error, TimeoutError) as exc:
-                    log.debug("request %s: storing a %s record failed (%s); retrying", request_id,
-                              type(record).__name__, exc)
+                    log.debug(
+                        "request %s: storing a %s record failed (%s); retrying",
+                        request_id,
+                        type(record).__name__,
+                        exc,
+                    )
                 await anyio.sleep(delay)
                 delay = min(delay * 2, 2.0)
-        raise LogUnavailable(f"request log: could not store a {type(record).__name__} record in {within:.0f}s")
+        raise LogUnavailable(
+            f"request log: could not store a {type(record).__name__} record in {within:.0f}s"
+        )
 
     async def store_result(self, request_id: str, result: Result) -> None:
         """Store a request's end before acking its job, so a redelivery answers from it, not reruns."""
         try:
             await self.write_stored(request_id, result)
         except LogUnavailable as exc:
-            log.warning("request %s: its result is not in the log (%s); a redelivery would run it again",
-                        request_id, exc)
+            log.warning(
+                "request %s: its result is not in the log (%s); a redelivery would run it again",
+                request_id,
+                exc,
+            )
 
     async def last(self, request_id: str) -> Record | Unreadable | None:
         try:
-            raw = await self.js.get_last_msg(self.names.requests_stream, self.names.request_log(request_id), direct=True)
+            raw = await self.js.get_last_msg(
+                self.names.requests_stream, self.names.request_log(request_id), direct=True
+            )
         except nats.js.errors.NotFoundError:
             return None
         except nats.js.errors.APIError as exc:
             if getattr(exc, "code", None) == 404:
                 return None
             raise LogUnavailable(f"request log: {exc}") from exc
-        except (nats.errors.NoRespondersError, nats.errors.TimeoutError, nats.errors.ConnectionClosedError) as exc:
+        except (
+            nats.errors.NoRespondersError,
+            nats.errors.TimeoutError,
+            nats.errors.ConnectionClosedError,
+        ) as exc:
             raise LogUnavailable(f"request log: {type(exc).__name__}") from exc
         if not raw.data:  # a direct get of a missing subject answers with an empty 404 message
             return None
@@ -204,6 +218,8 @@ class RequestLog:
     async def compact(self, request_id: str) -> None:
         """Keep only the last record (the Result) of a finished request."""
         try:
-            await self.js.purge_stream(self.names.requests_stream, subject=self.names.request_log(request_id), keep=1)
+            await self.js.purge_stream(
+                self.names.requests_stream, subject=self.names.request_log(request_id), keep=1
+            )
         except Exception as exc:  # only costs space until max_age
             log.debug("request %s: compacting its log failed: %s", request_id, exc)

@@ -80,8 +80,11 @@ class RunningRequests(dict[str, Running]):
             return
         if cancel.below_attempt is not None:
             if run.job.attempt < cancel.below_attempt:
-                log.warning("request %s: delivery %d took it over; stopping here", cancel.request_id,
-                            cancel.below_attempt)
+                log.warning(
+                    "request %s: delivery %d took it over; stopping here",
+                    cancel.request_id,
+                    cancel.below_attempt,
+                )
                 run.superseded = True
                 run.scope.cancel()
             return

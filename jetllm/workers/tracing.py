@@ -40,13 +40,25 @@ class Hop:
             self.queued_at = self.pulled_at
         self.accepted_at: float | None = None
 
-    def record(self, *, request_id: str, instance: str, model: str, attempt: int, frames: Any,
-               outcome: str) -> TraceRecord:
+    def record(
+        self, *, request_id: str, instance: str, model: str, attempt: int, frames: Any, outcome: str
+    ) -> TraceRecord:
         return TraceRecord(
-            trace_id=self.trace_id, span_id=self.span_id, parent_span_id=self.parent, request_id=request_id,
-            instance=instance, attempt=attempt, model=model, queued_at=self.queued_at, pulled_at=self.pulled_at,
-            accepted_at=frames.accepted_at, first_token_at=frames.first_token_at, ended_at=time.time(),
-            outcome=outcome, resumed_tokens=frames.resumed_tokens, completion_tokens=frames.tokens_sent,
+            trace_id=self.trace_id,
+            span_id=self.span_id,
+            parent_span_id=self.parent,
+            request_id=request_id,
+            instance=instance,
+            attempt=attempt,
+            model=model,
+            queued_at=self.queued_at,
+            pulled_at=self.pulled_at,
+            accepted_at=frames.accepted_at,
+            first_token_at=frames.first_token_at,
+            ended_at=time.time(),
+            outcome=outcome,
+            resumed_tokens=frames.resumed_tokens,
+            completion_tokens=frames.tokens_sent,
             frames=frames.frames_sent,
         )
 
@@ -69,14 +81,23 @@ class TracePublisher:
     async def publish(self, rec: TraceRecord) -> None:
         log.info(
             "trace %s request %s attempt %d on %s: %s, queued %.0f ms, first token %s, %d tokens in %d frames, %.0f ms",
-            rec.trace_id, rec.request_id, rec.attempt, rec.instance, rec.outcome,
+            rec.trace_id,
+            rec.request_id,
+            rec.attempt,
+            rec.instance,
+            rec.outcome,
             (rec.pulled_at - rec.queued_at) * 1000,
             f"{(rec.first_token_at - rec.pulled_at) * 1000:.0f} ms" if rec.first_token_at else "-",
-            rec.completion_tokens, rec.frames, (rec.ended_at - rec.pulled_at) * 1000,
+            rec.completion_tokens,
+            rec.frames,
+            (rec.ended_at - rec.pulled_at) * 1000,
         )
         try:
-            await self.nc.publish(self.names.trace(rec.request_id), codec.encode(rec),
-                                  headers={tracecontext.HEADER: tracecontext.child(rec.trace_id, rec.span_id)})
+            await self.nc.publish(
+                self.names.trace(rec.request_id),
+                codec.encode(rec),
+                headers={tracecontext.HEADER: tracecontext.child(rec.trace_id, rec.span_id)},
+            )
         except Exception as exc:
             log.debug("trace record not published: %s", exc)
         if self._otel is not None:
@@ -106,13 +127,22 @@ def _export(tracer: Any, rec: TraceRecord) -> None:
 
     parent = None
     if rec.parent_span_id:
-        ctx = SpanContext(int(rec.trace_id, 16), int(rec.parent_span_id, 16), is_remote=True,
-                          trace_flags=TraceFlags(1))
+        ctx = SpanContext(
+            int(rec.trace_id, 16), int(rec.parent_span_id, 16), is_remote=True, trace_flags=TraceFlags(1)
+        )
         parent = trace.set_span_in_context(NonRecordingSpan(ctx))
-    span = tracer.start_span("jetllm.generate", context=parent, start_time=int(rec.queued_at * 1e9),
-                             attributes={"jetllm.request_id": rec.request_id, "jetllm.instance": rec.instance,
-                                         "jetllm.attempt": rec.attempt, "jetllm.outcome": rec.outcome,
-                                         "jetllm.completion_tokens": rec.completion_tokens})
+    span = tracer.start_span(
+        "jetllm.generate",
+        context=parent,
+        start_time=int(rec.queued_at * 1e9),
+        attributes={
+            "jetllm.request_id": rec.request_id,
+            "jetllm.instance": rec.instance,
+            "jetllm.attempt": rec.attempt,
+            "jetllm.outcome": rec.outcome,
+            "jetllm.completion_tokens": rec.completion_tokens,
+        },
+    )
     span.add_event("pulled", timestamp=int(rec.pulled_at * 1e9))
     if rec.first_token_at:
         span.add_event("first_token", timestamp=int(rec.first_token_at * 1e9))

@@ -43,8 +43,11 @@ async def one(llm, spec: dict) -> dict:
         return {"error": f"{type(exc).__name__}: {exc}"}
     c = result.outputs[0]
     return {
-        "token_ids": list(c.token_ids), "text": c.text, "finish_reason": c.finish_reason,
-        "stop_reason": c.stop_reason, "prompt_token_ids": list(result.prompt_token_ids or []),
+        "token_ids": list(c.token_ids),
+        "text": c.text,
+        "finish_reason": c.finish_reason,
+        "stop_reason": c.stop_reason,
+        "prompt_token_ids": list(result.prompt_token_ids or []),
     }
 
 
@@ -53,8 +56,9 @@ async def main(model: str) -> None:
     from jetllm.workers.engine.vllm_engine import VllmEngine
 
     engine = await VllmEngine.start(
-        EngineOptions(model=model, served_model_name="tiny", max_model_len=512,
-                      kv_cache_bytes=128 << 20, block_size=32)
+        EngineOptions(
+            model=model, served_model_name="tiny", max_model_len=512, kv_cache_bytes=128 << 20, block_size=32
+        )
     )
     RESULTS.write(json.dumps({"ready": True}) + "\n")
     RESULTS.flush()

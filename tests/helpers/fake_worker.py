@@ -19,8 +19,11 @@ async def main(args: argparse.Namespace) -> int:
     nc = await connect(args.url, name="fake-worker")
     engine = FakeEngine(step_delay=args.step_delay, max_model_len=args.max_model_len)
     config = WorkerConfig(
-        namespace=args.namespace, slots=args.slots, grace_period=args.grace_period,
-        max_migrations=args.max_migrations, heartbeat_interval=0.2,
+        namespace=args.namespace,
+        slots=args.slots,
+        grace_period=args.grace_period,
+        max_migrations=args.max_migrations,
+        heartbeat_interval=0.2,
         policy=QueuePolicy(ack_wait=args.ack_wait),
     )
     try:

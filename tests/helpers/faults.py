@@ -20,8 +20,19 @@ class InjectedFault(RuntimeError):
     pass
 
 
-STAGES = ("decode", "log", "render", "claim", "accepted", "engine", "tokens", "result", "final", "trace",
-          "compact")
+STAGES = (
+    "decode",
+    "log",
+    "render",
+    "claim",
+    "accepted",
+    "engine",
+    "tokens",
+    "result",
+    "final",
+    "trace",
+    "compact",
+)
 
 
 def _marked(value: Any, stage: str) -> bool:
@@ -38,26 +49,33 @@ def _decode(orig):
     def f(data, headers):
         _raise_if("decode", b"fault-decode" in bytes(data))
         return orig(data, headers)
+
     return f
 
 
 def _by_request_id(stage: str, when: Any = None):
     """A coroutine method whose first argument is the request id."""
+
     def wrap(orig):
         async def f(self, request_id, *args, **kw):
             _raise_if(stage, _marked(request_id, stage) and (when is None or when(*args)))
             return await orig(self, request_id, *args, **kw)
+
         return f
+
     return wrap
 
 
 def _by_sink(stage: str, when: Any = None):
     """A coroutine method of FrameSink: its request id is on the sink."""
+
     def wrap(orig):
         async def f(self, *args, **kw):
             _raise_if(stage, _marked(self.request_id, stage) and (when is None or when(*args)))
             return await orig(self, *args, **kw)
+
         return f
+
     return wrap
 
 
@@ -65,17 +83,21 @@ def _render(orig):
     async def f(self, prompt):
         _raise_if("render", "fault-render" in repr(prompt))
         return await orig(self, prompt)
+
     return f
 
 
 def _generate(orig):
     def f(self, req, *args, **kw):
         if _marked(req.request_id, "engine"):
+
             async def boom():
                 raise InjectedFault("engine")
                 yield  # an async generator, like the engine's
+
             return boom()
         return orig(self, req, *args, **kw)
+
     return f
 
 
@@ -83,6 +105,7 @@ def _trace(orig):
     async def f(self, rec: TraceRecord):
         _raise_if("trace", _marked(rec.request_id, "trace"))
         return await orig(self, rec)
+
     return f
 
 

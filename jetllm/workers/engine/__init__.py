@@ -15,6 +15,15 @@ from .base import (
 from .options import EngineOptions
 
 __all__ = [
-    "ChoiceDelta", "Engine", "EngineAdapter", "EngineFacts", "EngineLoad", "EngineOptions", "EnginePrompt",
-    "EngineStep", "KvEventSource", "LoraFacts", "PromptEmbeds",
+    "ChoiceDelta",
+    "Engine",
+    "EngineAdapter",
+    "EngineFacts",
+    "EngineLoad",
+    "EngineOptions",
+    "EnginePrompt",
+    "EngineStep",
+    "KvEventSource",
+    "LoraFacts",
+    "PromptEmbeds",
 ]

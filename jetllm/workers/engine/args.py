@@ -25,10 +25,16 @@ def kv_events_config(directory: str) -> Any:
 
     base = os.path.join(directory, "inproc")
     if len(base) > 80:  # Unix socket paths end at ~107 bytes, and ranks add a suffix
-        raise ValueError(f"the temporary directory's path is too long for Unix sockets ({len(base)} bytes): "
-                         "point TMPDIR somewhere shorter")
-    return KVEventsConfig(enable_kv_cache_events=True, publisher="zmq", endpoint=f"ipc://{base}-events",
-                          replay_endpoint=f"ipc://{base}-replay")
+        raise ValueError(
+            f"the temporary directory's path is too long for Unix sockets ({len(base)} bytes): "
+            "point TMPDIR somewhere shorter"
+        )
+    return KVEventsConfig(
+        enable_kv_cache_events=True,
+        publisher="zmq",
+        endpoint=f"ipc://{base}-events",
+        replay_endpoint=f"ipc://{base}-replay",
+    )
 
 
 def engine_args(opts: EngineOptions, kv_dir: str | None = None) -> Any:
@@ -56,16 +62,22 @@ def engine_args(opts: EngineOptions, kv_dir: str | None = None) -> Any:
         kw["enforce_eager"] = eager
     if opts.data_parallel_size > 1:
         kw["data_parallel_size"] = opts.data_parallel_size
-        for name in ("data_parallel_size_local", "data_parallel_start_rank", "data_parallel_address",
-                     "data_parallel_rpc_port"):
+        for name in (
+            "data_parallel_size_local",
+            "data_parallel_start_rank",
+            "data_parallel_address",
+            "data_parallel_rpc_port",
+        ):
             if getattr(opts, name) is not None:
                 kw[name] = getattr(opts, name)
     if opts.enable_lora:
         kw.update(enable_lora=True, max_loras=opts.max_loras, max_lora_rank=opts.max_lora_rank)
     if opts.kv_events:
         if opts.extra.get("enable_prefix_caching") is False:
-            raise ValueError("KV-cache events come from the prefix cache: they need enable_prefix_caching "
-                             "(drop enable_prefix_caching=false, or turn KV events off)")
+            raise ValueError(
+                "KV-cache events come from the prefix cache: they need enable_prefix_caching "
+                "(drop enable_prefix_caching=false, or turn KV events off)"
+            )
         kw["enable_prefix_caching"] = True
         kw["kv_events_config"] = kv_events_config(kv_dir or tempfile.mkdtemp(prefix="jetllm-kv-"))
     kw.update(opts.extra)

@@ -34,6 +34,8 @@ class EngineAdapter(msgspec.Struct, kw_only=True, frozen=True):
     name: str
     id: int
     path: str
+
+
 class KvEventSource(msgspec.Struct, kw_only=True):
     """One engine publisher of KV-cache events: vLLM's ZMQ PUB socket and its replay socket."""
 
@@ -131,7 +133,11 @@ class Engine(Protocol):
         ...
 
     def generate(
-        self, req: GenerateRequest, prompt_ids: EnginePrompt, max_tokens: int, adapter: EngineAdapter | None = None
+        self,
+        req: GenerateRequest,
+        prompt_ids: EnginePrompt,
+        max_tokens: int,
+        adapter: EngineAdapter | None = None,
     ) -> AsyncGenerator[EngineStep, None]:
         """Run one request (with a loaded adapter). Cancelling the iteration aborts it inside the engine.
 

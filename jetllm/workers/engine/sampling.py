@@ -12,8 +12,15 @@ _FIELDS = {
     **{
         name: f"$.sampling.{name}"
         for name in (
-            "temperature", "top_p", "top_k", "min_p", "seed", "n",
-            "presence_penalty", "frequency_penalty", "repetition_penalty",
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "seed",
+            "n",
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
         )
     },
     **{
@@ -25,8 +32,13 @@ _FIELDS = {
 }
 _LEADING_NAME = re.compile(r"^`?(\w+)`? (?:must|should|cannot|is)")
 _MODEL_DEFAULTED = (
-    "temperature", "top_p", "top_k", "min_p",
-    "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
 )
 
 

@@ -40,7 +40,11 @@ from .sampling import build_sampling_params, field_of
 log = logging.getLogger(__name__)
 
 _FINISH: dict[str, FinishReason] = {
-    "stop": "stop", "length": "length", "abort": "cancelled", "error": "error", "repetition": "repetition",
+    "stop": "stop",
+    "length": "length",
+    "abort": "cancelled",
+    "error": "error",
+    "repetition": "repetition",
 }
 
 
@@ -64,8 +68,11 @@ def _lora_facts(llm: Any, opts: EngineOptions) -> LoraFacts | None:
         modules.update(gate_proj=(hidden, inter), up_proj=(hidden, inter), down_proj=(inter, hidden))
     names = {opts.name, opts.model, os.path.basename(os.path.normpath(opts.model))}
     return LoraFacts(
-        capacity=lora.max_cpu_loras or lora.max_loras, max_rank=lora.max_lora_rank,
-        num_layers=hf.num_hidden_layers, modules=modules, base_names=sorted(n for n in names if n),
+        capacity=lora.max_cpu_loras or lora.max_loras,
+        max_rank=lora.max_lora_rank,
+        num_layers=hf.num_hidden_layers,
+        modules=modules,
+        base_names=sorted(n for n in names if n),
     )
 
 
@@ -87,7 +94,8 @@ class _LoadRecorder:
             def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx=0):
                 if scheduler_stats is not None:
                     ranks[engine_idx] = EngineLoad(
-                        running=scheduler_stats.num_running_reqs, waiting=scheduler_stats.num_waiting_reqs,
+                        running=scheduler_stats.num_running_reqs,
+                        waiting=scheduler_stats.num_waiting_reqs,
                         kv_usage=scheduler_stats.kv_cache_usage,
                     )
 
@@ -138,7 +146,9 @@ def _embeds_input(p: PromptEmbeds) -> Any:
 class VllmEngine:
     """One AsyncLLM. Build it with `await VllmEngine.start(opts)` inside the worker's event loop."""
 
-    def __init__(self, llm: Any, opts: EngineOptions, recorder: _LoadRecorder, kv_dir: str | None = None) -> None:
+    def __init__(
+        self, llm: Any, opts: EngineOptions, recorder: _LoadRecorder, kv_dir: str | None = None
+    ) -> None:
         self.llm = llm
         self._recorder = recorder
         self._kv_dir = kv_dir
@@ -176,7 +186,9 @@ class VllmEngine:
             vocab_size=vocab,
             eos_token_ids=sorted(eos),
             engine=f"vllm {vllm.__version__}",
-            source=os.path.basename(os.path.normpath(opts.model)) if os.path.isdir(opts.model) else opts.model,
+            source=os.path.basename(os.path.normpath(opts.model))
+            if os.path.isdir(opts.model)
+            else opts.model,
             chat_template=_has_chat_template(llm),
             hidden_size=llm.model_config.get_hidden_size(),
             prompt_embeds=bool(llm.model_config.enable_prompt_embeds),
@@ -237,22 +249,33 @@ class VllmEngine:
             raise
         except Exception as exc:  # templates and tokenizers raise many kinds of errors
             raise RequestRejected(
-                ErrorCode.INVALID_REQUEST, f"cannot render the prompt: {type(exc).__name__}: {exc}",
+                ErrorCode.INVALID_REQUEST,
+                f"cannot render the prompt: {type(exc).__name__}: {exc}",
                 field="$.prompt",
             ) from None
         return list(rendered["prompt_token_ids"])
 
     async def generate(
-        self, req: GenerateRequest, prompt_ids: EnginePrompt, max_tokens: int, adapter: EngineAdapter | None = None
+        self,
+        req: GenerateRequest,
+        prompt_ids: EnginePrompt,
+        max_tokens: int,
+        adapter: EngineAdapter | None = None,
     ) -> AsyncGenerator[EngineStep, None]:
         from vllm.exceptions import VLLMValidationError
         from vllm.inputs import tokens_input
         from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
         params = build_sampling_params(req, max_tokens, self._defaults)
-        want_text = req.output.text if req.output.text is not None else isinstance(req.prompt, (ChatPrompt, TextPrompt))
+        want_text = (
+            req.output.text
+            if req.output.text is not None
+            else isinstance(req.prompt, (ChatPrompt, TextPrompt))
+        )
         rid = req.request_id
-        engine_input = _embeds_input(prompt_ids) if isinstance(prompt_ids, PromptEmbeds) else tokens_input(prompt_ids)
+        engine_input = (
+            _embeds_input(prompt_ids) if isinstance(prompt_ids, PromptEmbeds) else tokens_input(prompt_ids)
+        )
         lora = None
         if adapter is not None:
             from vllm.lora.request import LoRARequest

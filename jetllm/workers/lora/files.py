@@ -43,7 +43,13 @@ def inside(path: Path, roots: list[Path]) -> bool:
 
 class AdapterFiles:
     def __init__(
-        self, js: JetStreamContext, names: Names, cache_dir: Path, allowed_dirs: list[Path], *, allow_hub: bool = False,
+        self,
+        js: JetStreamContext,
+        names: Names,
+        cache_dir: Path,
+        allowed_dirs: list[Path],
+        *,
+        allow_hub: bool = False,
     ) -> None:
         self.js = js
         self.names = names
@@ -57,22 +63,30 @@ class AdapterFiles:
             return await self._from_store(spec)
         if spec.source == "hub":
             if not self.allow_hub:
-                raise AdapterFileError(ErrorCode.ADAPTER_NOT_ALLOWED,
-                                       "hub sources are off on this worker (start it with --lora-allow-hub)")
+                raise AdapterFileError(
+                    ErrorCode.ADAPTER_NOT_ALLOWED,
+                    "hub sources are off on this worker (start it with --lora-allow-hub)",
+                )
             directory = await anyio.to_thread.run_sync(self._download_hub, spec.ref)
             return await anyio.to_thread.run_sync(self._copy_in, directory, spec.sha256, None)
-        return await anyio.to_thread.run_sync(self._copy_in, self._checked_path(spec.ref), spec.sha256, self.allowed)
+        return await anyio.to_thread.run_sync(
+            self._copy_in, self._checked_path(spec.ref), spec.sha256, self.allowed
+        )
 
     def _checked_path(self, ref: str) -> Path:
         if not self.allowed:
-            raise AdapterFileError(ErrorCode.ADAPTER_NOT_ALLOWED,
-                                   "path sources are off on this worker (no --lora-dir allows any directory)")
+            raise AdapterFileError(
+                ErrorCode.ADAPTER_NOT_ALLOWED,
+                "path sources are off on this worker (no --lora-dir allows any directory)",
+            )
         path = Path(ref)
         if not path.is_absolute():
             raise AdapterFileError(ErrorCode.ADAPTER_NOT_ALLOWED, f"adapter path {ref!r} must be absolute")
         if not inside(path, self.allowed):
-            raise AdapterFileError(ErrorCode.ADAPTER_NOT_ALLOWED,
-                                   f"adapter path {ref!r} is outside this worker's --lora-dir directories")
+            raise AdapterFileError(
+                ErrorCode.ADAPTER_NOT_ALLOWED,
+                f"adapter path {ref!r} is outside this worker's --lora-dir directories",
+            )
         if not path.is_dir():
             raise AdapterFileError(ErrorCode.ADAPTER_NOT_FOUND, f"no adapter directory at {ref!r}")
         return path
@@ -84,10 +98,14 @@ class AdapterFiles:
             for name in ADAPTER_FILES:
                 src = source / name
                 if roots is not None and not inside(src, roots):
-                    raise AdapterFileError(ErrorCode.ADAPTER_NOT_ALLOWED,
-                                           f"{name} links outside this worker's --lora-dir directories")
+                    raise AdapterFileError(
+                        ErrorCode.ADAPTER_NOT_ALLOWED,
+                        f"{name} links outside this worker's --lora-dir directories",
+                    )
                 if src.stat().st_size > max_bytes(name):
-                    raise AdapterFileError(ErrorCode.ADAPTER_INVALID, f"{name} is larger than {max_bytes(name)} bytes")
+                    raise AdapterFileError(
+                        ErrorCode.ADAPTER_INVALID, f"{name} is larger than {max_bytes(name)} bytes"
+                    )
                 shutil.copyfile(src, tmp / name)
             return self._settle(tmp, expected)
         finally:
@@ -97,8 +115,10 @@ class AdapterFiles:
         """Hash the private copy and move it to its content address."""
         sha = combined_sha256(digests(tmp))
         if expected is not None and sha != expected:
-            raise AdapterFileError(ErrorCode.ADAPTER_INVALID,
-                                   f"the adapter's files hash to {sha[:12]}, not the expected {expected[:12]}")
+            raise AdapterFileError(
+                ErrorCode.ADAPTER_INVALID,
+                f"the adapter's files hash to {sha[:12]}, not the expected {expected[:12]}",
+            )
         final = self.cache_dir / sha
         if not final.is_dir():
             try:
@@ -121,9 +141,15 @@ class AdapterFiles:
                 found = await store.get(self.names.adapter_manifest(spec.ref))
                 # nats-py types ObjectResult.data Optional; a found object has it
                 sha = _manifest.decode(found.data).sha256  # type: ignore[arg-type]
-        except (nats.js.errors.NotFoundError, nats.js.errors.ObjectNotFoundError, nats.js.errors.BucketNotFoundError):
-            raise AdapterFileError(ErrorCode.ADAPTER_NOT_FOUND,
-                                   f"no adapter {spec.ref!r} in the adapters object store (jetllm lora push)") from None
+        except (
+            nats.js.errors.NotFoundError,
+            nats.js.errors.ObjectNotFoundError,
+            nats.js.errors.BucketNotFoundError,
+        ):
+            raise AdapterFileError(
+                ErrorCode.ADAPTER_NOT_FOUND,
+                f"no adapter {spec.ref!r} in the adapters object store (jetllm lora push)",
+            ) from None
         if (self.cache_dir / sha).is_dir():
             return self.cache_dir / sha, sha
         tmp = self._tmp()
@@ -133,13 +159,20 @@ class AdapterFiles:
                 try:
                     info = await store.get_info(obj)
                     if (info.size or 0) > max_bytes(name):
-                        raise AdapterFileError(ErrorCode.ADAPTER_INVALID, f"{name} is larger than {max_bytes(name)} bytes")
+                        raise AdapterFileError(
+                            ErrorCode.ADAPTER_INVALID, f"{name} is larger than {max_bytes(name)} bytes"
+                        )
                     with open(tmp / name, "wb") as f:
                         await store.get(obj, writeinto=f)
-                except (nats.js.errors.NotFoundError, nats.js.errors.ObjectNotFoundError,
-                        nats.js.errors.ObjectDeletedError):
-                    raise AdapterFileError(ErrorCode.ADAPTER_NOT_FOUND,
-                                           f"adapter {spec.ref!r}: object {obj!r} is missing from the store") from None
+                except (
+                    nats.js.errors.NotFoundError,
+                    nats.js.errors.ObjectNotFoundError,
+                    nats.js.errors.ObjectDeletedError,
+                ):
+                    raise AdapterFileError(
+                        ErrorCode.ADAPTER_NOT_FOUND,
+                        f"adapter {spec.ref!r}: object {obj!r} is missing from the store",
+                    ) from None
             return await anyio.to_thread.run_sync(self._settle, tmp, sha)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -150,5 +183,6 @@ class AdapterFiles:
 
             return Path(snapshot_download(repo_id=repo, allow_patterns=list(ADAPTER_FILES)))
         except Exception as exc:  # offline, unknown repository, gated: all mean "not here"
-            raise AdapterFileError(ErrorCode.ADAPTER_NOT_FOUND,
-                                   f"hub adapter {repo!r} unavailable: {type(exc).__name__}: {exc}") from None
+            raise AdapterFileError(
+                ErrorCode.ADAPTER_NOT_FOUND, f"hub adapter {repo!r} unavailable: {type(exc).__name__}: {exc}"
+            ) from None

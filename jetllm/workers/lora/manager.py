@@ -86,8 +86,14 @@ class _Loaded(msgspec.Struct, kw_only=True):
 
 class LoraManager:
     def __init__(
-        self, ctx: WorkerContext, engine: Engine, settings: LoraSettings, *, retire_wait: float,
-        spawn: Callable[..., None], on_change: Callable[[list[str]], None],
+        self,
+        ctx: WorkerContext,
+        engine: Engine,
+        settings: LoraSettings,
+        *,
+        retire_wait: float,
+        spawn: Callable[..., None],
+        on_change: Callable[[list[str]], None],
     ) -> None:
         """`retire_wait`: how long old weights wait for the requests using them before removal;
         `spawn`: starts a background step; `on_change`: told the loaded adapters after each change."""
@@ -99,8 +105,9 @@ class LoraManager:
         self.facts = engine.facts.lora
         self.settings = settings
         cache = Path(settings.cache_dir) if settings.cache_dir else default_cache_dir() / "adapters"
-        self.files = AdapterFiles(ctx.js, ctx.names, cache, [Path(d) for d in settings.dirs],
-                                  allow_hub=settings.allow_hub)
+        self.files = AdapterFiles(
+            ctx.js, ctx.names, cache, [Path(d) for d in settings.dirs], allow_hub=settings.allow_hub
+        )
         self._desired: dict[str, tuple[int, AdapterSpec | None]] = {}
         self._loaded: dict[str, _Loaded] = {}
         self._failed: dict[str, tuple[int, ErrorCode, str]] = {}
@@ -243,18 +250,30 @@ class LoraManager:
             engine = EngineAdapter(name=f"{name}@{sha[:12]}", id=adapter_id(name, sha), path=str(path))
             async with self._slots:
                 if cur is None and len(self._loaded) >= self.facts.capacity:
-                    raise ControlError(ErrorCode.NO_ADAPTER_SLOT,
-                                       f"adapter {name!r}: this instance holds {len(self._loaded)} adapters, its "
-                                       f"limit (--max-loras) is {self.facts.capacity}; unload one first")
+                    raise ControlError(
+                        ErrorCode.NO_ADAPTER_SLOT,
+                        f"adapter {name!r}: this instance holds {len(self._loaded)} adapters, its "
+                        f"limit (--max-loras) is {self.facts.capacity}; unload one first",
+                    )
                 try:
                     await self._engine.add_adapter(engine)
                 except EngineRequestError as exc:
-                    raise ControlError(ErrorCode.ADAPTER_INVALID, f"adapter {name!r}: {exc.message}") from None
+                    raise ControlError(
+                        ErrorCode.ADAPTER_INVALID, f"adapter {name!r}: {exc.message}"
+                    ) from None
                 self._ctx.counters.lora_loads += 1  # idempotent calls do not count
-                info = LoadedAdapter(name=name, sha256=sha, lora_id=engine.id, source=spec.source,
-                                     version=spec.version, loaded_at=time.time())
+                info = LoadedAdapter(
+                    name=name,
+                    sha256=sha,
+                    lora_id=engine.id,
+                    source=spec.source,
+                    version=spec.version,
+                    loaded_at=time.time(),
+                )
                 action = "reloaded" if cur else "loaded"
-                self._loaded[name] = _Loaded(info=info, engine=engine, revision=revision, action=action, held=held)
+                self._loaded[name] = _Loaded(
+                    info=info, engine=engine, revision=revision, action=action, held=held
+                )
                 self._failed.pop(name, None)
         except BaseException:  # not loaded: the copy is free to go
             held.release()
@@ -278,18 +297,26 @@ class LoraManager:
             held = await anyio.to_thread.run_sync(hold, path)
             if held is not None:
                 return path, sha, held
-        raise ControlError(ErrorCode.ADAPTER_NOT_FOUND, f"adapter {name!r}: its cached copy kept being pruned")
+        raise ControlError(
+            ErrorCode.ADAPTER_NOT_FOUND, f"adapter {name!r}: its cached copy kept being pruned"
+        )
 
     async def _prune(self) -> None:
         if self.settings.cache_max_bytes > 0:
             try:
-                removed = await anyio.to_thread.run_sync(prune, self.files.cache_dir, self.settings.cache_max_bytes)
+                removed = await anyio.to_thread.run_sync(
+                    prune, self.files.cache_dir, self.settings.cache_max_bytes
+                )
             except OSError as exc:  # a full or read-only disk must not take the worker down
                 log.warning("adapter cache not pruned: %s", exc)
                 return
             if removed:
-                log.info("adapter cache over %d bytes: removed %d unused copies (%s)", self.settings.cache_max_bytes,
-                         len(removed), ", ".join(r[:12] for r in removed))
+                log.info(
+                    "adapter cache over %d bytes: removed %d unused copies (%s)",
+                    self.settings.cache_max_bytes,
+                    len(removed),
+                    ", ".join(r[:12] for r in removed),
+                )
 
     def _unchanged(self, name: str, revision: int, spec: AdapterSpec, cur: _Loaded) -> AdapterReply:
         cur.revision = revision
@@ -311,15 +338,20 @@ class LoraManager:
     def _published(self) -> None:
         self._on_change(sorted(self._loaded))
 
-    def _reply(self, name: str, action: Any, info: LoadedAdapter | None = None, detail: str = "") -> AdapterReply:
-        return AdapterReply(instance=self._ctx.instance, name=name, action=action, adapter=info,
-                            detail=detail)
+    def _reply(
+        self, name: str, action: Any, info: LoadedAdapter | None = None, detail: str = ""
+    ) -> AdapterReply:
+        return AdapterReply(
+            instance=self._ctx.instance, name=name, action=action, adapter=info, detail=detail
+        )
 
     # verbs
 
     def _require_lora(self) -> None:
         if self.facts is None:
-            raise ControlError(ErrorCode.LORA_DISABLED, "this worker runs without LoRA (start it with --enable-lora)")
+            raise ControlError(
+                ErrorCode.LORA_DISABLED, "this worker runs without LoRA (start it with --enable-lora)"
+            )
 
     async def on_load(self, msg: LoraLoad) -> AdapterReply:
         self._require_lora()
@@ -335,7 +367,8 @@ class LoraManager:
         self._require_lora()
         assert self.facts is not None
         return AdapterList(
-            instance=self._ctx.instance, adapters=[self._loaded[n].info for n in sorted(self._loaded)],
+            instance=self._ctx.instance,
+            adapters=[self._loaded[n].info for n in sorted(self._loaded)],
             capacity=self.facts.capacity,
             failed={n: f"{code.value}: {message}" for n, (_, code, message) in sorted(self._failed.items())},
         )
@@ -361,28 +394,36 @@ class LoraManager:
 
     async def _resolve(self, name: str) -> EngineAdapter:
         if self.facts is None:
-            raise RequestRejected(ErrorCode.LORA_DISABLED,
-                                  f"adapter {name!r}: the workers of {self._ctx.model!r} run without LoRA",
-                                  field="$.adapter")
+            raise RequestRejected(
+                ErrorCode.LORA_DISABLED,
+                f"adapter {name!r}: the workers of {self._ctx.model!r} run without LoRA",
+                field="$.adapter",
+            )
         with anyio.move_on_after(self.settings.load_wait) as scope:
             await self._synced.wait()
             while True:
                 revision, spec = self._desired.get(name, (0, None))
                 if spec is None:
-                    raise RequestRejected(ErrorCode.UNKNOWN_ADAPTER,
-                                          f"model {self._ctx.model!r} has no adapter {name!r} "
-                                          "(jetllm lora list)",
-                                          field="$.adapter")
+                    raise RequestRejected(
+                        ErrorCode.UNKNOWN_ADAPTER,
+                        f"model {self._ctx.model!r} has no adapter {name!r} (jetllm lora list)",
+                        field="$.adapter",
+                    )
                 cur = self._loaded.get(name)
                 if cur is not None and cur.revision >= revision:
                     return cur.engine
                 failed = self._failed.get(name)
                 if failed is not None and failed[0] == revision:
-                    raise RequestRejected(ErrorCode.ADAPTER_NOT_LOADED,
-                                          f"adapter {name!r} failed to load on {self._ctx.instance}: "
-                                          f"{failed[1].value}: {failed[2]}", field="$.adapter")
+                    raise RequestRejected(
+                        ErrorCode.ADAPTER_NOT_LOADED,
+                        f"adapter {name!r} failed to load on {self._ctx.instance}: "
+                        f"{failed[1].value}: {failed[2]}",
+                        field="$.adapter",
+                    )
                 await self._changed.wait()
         assert scope.cancelled_caught
-        raise RequestRejected(ErrorCode.ADAPTER_NOT_LOADED,
-                              f"adapter {name!r} is still loading on {self._ctx.instance} "
-                              f"after {self.settings.load_wait:.0f}s", field="$.adapter")
+        raise RequestRejected(
+            ErrorCode.ADAPTER_NOT_LOADED,
+            f"adapter {name!r} is still loading on {self._ctx.instance} after {self.settings.load_wait:.0f}s",
+            field="$.adapter",
+        )

@@ -21,7 +21,9 @@ from ...subjects.adapterfiles import (
 )
 from ..engine import LoraFacts
 
-_KEY = re.compile(r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.(?:[A-Za-z_]+\.)*?([A-Za-z_]+)\.lora_([AB])\.weight$")
+_KEY = re.compile(
+    r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.(?:[A-Za-z_]+\.)*?([A-Za-z_]+)\.lora_([AB])\.weight$"
+)
 
 
 def _invalid(message: str) -> AdapterFileError:
@@ -35,7 +37,9 @@ def _leaf(name: str) -> str:
 def check_config(config: dict, facts: LoraFacts) -> tuple[int, set[str]]:
     """(rank, target modules) of a PEFT LoRA config this engine can run."""
     if config.get("peft_type", "LORA") != "LORA":
-        raise _invalid(f"{CONFIG}: peft_type is {config.get('peft_type')!r}, only LORA adapters are supported")
+        raise _invalid(
+            f"{CONFIG}: peft_type is {config.get('peft_type')!r}, only LORA adapters are supported"
+        )
     rank = config.get("r")
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
         raise _invalid(f"{CONFIG}: r (the rank) must be a positive integer, got {rank!r}")
@@ -60,22 +64,30 @@ def check_config(config: dict, facts: LoraFacts) -> tuple[int, set[str]]:
         raise _invalid(f"{CONFIG}: unknown target modules {unknown}; this model has {sorted(facts.modules)}")
     base = config.get("base_model_name_or_path")
     if base and facts.base_names and _leaf(str(base)) not in {_leaf(n) for n in facts.base_names}:
-        raise _invalid(f"{CONFIG}: the adapter was made for {base!r}, this worker serves {facts.base_names[0]!r}")
+        raise _invalid(
+            f"{CONFIG}: the adapter was made for {base!r}, this worker serves {facts.base_names[0]!r}"
+        )
     return rank, set(targets)
 
 
-def check_weights(tensors: dict[str, tuple[str, list[int]]], rank: int, targets: set[str], facts: LoraFacts) -> None:
+def check_weights(
+    tensors: dict[str, tuple[str, list[int]]], rank: int, targets: set[str], facts: LoraFacts
+) -> None:
     pairs: dict[tuple[int, str], set[str]] = {}
     for key, (_, shape) in tensors.items():
         m = _KEY.match(key)
         if m is None:
-            raise _invalid(f"{WEIGHTS}: unexpected tensor {key!r} (only lora_A/lora_B weights of the target "
-                           "modules are allowed)")
+            raise _invalid(
+                f"{WEIGHTS}: unexpected tensor {key!r} (only lora_A/lora_B weights of the target "
+                "modules are allowed)"
+            )
         layer, module, which = int(m.group(1)), m.group(2), m.group(3)
         if module not in targets:
             raise _invalid(f"{WEIGHTS}: tensor {key!r} adapts {module!r}, which is not in target_modules")
         if layer >= facts.num_layers:
-            raise _invalid(f"{WEIGHTS}: tensor {key!r} is for layer {layer}; the model has {facts.num_layers}")
+            raise _invalid(
+                f"{WEIGHTS}: tensor {key!r} is for layer {layer}; the model has {facts.num_layers}"
+            )
         fan_in, fan_out = facts.modules[module]
         want = [rank, fan_in] if which == "A" else [fan_out, rank]
         if shape != want:
