@@ -65,6 +65,9 @@ class Wire:
     ) -> None:
         self.sent.append((subject, payload))
 
+    async def request(self, subject: str, payload: bytes = b"", timeout: float = 1.0, **kw: Any) -> None:
+        self.sent.append((subject, payload))  # a settle confirmed by the server
+
     def jetstream(self, **kw: Any) -> Wire:
         return self
 

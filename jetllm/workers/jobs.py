@@ -8,6 +8,7 @@ from typing import Any
 
 import anyio
 import msgspec
+import nats.errors
 from nats.aio.msg import Msg
 
 from ..errors import RequestRejected
@@ -132,6 +133,10 @@ def _safe(reply: str | None) -> str | None:
     return reply if reply is not None and is_safe_reply_subject(reply) else None
 
 
+SETTLE_TIMEOUT = 2.0
+"""How long a settle waits for JetStream's confirmation before the slot frees anyway."""
+
+
 class Job:
     """One delivery of a job message; settles it exactly once (ack, nak or term)."""
 
@@ -147,25 +152,33 @@ class Job:
         self.stage = "decoding it"
         """What the worker is doing with the job, for the message of an unexpected failure."""
 
-    async def _settle(self, how: str, **kw: float) -> None:
+    async def _settle(self, how: str, payload: bytes) -> None:
+        """Settle and wait for JetStream to confirm it (a double ack): the slot frees only once the
+        server has processed it, so the server never counts more un-acked jobs for this worker than
+        it has slots (an ack still in flight when the next pull arrives would be counted beside the
+        job that pull brings). Without a confirmation in time the job is settled anyway: the
+        message was sent, and a lost one only means a redelivery after ack_wait."""
         if self.settled:
             return
         self.settled = True
         self.settled_how = how
         with anyio.CancelScope(shield=True):
             try:
-                await getattr(self.msg, how)(**kw)
+                await self.msg._client.request(self.msg.reply, payload, timeout=SETTLE_TIMEOUT)
+            except nats.errors.TimeoutError:
+                log.info("job seq %d: %s not confirmed within %.0fs", self.stream_seq, how, SETTLE_TIMEOUT)
             except Exception as exc:  # the server redelivers after ack_wait; nothing is lost
                 log.warning("job seq %d: %s failed: %s", self.stream_seq, how, exc)
 
     async def ack(self) -> None:
-        await self._settle("ack")
+        await self._settle("ack", b"+ACK")
 
     async def nak(self, delay: float | None = None) -> None:
-        await (self._settle("nak", delay=delay) if delay else self._settle("nak"))
+        payload = b"-NAK" + (b' {"delay": %d}' % int(delay * 1e9) if delay else b"")
+        await self._settle("nak", payload)
 
     async def term(self) -> None:
-        await self._settle("term")
+        await self._settle("term", b"+TERM")
 
     async def in_progress(self) -> None:
         if self.settled:
