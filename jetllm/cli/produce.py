@@ -199,7 +199,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--heartbeat-timeout",
         type=float,
         default=10.0,
-        help="give up if an accepted request sends nothing for this many seconds",
+        help="after this many seconds without a frame, read the request log for an end a lost frame "
+        "carried (a dead worker is found sooner, from the server, and its request moves on)",
     )
     add_sampling(p)
     p.set_defaults(func=cmd_generate)
@@ -222,7 +223,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--heartbeat-timeout",
         type=float,
         default=30.0,
-        help="give up on a request whose worker sends nothing for this many seconds",
+        help="after this many seconds without a frame, read the request's log for an end a lost frame "
+        "carried (a dead worker is found sooner, from the server, and its request moves on)",
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--progress", action="store_true", help="progress bar even when stderr is not a terminal")
