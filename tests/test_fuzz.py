@@ -36,7 +36,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from jetllm import tinymodel
-from jetllm.schemas import AdapterList, ErrorFrame, FinalFrame
+from jetllm.schemas import AdapterList, ErrorFrame, FinalFrame, ResumeQuery
 from jetllm.subjects import Client, codec
 from jetllm.subjects.direct import subscribe_direct
 from jetllm.subjects.embeds import embeds_store
@@ -138,9 +138,11 @@ class Tally:
 
     def on_frame(self, msg: Msg) -> None:
         frame = None
+        # A worker taking a request over asks its producer (a request, with a reply subject).
+        decoder = codec.Decoder(ResumeQuery) if msg.reply else codec.frame_decoder
         for enc in ("msgpack", "json"):
             try:
-                frame = codec.frame_decoder.decode(msg.data, enc)
+                frame = decoder.decode(msg.data, enc)
                 break
             except Exception:
                 continue

@@ -86,6 +86,29 @@ async def test_sigkill_mid_stream_continues_on_another_worker_without_gap_or_dup
     assert final.usage.prompt_tokens == 3
 
 
+async def test_tokens_not_yet_checkpointed_are_handed_over_by_the_producer(
+    nats_url, namespace, start_fake_worker
+):
+    """With no checkpoint before the kill, the log holds no token: the worker taking over continues
+    after exactly what the producer received, which only the producer could tell it."""
+    args = ("--step-delay", "0.02", "--checkpoint-interval", "600")
+    a = await start_ready(start_fake_worker, nats_url, namespace, *args)
+    b = await start_ready(start_fake_worker, nats_url, namespace, *args)
+    workers = {a.instance: a, b.instance: b}
+    async with Client(nats_url, namespace=namespace) as c:
+        prompt = [2, 7, 1]
+        frames, killed = await collect_until_kill(c, req("fake", prompt, max_tokens=100), workers, 30)
+    assert len(killed) == 1
+    moved = next(i for i, f in enumerate(frames) if isinstance(f, AcceptedFrame) and f.attempt == 2)
+    held = sum(len(f.token_ids) for f in frames[:moved] if isinstance(f, TokensFrame))
+    assert frames[moved].resumed_tokens == held >= 30
+    seqs = [f.seq for f in frames if not isinstance(f, AcceptedFrame)]
+    assert seqs == list(range(1, len(seqs) + 1))
+    assert [t for f in frames if isinstance(f, TokensFrame) for t in f.token_ids] == expected_tokens(
+        prompt, 100
+    )
+
+
 async def test_a_frozen_worker_keeps_its_request_only_a_closed_connection_moves_it(
     nats_url, namespace, start_fake_worker
 ):

@@ -11,6 +11,7 @@ from typing import Any
 
 import anyio
 import msgspec
+import nats.errors
 import pytest
 from nats.aio.msg import Msg
 
@@ -19,11 +20,13 @@ from jetllm.schemas import (
     AcceptedFrame,
     Choice,
     DeadLetter,
+    Delivered,
     ErrorCode,
     ErrorFrame,
     FinalFrame,
     Record,
-    Step,
+    ResumeQuery,
+    Steps,
     TokensFrame,
     Usage,
 )
@@ -46,6 +49,7 @@ from .jobs import req
 pytestmark = pytest.mark.anyio
 
 REPLY = "_INBOX.producer.1"
+QUERY = "query to " + REPLY
 NAMES = Names("t")
 _records = codec.KindDecoder(Record)
 
@@ -58,6 +62,8 @@ class Wire:
         self.max_payload = 1 << 20
         self.encoding: codec.Encoding = "msgpack"
         """Of the frames (the job's own encoding)."""
+        self.producer: Callable[[bytes], bytes] | None = None
+        """Answers a ResumeQuery; None: no producer listens."""
 
     # the core connection
     async def publish(
@@ -65,8 +71,14 @@ class Wire:
     ) -> None:
         self.sent.append((subject, payload))
 
-    async def request(self, subject: str, payload: bytes = b"", timeout: float = 1.0, **kw: Any) -> None:
+    async def request(self, subject: str, payload: bytes = b"", timeout: float = 1.0, **kw: Any) -> Any:
+        if subject == REPLY:  # a worker taking a request over asks its producer
+            self.sent.append((QUERY, payload))
+            if self.producer is None:
+                raise nats.errors.NoRespondersError
+            return Msg(self, subject=REPLY, data=self.producer(payload))  # type: ignore[arg-type]
         self.sent.append((subject, payload))  # a settle confirmed by the server
+        return None
 
     def jetstream(self, **kw: Any) -> Wire:
         return self
@@ -88,11 +100,13 @@ class Wire:
             if subject == REPLY:
                 frame = codec.frame_decoder.decode(data, self.encoding)
                 out.append(f"{type(frame).__name__}:{getattr(frame, 'seq', '')}")
+            elif subject == QUERY:
+                query = codec.Decoder(ResumeQuery).decode(data, self.encoding)
+                out.append(f"ResumeQuery:{query.after}")
             elif subject.startswith(NAMES.request_log_all.rstrip("*")):
                 record = _records.decode(data)
-                out.append(
-                    type(record).__name__ + (f":{record.frame.seq}" if isinstance(record, Step) else "")
-                )
+                seqs = ",".join(str(f.seq) for f in record.frames) if isinstance(record, Steps) else ""
+                out.append(type(record).__name__ + (f":{seqs}" if seqs else ""))
             elif subject.startswith("$JS.ACK"):
                 out.append(data.decode().split(" ")[0] or "+ACK")
             elif subject == NAMES.dlq("generate", "fake"):
@@ -147,8 +161,11 @@ async def run_job(
     headers: dict[str, str] | None = None,
     running: RunningRequests | None = None,
     during: Callable[[JobDeps], Any] | None = None,
+    checkpoint_interval: float = 0.5,
+    producer: Callable[[bytes], bytes] | None = None,
 ) -> tuple[Wire, JobDeps]:
     wire = Wire()
+    wire.producer = producer
     wire.encoding = codec.encoding_of(headers)
     ctx = WorkerContext(
         nc=wire,
@@ -172,6 +189,7 @@ async def run_job(
         tasks=tasks,
         pulls=NoPulls(),
         lifecycle=Lifecycle(running),
+        checkpoint_interval=checkpoint_interval,
     )  # type: ignore[arg-type]
     if data is None:
         data = codec.encode(req("fake", request_id=f"r-{uuid.uuid4().hex[:6]}", reply_to=REPLY))
@@ -197,14 +215,14 @@ async def completes(job: JobHandle) -> None:
     )
 
 
-async def test_the_log_leads_every_frame_and_the_ack_comes_last():
-    wire, deps = await run_job(completes)
+async def test_with_an_interval_of_zero_the_log_leads_every_frame_and_the_ack_comes_last():
+    wire, deps = await run_job(completes, checkpoint_interval=0)
     assert wire.kinds() == [
         "Claim",
         "AcceptedFrame:0",
-        "Step:1",
+        "Steps:1",
         "TokensFrame:1",
-        "Step:2",
+        "Steps:2",
         "TokensFrame:2",
         "Result",
         "FinalFrame:3",
@@ -213,6 +231,62 @@ async def test_the_log_leads_every_frame_and_the_ack_comes_last():
     assert ("purge", b"") in wire.sent[-2:]  # the log is compacted to its result afterwards
     c = deps.ctx.counters
     assert (c.acked, c.completed, c.dead_lettered, c.frames_sent) == (1, 1, 0, 4)
+
+
+async def test_by_default_a_short_request_logs_no_token_record_its_result_holds_them():
+    wire, deps = await run_job(completes)
+    assert wire.kinds() == [
+        "Claim",
+        "AcceptedFrame:0",
+        "TokensFrame:1",
+        "TokensFrame:2",
+        "Result",
+        "FinalFrame:3",
+        "+ACK",
+    ]
+
+
+def _taking_over(after: int, expect: list[int]) -> Callable[[JobHandle], Awaitable[None]]:
+    async def script(job: JobHandle) -> None:
+        await job.claim(above=1, supersede=True)
+        got = await job.delivered(after)
+        assert [f.seq for f in got] == expect
+        await job.accept(last_seq=expect[-1] if expect else after)
+        await job.tokens(0, [99], None, None, None)
+        await job.finish(
+            [Choice(index=0, finish_reason="length", completion_tokens=1)],
+            Usage(prompt_tokens=3, completion_tokens=1),
+            token_ids=[[99]],
+        )
+
+    return script
+
+
+async def test_a_takeover_asks_the_producer_and_logs_the_frames_it_adds_before_going_on():
+    def producer(data: bytes) -> bytes:
+        query = codec.Decoder(ResumeQuery).decode(data)
+        assert query.attempt == 2 and query.after == 1
+        held = [TokensFrame(seq=s, attempt=1, token_ids=[s]) for s in (2, 3, 5)]  # 4 never arrived
+        return codec.encode(Delivered(frames=held))
+
+    wire, _ = await run_job(_taking_over(1, [2, 3]), producer=producer)
+    assert wire.kinds() == [
+        "Claim",
+        "ResumeQuery:1",
+        "Steps:2,3",
+        "AcceptedFrame:3",
+        "TokensFrame:4",
+        "Result",
+        "FinalFrame:5",
+        "+ACK",
+    ]
+
+
+async def test_a_takeover_with_no_producer_listening_goes_on_from_the_log():
+    wire, _ = await run_job(_taking_over(1, []))
+    kinds = wire.kinds()
+    assert "ResumeQuery:1" in kinds and not any(k.startswith("Steps") for k in kinds)
+    assert kinds[-3:] == ["Result", "FinalFrame:3", "+ACK"]
 
 
 async def test_a_bug_after_the_final_frame_sends_no_second_terminal_frame():
@@ -238,7 +312,6 @@ async def test_a_bug_mid_stream_ends_the_request_with_one_internal_error_and_a_d
     assert wire.kinds() == [
         "Claim",
         "AcceptedFrame:0",
-        "Step:1",
         "TokensFrame:1",
         "Result",
         "ErrorFrame:2",

@@ -16,6 +16,7 @@ from jetllm.schemas import (
     FinalFrame,
     HeartbeatFrame,
     Result,
+    ResumeQuery,
     TokensFrame,
     Usage,
 )
@@ -86,6 +87,11 @@ def looked_up(result: Result | None) -> tuple[None, Any]:
     return (None, ("looked_up", result))
 
 
+def asked(attempt: int, after: int, request_id: str = "r") -> tuple[None, Any]:
+    """A worker taking the request over asks what arrived after the log's last checkpoint."""
+    return (None, ("resume", codec.encode(ResumeQuery(request_id=request_id, attempt=attempt, after=after))))
+
+
 def label(frame: Any) -> str:
     if isinstance(frame, AcceptedFrame):
         return f"accepted#{frame.attempt}"
@@ -130,6 +136,10 @@ def play(events: list[Any], **options: Any) -> tuple[list[str], Sequencer]:
             d = seq.filled(what[1], now)
         elif what[0] == "probed":
             d = seq.probed(what[1], now)
+        elif what[0] == "resume":
+            answer = seq.resume(what[1])
+            out.append("no answer" if answer is None else " ".join(["answer", *map(label, answer.frames)]))
+            continue
         else:
             d = seq.looked_up(what[1], now)
         out.append(describe(d))
@@ -208,6 +218,41 @@ FRAMES = [
         ["accepted#1", "drop unknown kind", "t1", "drop unknown kind", "final2 end"],
     ),
     ("frames whose accepted was lost still pass", [tok(1), fin(2)], ["t1", "final2 end"]),
+    (
+        "a takeover is told the frames after the log's checkpoint; the old attempt's later ones are dropped",
+        [
+            acc(),
+            tok(1),
+            tok(2),
+            tok(3),
+            asked(2, after=1),
+            tok(4),
+            acc(2, seq=3, worker="w2"),
+            tok(4, 2),
+            fin(5, 2),
+        ],
+        [
+            "accepted#1",
+            "t1",
+            "t2",
+            "t3",
+            "answer t2 t3",
+            "drop older attempt",
+            "accepted#2",
+            "t4",
+            "final5 end",
+        ],
+    ),
+    (
+        "a takeover the log is up to date for is told nothing new",
+        [acc(), tok(1), asked(2, after=1), acc(2, seq=1, worker="w2"), tok(2, 2)],
+        ["accepted#1", "t1", "answer", "accepted#2", "t2"],
+    ),
+    (
+        "a question about another request, or not a question at all, is not answered",
+        [acc(), tok(1), asked(2, after=0, request_id="other"), (None, ("resume", b"\xc1")), tok(2)],
+        ["accepted#1", "t1", "no answer", "no answer", "t2"],
+    ),
 ]
 
 

@@ -20,6 +20,8 @@ def wire_types() -> dict[str, object]:
         "CancelRequest": s.CancelRequest,
         # what comes back: frames on the reply subject, the request log, dead letters, traces
         "Frame": s.Frame,
+        "ResumeQuery": s.ResumeQuery,
+        "Delivered": s.Delivered,
         "Record": s.Record,
         "DeadLetter": s.DeadLetter,
         "TraceRecord": s.TraceRecord,

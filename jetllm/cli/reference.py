@@ -38,7 +38,8 @@ SECTIONS: list[tuple[str, list[type]]] = [
         "Reply frames",
         [s.AcceptedFrame, s.TokensFrame, s.HeartbeatFrame, s.FinalFrame, s.Choice, s.Usage, s.ErrorFrame],
     ),
-    ("Request log", [s.Claim, s.Step, s.Handoff, s.Cancelled, s.Result]),
+    ("Taking a request over", [s.ResumeQuery, s.Delivered]),
+    ("Request log", [s.Claim, s.Steps, s.Step, s.Handoff, s.Cancelled, s.Result]),
     ("Control", [s.CancelRequest, s.StatusRequest, s.WorkerStatus]),
     (
         "Fleet: registry, load, control replies",

@@ -145,6 +145,13 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
         help="seconds between heartbeat frames of a quiet request",
     )
     w.add_argument(
+        "--checkpoint-interval",
+        type=float,
+        default=0.5,
+        help="seconds between request-log checkpoints of a request's token frames; the producer holds "
+        "newer ones and hands them to the worker that takes over (0: log every frame before it is sent)",
+    )
+    w.add_argument(
         "--max-migrations",
         type=int,
         default=3,
@@ -240,6 +247,7 @@ def worker_config(args: argparse.Namespace, slots: int | None = None):
         role=args.role,
         slots=slots or args.slots or 0,
         heartbeat_interval=args.heartbeat_interval,
+        checkpoint_interval=args.checkpoint_interval,
         max_migrations=args.max_migrations,
         grace_period=args.grace_period,
         health_interval=args.health_interval,

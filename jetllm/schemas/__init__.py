@@ -19,11 +19,13 @@ from .fleet import (
 from .frames import (
     AcceptedFrame,
     Choice,
+    Delivered,
     ErrorFrame,
     FinalFrame,
     FinishReason,
     Frame,
     HeartbeatFrame,
+    ResumeQuery,
     TokensFrame,
     Usage,
 )
@@ -51,7 +53,7 @@ from .lora import (
     LoraLoad,
     LoraUnload,
 )
-from .progress import Cancelled, Claim, Handoff, Record, Result, Step
+from .progress import Cancelled, Claim, Handoff, Record, Result, Step, Steps
 from .trace import TraceRecord
 
 __all__ = [
@@ -102,7 +104,9 @@ __all__ = [
     "Frame",
     "GenerateRequest",
     "Handoff",
+    "Delivered",
     "HeartbeatFrame",
+    "ResumeQuery",
     "Command",
     "Report",
     "Strict",
@@ -114,6 +118,7 @@ __all__ = [
     "SamplingOptions",
     "StatusRequest",
     "Step",
+    "Steps",
     "StopConditions",
     "TextPrompt",
     "TokensFrame",

@@ -92,3 +92,22 @@ class ErrorFrame(_Frame, tag="error"):
 
 
 Frame = AcceptedFrame | TokensFrame | HeartbeatFrame | FinalFrame | ErrorFrame
+
+
+class ResumeQuery(Report, kw_only=True):
+    """Sent by the worker taking a request over, as a NATS request on its reply subject: the
+    request log holds token frames only up to the last checkpoint, so the newest ones delivered
+    are known to the producer alone. Frames of older attempts that arrive after the answer are
+    dropped, so the answer is final."""
+
+    request_id: str
+    attempt: int
+    """The attempt taking over."""
+    after: int
+    """The last seq the request log holds; the answer starts after it."""
+
+
+class Delivered(Report, kw_only=True):
+    """The producer's answer to a ResumeQuery: the token frames it holds after `after`, in seq order."""
+
+    frames: list[TokensFrame] = []

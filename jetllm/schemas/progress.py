@@ -1,8 +1,9 @@
 """The request log: what a request has delivered, so another worker can continue it.
 
-Records go to `jetllm.<ns>.req.<request>` (stream JETLLM_<NS>_REQUESTS). A worker writes each
-token record before the matching frame leaves on the same connection, so the log always holds
-at least what the producer has seen. When the request ends, everything but the Result is
+Records go to `jetllm.<ns>.req.<request>` (stream JETLLM_<NS>_REQUESTS). A worker checkpoints
+the token frames it sent every `--checkpoint-interval` (one `Steps` record for all of them); the
+newest frames live only at the producer, which hands them to the worker that takes the request
+over (docs/durability.md, "Who holds the delivered tokens"). When the request ends, everything but the Result is
 purged: the Result stays for producers that were not listening (batch jobs) and for
 redeliveries of a finished job.
 """
@@ -26,9 +27,16 @@ class Claim(_Record, tag="claim"):
 
 
 class Step(_Record, tag="step"):
-    """A token frame as it was sent to the producer."""
+    """A token frame as it was sent to the producer (written by versions before checkpoints, and
+    still read)."""
 
     frame: TokensFrame
+
+
+class Steps(_Record, tag="steps"):
+    """Token frames sent since the previous checkpoint, in seq order."""
+
+    frames: list[TokensFrame]
 
 
 class Handoff(_Record, tag="handoff"):
@@ -57,4 +65,4 @@ class Result(_Record, tag="result"):
     """Times a worker died under the request and another continued it."""
 
 
-Record = Claim | Step | Handoff | Cancelled | Result
+Record = Claim | Step | Steps | Handoff | Cancelled | Result

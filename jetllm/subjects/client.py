@@ -35,6 +35,7 @@ from ..errors import PayloadTooLarge, RequestFailed
 from ..schemas import (
     Cancelled,
     CancelRequest,
+    Delivered,
     EmbedsPrompt,
     ErrorCode,
     ErrorFrame,
@@ -75,23 +76,24 @@ _PUBLISH_RETRIED = (
 
 
 class _Inbox:
-    """Frames of one request: a deque and one waiter, lighter than asyncio.Queue on this hot path."""
+    """Frames of one request: a deque and one waiter, lighter than asyncio.Queue on this hot path.
+    An item is a frame's bytes, None (a wake-up) or a message to answer (a worker's ResumeQuery)."""
 
     __slots__ = ("items", "waiter", "deadline")
 
     def __init__(self) -> None:
-        self.items: deque[bytes | None] = deque()
+        self.items: deque[bytes | Msg | None] = deque()
         self.waiter: asyncio.Future[None] | None = None
         self.deadline: float | None = None
         """Monotonic time at which the watchdog puts a None (a wake-up) in the inbox."""
 
-    def put(self, data: bytes | None) -> None:
+    def put(self, data: bytes | Msg | None) -> None:
         self.items.append(data)
         w = self.waiter
         if w is not None and not w.done():
             w.set_result(None)
 
-    async def get(self) -> bytes | None:
+    async def get(self) -> bytes | Msg | None:
         while not self.items:
             self.waiter = asyncio.get_running_loop().create_future()
             try:
@@ -199,7 +201,7 @@ class Client:
     def _on_frame(self, msg: Msg) -> None:
         inbox = self._inboxes.get(msg.subject[len(self._inbox_root) + 1 :])
         if inbox is not None:
-            inbox.put(msg.data)
+            inbox.put(msg if msg.reply else msg.data)  # frames never ask for a reply
 
     async def _watchdog(self) -> None:
         """Wakes requests whose wait ran out; a timer per request per frame costs too much.
@@ -379,6 +381,9 @@ class Client:
                 inbox.deadline = seq.deadline
                 data = await inbox.get()
                 now = time.monotonic()
+                if isinstance(data, Msg):  # in order: the frames before the question are counted
+                    await self._answer(data, seq.resume(data.data))
+                    continue
                 if data is None:
                     decision = seq.wake(
                         now, connected=self.nc.is_connected, reconnects=self.nc.stats.get("reconnects", 0)
@@ -396,6 +401,13 @@ class Client:
         finally:
             self._inboxes.pop(token, None)
             await self._leave(req, traceparent, ours and not (seq is not None and seq.finished), uploaded)
+
+    async def _answer(self, query: Msg, answer: Delivered | None) -> None:
+        if answer is not None:
+            try:
+                await self.nc.publish(query.reply, codec.encode(answer, self.encoding))
+            except Exception as exc:  # the worker then continues from the log
+                log.warning("could not answer a worker's resume query: %s", exc)
 
     def _replying_here(self, req: GenerateRequest, token: str) -> GenerateRequest:
         if req.reply_to is None:

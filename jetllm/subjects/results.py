@@ -1,7 +1,8 @@
 """Reading a request's outcome from its log in JetStream rather than from a producer's inbox.
 
-Frames on the inbox reach only the producer listening at that moment; the request log keeps every
-token record and the result (for `results_max_age`). So a producer that went away, another
+Frames on the inbox reach only the producer listening at that moment; the request log keeps the
+token frames (checkpointed every `--checkpoint-interval` of the worker) and the result (for
+`results_max_age`). So a producer that went away, another
 program, or a stream that lost frames to a reconnect can still get the whole output.
 """
 
@@ -15,7 +16,7 @@ import anyio
 import nats.js.errors
 from nats.js import JetStreamContext
 
-from ..schemas import Cancelled, Frame, Record, Result, Step, TokensFrame
+from ..schemas import Cancelled, Frame, Record, Result, Step, Steps, TokensFrame
 from . import codec
 from .names import Names
 from .sequencer import rest_of
@@ -61,13 +62,14 @@ async def attach(js: JetStreamContext, names: Names, request_id: str) -> AsyncGe
     contiguous = True
     async with aclosing(_records(js, names, request_id)) as records:
         async for record in records:
-            if isinstance(record, Step) and contiguous:
-                if record.frame.seq == len(seen) + 1:
-                    seen.append(record.frame)
-                    yield record.frame
-                elif record.frame.seq > len(seen) + 1:
+            for frame in _frames_in(record) if contiguous else ():
+                if frame.seq == len(seen) + 1:
+                    seen.append(frame)
+                    yield frame
+                elif frame.seq > len(seen) + 1:
                     contiguous = False  # compacted under us: the result has the rest
-            elif isinstance(record, Result):
+                    break
+            if isinstance(record, Result):
                 for frame in rest_of(record, seen, len(seen)):
                     yield frame
                 return
@@ -89,10 +91,11 @@ async def fill_gap(
                         if isinstance(record, Result):
                             ended = record
                             break
-                        if isinstance(record, Step) and after < record.frame.seq < before:
-                            steps[record.frame.seq] = record.frame
-                            if len(steps) == before - after - 1:
-                                break
+                        for frame in _frames_in(record):
+                            if after < frame.seq < before:
+                                steps[frame.seq] = frame
+                        if len(steps) == before - after - 1:
+                            break
             except Exception as exc:  # the server is still recovering its streams
                 log.info("request %s: request log not readable yet: %s", request_id, exc)
             if len(steps) == before - after - 1:
@@ -108,6 +111,14 @@ async def fill_gap(
             found.append(steps[seq])
     log.warning("request %s: recovered %d lost frames from the request log", request_id, len(found))
     return found
+
+
+def _frames_in(record: Record) -> list[TokensFrame]:
+    if isinstance(record, Steps):
+        return record.frames
+    if isinstance(record, Step):
+        return [record.frame]
+    return []
 
 
 async def _result_before(js: JetStreamContext, names: Names, request_id: str) -> Result | None:

@@ -11,6 +11,9 @@ the stream live here, so they can be tested row by row without NATS:
   also reveals a loss. A frame from an older attempt than the newest accepted comes from a worker
   that lost the job. A frame of a kind this version does not know is skipped like one that never
   came (docs/messages.md, "Versioning and compatibility").
+- The request log holds token frames only up to its last checkpoint: a worker that takes the
+  request over asks the producer for the newer ones (`resume`), and from then on the older
+  attempts' frames are dropped, so the stream goes on from exactly what the producer has.
 - A worker is dead only when the server says so: a ping of its instance subject that has no
   responders (the server drops a connection's interest as soon as the connection closes). A ping
   that goes unanswered is a slow worker, never a dead one. So a short silence is enough to ping.
@@ -21,7 +24,17 @@ from __future__ import annotations
 import msgspec
 
 from ..errors import AcceptTimeout, FrameGap, JetllmError, WorkerSilent
-from ..schemas import AcceptedFrame, ErrorFrame, FinalFrame, Frame, HeartbeatFrame, Result, TokensFrame
+from ..schemas import (
+    AcceptedFrame,
+    Delivered,
+    ErrorFrame,
+    FinalFrame,
+    Frame,
+    HeartbeatFrame,
+    Result,
+    ResumeQuery,
+    TokensFrame,
+)
 from . import codec
 
 
@@ -53,6 +66,7 @@ class Decision(msgspec.Struct, frozen=True, kw_only=True):
 
 NOTHING = Decision()
 _decode = codec.frame_decoder.decode
+_query_decoder = codec.Decoder(ResumeQuery)
 
 
 class Sequencer:
@@ -86,6 +100,8 @@ class Sequencer:
         self.last_seq = 0
         self.seen: list[TokensFrame] = []
         """Token frames passed on, to tell what a result in the log adds to them."""
+        self.floor = 0
+        """Frames of attempts below this are dropped: a newer attempt continues from what we told it."""
         self.finished = False
         """A final or error frame was passed on: nothing is left to cancel."""
         self._held: Frame | None = None
@@ -113,7 +129,7 @@ class Sequencer:
         return self.frame(frame, now)
 
     def frame(self, frame: Frame, now: float) -> Decision:
-        if frame.attempt < self.attempt:
+        if frame.attempt < self.attempt or frame.attempt < self.floor:
             return Decision(drop="older attempt")  # from a worker that lost the job to a newer delivery
         if isinstance(frame, AcceptedFrame):
             return self._accepted(frame, now)
@@ -175,6 +191,18 @@ class Sequencer:
             self._heard = now
             self._probe_at = now + self.probe_after
             self._lookup_at = now + self.heartbeat_timeout
+
+    def resume(self, data: bytes) -> Delivered | None:
+        """A worker taking the request over asks which token frames arrived after the log's last
+        checkpoint (a ResumeQuery); None: not a question for this request, leave it unanswered."""
+        try:
+            query = _query_decoder.decode(data, self.encoding)
+        except msgspec.DecodeError:
+            return None
+        if query.request_id != self.request_id:
+            return None
+        self.floor = max(self.floor, query.attempt)
+        return Delivered(frames=[f for f in self.seen if f.seq > query.after])
 
     # silence
 

@@ -17,6 +17,8 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     0: the engine's batch limit (max_num_seqs)."""
     heartbeat_interval: float = 0.5
     """A quiet request gets a heartbeat frame this often."""
+    checkpoint_interval: float = 0.5
+    """Seconds between request-log checkpoints of a request's token frames; 0: every frame."""
     max_migrations: int = 3
     """Default migration budget of a request: how often workers may die under it."""
     grace_period: float = 30.0

@@ -1,4 +1,5 @@
-"""Publishing one request's frames: numbering, encoding, and heartbeats while it is quiet."""
+"""Publishing one request's frames: numbering, encoding, checkpoints of what was sent, and
+heartbeats while it is quiet."""
 
 from __future__ import annotations
 
@@ -18,13 +19,16 @@ from ..schemas import (
     FinalFrame,
     HeartbeatFrame,
     Result,
-    Step,
+    Steps,
     TokensFrame,
     Usage,
 )
 from ..subjects import codec
 
 log = logging.getLogger(__name__)
+
+CHECKPOINT_INTERVAL = 0.5
+"""Seconds between request-log checkpoints of a request's token frames (`--checkpoint-interval`)."""
 
 
 class FrameSink:
@@ -42,6 +46,7 @@ class FrameSink:
         *,
         attempt: int = 1,
         log_subject: str | None = None,
+        checkpoint_interval: float = CHECKPOINT_INTERVAL,
         headers: dict[str, str] | None = None,
     ) -> None:
         self._nc = nc
@@ -50,17 +55,26 @@ class FrameSink:
         self.request_id = request_id
         self.attempt = attempt
         self.log_subject = log_subject
-        """Where token frames are recorded before they are sent (the request log)."""
+        """Where token frames are checkpointed (the request log)."""
+        self.checkpoint_interval = checkpoint_interval
+        """0: every frame is recorded before it is sent. Otherwise the frames sent meanwhile are
+        recorded together at most this often: the producer holds the newest (it answers the
+        ResumeQuery of the worker that takes over), and a detached job's newest tokens were seen
+        by nobody, so regenerating them loses nothing."""
         self.seq = 0
         self.sent_seq = 0
         """The highest seq handed to the connection: what a heartbeat repeats. `seq` runs ahead of it
         while a frame waits for its log record (a token) or for the result to be stored (the end)."""
         self.logged: list[TokensFrame] = []
         """This attempt's token frames, kept to rewrite any the log lost in a broker restart."""
+        self._checkpointed = 0
+        """How many of `logged` the last checkpoint covered."""
+        self._checkpointed_at = time.monotonic()
         self.last_sent = time.monotonic()
         self.frames_sent = 0
         self.headers = headers
-        """Sent with every frame (the trace context)."""
+        """The trace context, sent with the accepted and the last frame: token frames and heartbeats
+        go without headers, which the producer would parse once per token."""
         self.accepted_at: float | None = None
         self.first_token_at: float | None = None
         self.tokens_sent = 0
@@ -79,14 +93,14 @@ class FrameSink:
             self._held.set()
             self._held = None
 
-    async def _send(self, frame: Any) -> None:
+    async def _send(self, frame: Any, headers: dict[str, str] | None = None) -> None:
         self.last_sent = time.monotonic()
         if frame.seq > self.sent_seq:
             self.sent_seq = frame.seq
         if self.reply_to is None:
             return
         try:
-            await self._nc.publish(self.reply_to, codec.encode(frame, self.encoding), headers=self.headers)
+            await self._nc.publish(self.reply_to, codec.encode(frame, self.encoding), headers=headers)
             self.frames_sent += 1
         except Exception as exc:  # a lost frame shows as a gap or silence to the producer
             log.warning("request %s: frame %d not sent: %s", self.request_id, frame.seq, exc)
@@ -109,7 +123,8 @@ class FrameSink:
                 model=model,
                 resumed_tokens=resumed_tokens,
                 job_ack=job_ack,
-            )
+            ),
+            self.headers,
         )
 
     async def replay(self, frames: list[TokensFrame]) -> None:
@@ -156,15 +171,29 @@ class FrameSink:
             self.first_token_at = time.time()
         self.tokens_sent += len(token_ids)
         if self.log_subject is not None:
-            # Recorded first, on the same connection: the log never holds less than was sent.
             self.logged.append(frame)
-            try:
-                await self._nc.publish(
-                    self.log_subject, codec.encode(Step(attempt=self.attempt, frame=frame))
-                )
-            except Exception as exc:
-                log.warning("request %s: step %d not logged: %s", self.request_id, frame.seq, exc)
+            # Before the frame, on the same connection: with an interval of 0 the log never holds
+            # less than was sent.
+            await self.checkpoint_if_due(time.monotonic())
         await self._send(frame)
+
+    async def checkpoint_if_due(self, now: float) -> None:
+        if now - self._checkpointed_at >= self.checkpoint_interval:
+            await self.checkpoint(now)
+
+    async def checkpoint(self, now: float) -> None:
+        """Record the token frames sent since the last checkpoint, as one record."""
+        self._checkpointed_at = now
+        pending = self.logged[self._checkpointed :]
+        if not pending or self.log_subject is None:
+            return
+        self._checkpointed = len(self.logged)
+        try:
+            await self._nc.publish(
+                self.log_subject, codec.encode(Steps(attempt=self.attempt, frames=pending))
+            )
+        except Exception as exc:  # the producer still holds them; a broker restart rewrites them
+            log.warning("request %s: frames up to %d not logged: %s", self.request_id, pending[-1].seq, exc)
 
     def final_frame(self, choices: list[Choice], usage: Usage) -> FinalFrame:
         return FinalFrame(
@@ -201,7 +230,7 @@ class FrameSink:
             if frame.choices
             else "stop"
         )
-        await self._send(frame)
+        await self._send(frame, self.headers)
 
     async def heartbeat_if_idle(self, now: float, interval: float) -> None:
         if now - self.last_sent >= interval:

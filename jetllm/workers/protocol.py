@@ -2,9 +2,10 @@
 layer that answers a job's producer.
 
 A `JobRun` owns its job's frames (a FrameSink nobody else sees) and its acknowledgement. The role
-runs the job through it (roles/base.py: `JobHandle`): the request log leads every frame (a claim
-before `accepted`, a step before each token frame, the result before the final frame and the ack),
-so any other worker can take over from what the log says. Everything the job goes through runs
+runs the job through it (roles/base.py: `JobHandle`): the request log leads the frames that
+matter (a claim before `accepted`, the result before the final frame and the ack) and checkpoints
+the token frames; the producer holds the newest, so any other worker can take over from what the
+log and the producer say. Everything the job goes through runs
 behind the fault barrier in `run`: a typed error (bad input, a spent budget, an engine error) is
 rejected (error frame, dead letter, term), any other exception fails this job only (`internal`),
 and a job that was interrupted (cancel, takeover, drain, a dead engine) is settled by why: a
@@ -22,17 +23,30 @@ from typing import Any
 
 import anyio
 import msgspec
+import nats.errors
 from nats.aio.msg import Msg
 
 from ..errors import EngineDead, EngineRequestError, JetllmError, RequestRejected
-from ..schemas import CancelRequest, Choice, Claim, ErrorCode, Handoff, Result, TokensFrame, Usage
+from ..schemas import (
+    CancelRequest,
+    Choice,
+    Claim,
+    Delivered,
+    ErrorCode,
+    Handoff,
+    Result,
+    ResumeQuery,
+    Steps,
+    TokensFrame,
+    Usage,
+)
 from ..subjects import codec
 from .context import WorkerContext
 from .deadletters import DeadLetters
-from .frames import FrameSink
+from .frames import CHECKPOINT_INTERVAL, FrameSink
 from .jobs import Job, RejectedJob, dead_letter_record, salvage
 from .pulls import Pulls
-from .requestlog import LogUnavailable, RequestLog
+from .requestlog import LogUnavailable, RequestLog, contiguous_after
 from .roles import Role
 from .roles.base import TokenSender
 from .running import Running, RunningRequests
@@ -42,6 +56,10 @@ from .tasks import JobTasks
 from .tracing import Hop, TracePublisher, outcome_of
 
 log = logging.getLogger(__name__)
+
+RESUME_QUERY_TIMEOUT = 2.0
+"""How long a worker taking a request over waits for its producer's ResumeQuery answer. A live
+producer answers as soon as its reader reaches the query; one that is gone answers "no responders" at once."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +75,7 @@ class JobDeps:
     tasks: JobTasks
     pulls: Pulls
     lifecycle: Lifecycle
+    checkpoint_interval: float = CHECKPOINT_INTERVAL
 
 
 class JobRun:
@@ -108,6 +127,7 @@ class JobRun:
                 req.request_id,
                 attempt=job.attempt,
                 log_subject=d.ctx.names.request_log(req.request_id),
+                checkpoint_interval=d.checkpoint_interval,
                 headers=hop.header,
             )
             self.tokens = frames.tokens
@@ -188,6 +208,32 @@ class JobRun:
         job.stage = "claiming it in the request log"
         await d.log.write(rid, Claim(attempt=job.attempt, worker=d.ctx.instance, at=time.time()))
 
+    async def delivered(self, after: int) -> list[TokensFrame]:
+        d, job, frames, rid = self._d, self.job, self._frames, self.request_id
+        assert frames is not None
+        if frames.reply_to is None:
+            return []
+        job.stage = "asking its producer what it received"
+        query = ResumeQuery(request_id=rid, attempt=job.attempt, after=after)
+        try:
+            answer = await d.ctx.nc.request(
+                frames.reply_to, codec.encode(query, frames.encoding), timeout=RESUME_QUERY_TIMEOUT
+            )
+            got = codec.Decoder(Delivered).decode(answer.data, frames.encoding).frames
+        except nats.errors.NoRespondersError:
+            return []  # nobody listens: nobody saw more than the log holds
+        except Exception as exc:  # an older producer, or a stuck one: continue from the log
+            log.warning(
+                "request %s: its producer did not say what it received (%s); continuing from the log",
+                rid,
+                exc,
+            )
+            return []
+        extra = contiguous_after(after, got)
+        if extra:
+            await d.log.write(rid, Steps(attempt=job.attempt, frames=extra))
+        return extra
+
     async def accept(
         self, *, replay: Sequence[TokensFrame] = (), last_seq: int = 0, resumed_tokens: int = 0
     ) -> None:
@@ -266,6 +312,7 @@ class JobRun:
             await d.pulls.stopped()
             if not d.lifecycle.engine_dead:  # a planned move; an engine death counts against the budget
                 try:
+                    await run.frames.checkpoint(time.monotonic())
                     await d.log.write(rid, Handoff(attempt=job.attempt, reason="worker draining"))
                 except Exception:  # the next worker then counts a death against the budget; still moves
                     log.exception("request %s: hand-off not recorded", rid)

@@ -13,7 +13,7 @@ import time
 import anyio
 from nats.aio.client import Client as NATS
 
-from ..schemas import Claim, Step
+from ..schemas import Claim, Steps
 from .requestlog import LogUnavailable, RequestLog
 from .running import Running, RunningRequests
 
@@ -52,9 +52,7 @@ async def resync(request_log: RequestLog, instance: str, rid: str, run: Running)
     missing = [f for f in list(frames.logged) if f.seq not in stored]
     if history.last_attempt < run.job.attempt:
         await request_log.write_stored(rid, Claim(attempt=run.job.attempt, worker=instance, at=time.time()))
-    for frame in missing:
-        if run.ended:
-            return
-        await request_log.write_stored(rid, Step(attempt=run.job.attempt, frame=frame))
+    if missing and not run.ended:
+        await request_log.write_stored(rid, Steps(attempt=run.job.attempt, frames=missing))
     if missing:
         log.info("request %s: rewrote %d token records the server lost", rid, len(missing))

@@ -10,7 +10,7 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
 
-from ..schemas import Cancelled, Claim, Handoff, Record, Result, Step, TokensFrame
+from ..schemas import Cancelled, Claim, Handoff, Record, Result, Step, Steps, TokensFrame
 from ..subjects import codec
 from ..subjects.names import Names
 
@@ -94,6 +94,9 @@ def analyze(records: list[Record]) -> History:
                 h.owner = r.worker
         elif r.attempt < owner:
             continue
+        elif isinstance(r, Steps):
+            for f in r.frames:
+                by_seq.setdefault(f.seq, f)
         elif isinstance(r, Step):
             by_seq.setdefault(r.frame.seq, r.frame)
         elif isinstance(r, Handoff):
@@ -107,6 +110,24 @@ def analyze(records: list[Record]) -> History:
     h.frames = [by_seq[s] for s in sorted(by_seq)]
     h.last_seq = max(by_seq, default=0)
     return h
+
+
+def contiguous_after(after: int, frames: list[TokensFrame]) -> list[TokensFrame]:
+    """The frames that continue seq `after` with no gap (a producer's answer is not trusted blindly)."""
+    out: list[TokensFrame] = []
+    for f in sorted(frames, key=lambda f: f.seq):
+        if f.seq == after + len(out) + 1:
+            out.append(f)
+        elif f.seq > after + len(out) + 1:
+            break
+    return out
+
+
+def with_delivered(history: History, frames: list[TokensFrame]) -> History:
+    """`history` plus the token frames the producer reported after its last seq."""
+    if not frames:
+        return history
+    return msgspec.structs.replace(history, frames=history.frames + frames, last_seq=frames[-1].seq)
 
 
 class RequestLog:

@@ -59,13 +59,14 @@ class RunningRequests(dict[str, Running]):
             self.hand_back_all()
 
     async def tick(self, heartbeat_interval: float, ack_wait: float) -> None:
-        """Heartbeat frames for quiet requests and in-progress acks for long ones."""
+        """Heartbeat frames and due checkpoints for quiet requests, in-progress acks for long ones."""
         every = min(heartbeat_interval, ack_wait / 3) / 2
         progress_every = ack_wait / 3
         while True:
             await anyio.sleep(every)
             now = time.monotonic()
             for run in list(self.values()):
+                await run.frames.checkpoint_if_due(now)  # a request that went quiet after some tokens
                 await run.frames.heartbeat_if_idle(now, heartbeat_interval)
                 if now - run.job.last_progress >= progress_every:
                     await run.job.in_progress()

@@ -168,6 +168,7 @@ class Worker:
             tasks=tasks,
             pulls=pulls,
             lifecycle=lifecycle,
+            checkpoint_interval=config.checkpoint_interval,
         )
         on_job = intake(jobs, slots)
         self.engine_control = EngineControl(

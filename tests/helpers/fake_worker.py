@@ -24,6 +24,7 @@ async def main(args: argparse.Namespace) -> int:
         grace_period=args.grace_period,
         max_migrations=args.max_migrations,
         heartbeat_interval=0.2,
+        checkpoint_interval=args.checkpoint_interval,
         policy=QueuePolicy(ack_wait=args.ack_wait),
     )
     try:
@@ -42,6 +43,7 @@ if __name__ == "__main__":
     p.add_argument("--grace-period", type=float, default=30.0)
     p.add_argument("--max-migrations", type=int, default=3)
     p.add_argument("--ack-wait", type=float, default=10.0)
+    p.add_argument("--checkpoint-interval", type=float, default=0.5)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     raise SystemExit(run(main, args))

@@ -44,7 +44,7 @@ class JobHandle(Protocol):
     stage: str
     """What the worker is doing with the job now, for the message of an unexpected failure."""
     tokens: TokenSender
-    """Sends one tokens frame (logged first); the request's frames are numbered for the role."""
+    """Sends one tokens frame (checkpointed in the log); the request's frames are numbered for the role."""
 
     @property
     def attempt(self) -> int: ...
@@ -60,6 +60,11 @@ class JobHandle(Protocol):
     async def claim(self, *, above: int = 0, supersede: bool = False) -> None:
         """Write the claim to the request log, numbering this attempt above `above` (the highest
         attempt that claimed it before); `supersede`: tell an older attempt still running to stop."""
+
+    async def delivered(self, after: int) -> list[TokensFrame]:
+        """The token frames after seq `after` that the producer holds (the request log has them only
+        up to its last checkpoint), recorded in the log; empty when nobody listens. Call it after
+        `claim`: once the producer has answered, it drops frames of older attempts."""
 
     async def accept(
         self, *, replay: Sequence[TokensFrame] = (), last_seq: int = 0, resumed_tokens: int = 0

@@ -1,7 +1,7 @@
 """The aggregated role: a generate job runs prefill and decode on this worker's engine.
 
-What is generate's own lives here: the request's history in its log decides whether it runs fresh,
-continues what a dead worker delivered, answers from its stored result, waits for a worker that
+What is generate's own lives here: the request's history in its log (and, for the newest tokens,
+its producer's word) decides whether it runs fresh, continues what a dead worker delivered, answers from its stored result, waits for a worker that
 still runs it, or fails for a spent migration budget; the engine starts on the prompt while that
 history is read (earlystart.py). Claiming, frames and settling are the job protocol's (the handle).
 """
@@ -29,7 +29,7 @@ from ....schemas import (
 from ....subjects import codec
 from ...engine import EnginePrompt
 from ...jobs import decode_request
-from ...requestlog import History, analyze
+from ...requestlog import History, analyze, with_delivered
 from ...running import runs_it
 from ..base import Canary, JobHandle, Role, RoleDeps
 from .continuation import check_budget
@@ -111,6 +111,8 @@ class GenerateRole(Role):
             check_budget(history, budget, job.attempt)
             # An older attempt may still be alive (stalled, partitioned): the claim tells it to stop.
             await job.claim(above=history.last_attempt, supersede=history.claimed)
+            if history.claimed:  # the newest frames an earlier attempt sent are the producer's to tell
+                history = with_delivered(history, await job.delivered(history.last_seq))
             if history.frames:
                 self._ctx.counters.resumed += 1
                 log.info(
