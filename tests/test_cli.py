@@ -27,10 +27,19 @@ def test_schema_writes_one_json_schema_per_message(tmp_path):
 
 
 def test_producer_commands_do_not_import_vllm():
-    code = "import sys, jetllm.cli, jetllm.subjects, jetllm.batch; print('vllm' in sys.modules, 'torch' in sys.modules)"
+    code = "import sys, jetllm.cli, jetllm.producer, jetllm.subjects, jetllm.batch; print('vllm' in sys.modules, 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.split()
     assert out == ["False", "False"]
 
+
+
+def test_from_jetllm_import_client_works_and_the_watchdog_loads_no_nats_client():
+    code = (
+        "import sys, jetllm; light = 'nats' not in sys.modules and 'msgspec' not in sys.modules; "
+        "from jetllm import Client; from jetllm.producer import Client as C; print(light, Client is C)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.split()
+    assert out == ["True", "True"]
 
 @pytest.mark.vllm
 def test_generate_streams_text(shared_vllm, nats_url):

@@ -15,10 +15,10 @@ import anyio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from jetllm.producer import Client
+from jetllm.producer.fleet import ask
+from jetllm.producer.registry import RECORD_TTL, instances
 from jetllm.schemas import ControlDone, HealthReport
-from jetllm.subjects import Client
-from jetllm.subjects.fleet import ask
-from jetllm.subjects.registry import RECORD_TTL, instances
 
 from .conftest import TINY
 from .jobs import req

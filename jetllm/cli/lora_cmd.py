@@ -12,9 +12,9 @@ from pathlib import Path
 import msgspec
 
 from ..aio import run
+from ..producer.lora import AdapterError, FanOut, LoraAdmin
 from ..schemas import AdapterList, AdapterReply, AdapterSource, ControlFailed
 from ..subjects.connection import connect
-from ..subjects.lora import AdapterError, FanOut, LoraAdmin
 from ..subjects.names import Names
 from ..subjects.setup import check_server
 from .common import add_nats, nats_url

@@ -51,7 +51,7 @@ from .lora import (
     LoraLoad,
     LoraUnload,
 )
-from .progress import Cancelled, Claim, Handoff, Record, Result, Step
+from .requestlog import Cancelled, Claim, Handoff, Record, Result, Step
 from .trace import TraceRecord
 
 __all__ = [

@@ -12,9 +12,9 @@ import nats.errors
 from nats.aio.msg import Msg
 
 from ..errors import RequestRejected
+from ..producer.client import HEADER_MARGIN
 from ..schemas import SUPPORTED_VERSIONS, DeadLetter, ErrorCode
 from ..subjects import codec
-from ..subjects.client import HEADER_MARGIN
 from ..subjects.codec import field_path
 from ..subjects.names import is_safe_reply_subject
 

@@ -19,9 +19,7 @@ import anyio
 import nats.js.errors
 from nats.js import JetStreamContext
 
-from ...schemas import AdapterManifest, AdapterSpec, ErrorCode
-from ...subjects import codec
-from ...subjects.adapterfiles import (
+from ...adapterfiles import (
     ADAPTER_FILES,
     AdapterFileError,
     check_present,
@@ -29,6 +27,8 @@ from ...subjects.adapterfiles import (
     digests,
     max_bytes,
 )
+from ...schemas import AdapterManifest, AdapterSpec, ErrorCode
+from ...subjects import codec
 from ...subjects.names import Names
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,9 @@ import msgspec
 import nats.errors
 import nats.js.errors
 
+from ...adapterfiles import AdapterFileError
 from ...errors import EngineRequestError, RequestRejected
+from ...producer.lora import ensure_lora_bucket
 from ...schemas import (
     AdapterList,
     AdapterReply,
@@ -39,8 +41,6 @@ from ...schemas import (
 )
 from ...schemas.lora import AdapterName
 from ...subjects import codec
-from ...subjects.adapterfiles import AdapterFileError
-from ...subjects.lora import ensure_lora_bucket
 from ...tinymodel import default_cache_dir
 from ..control import ControlError
 from ..engine import Engine, EngineAdapter

@@ -25,6 +25,15 @@ from nats.js.api import KeyValueConfig, ObjectStoreConfig, StorageType
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
+from ..adapterfiles import (
+    ADAPTER_FILES,
+    CONFIG,
+    WEIGHTS,
+    combined_sha256,
+    digests,
+    read_config,
+    read_safetensors_header,
+)
 from ..schemas import (
     AdapterList,
     AdapterManifest,
@@ -35,18 +44,9 @@ from ..schemas import (
     LoraLoad,
     LoraUnload,
 )
-from . import codec
-from .adapterfiles import (
-    ADAPTER_FILES,
-    CONFIG,
-    WEIGHTS,
-    combined_sha256,
-    digests,
-    read_config,
-    read_safetensors_header,
-)
+from ..subjects import codec
+from ..subjects.names import Names
 from .fleet import gather
-from .names import Names
 from .registry import entries_matching, instances
 
 _spec = codec.Decoder(AdapterSpec)

@@ -22,7 +22,7 @@ import msgspec
 
 from ..errors import AcceptTimeout, FrameGap, JetllmError, WorkerSilent
 from ..schemas import AcceptedFrame, ErrorFrame, FinalFrame, Frame, HeartbeatFrame, Result, TokensFrame
-from . import codec
+from ..subjects import codec
 
 
 class Decision(msgspec.Struct, frozen=True, kw_only=True):

@@ -14,7 +14,7 @@ import nats.js.errors
 from nats.js.api import ObjectMeta, ObjectMetaOptions, ObjectStoreConfig, StorageType
 
 from ..schemas import EmbedsPrompt
-from .names import Names
+from ..subjects.names import Names
 
 CHUNK_SIZE = 512 * 1024
 """Object chunk size: well under the smallest usual max_payload (1 MB), few round trips."""

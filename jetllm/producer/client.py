@@ -30,6 +30,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import PubAck
 
+from .. import tracecontext
 from ..aio import retried
 from ..errors import PayloadTooLarge, RequestFailed
 from ..schemas import (
@@ -43,14 +44,15 @@ from ..schemas import (
     GenerateRequest,
     Result,
 )
-from . import codec, results, tracecontext
+from ..subjects import codec
+from ..subjects.connection import connect
+from ..subjects.direct import subscribe_direct
+from ..subjects.names import Names, check_role
+from ..subjects.setup import QueuePolicy, check_server, ensure_streams
+from . import results
 from .completion import Completion, assemble
-from .connection import connect
-from .direct import subscribe_direct
 from .embeds import embeds_store, upload
-from .names import Names, check_role
 from .sequencer import Decision, Sequencer
-from .setup import QueuePolicy, check_server, ensure_streams
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from ..schemas import ErrorCode
+from .schemas import ErrorCode
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"

@@ -19,8 +19,8 @@ from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
 from ..schemas import InstanceRecord, ModelCard
-from . import codec
-from .names import Names
+from ..subjects import codec
+from ..subjects.names import Names
 
 log = logging.getLogger(__name__)
 
