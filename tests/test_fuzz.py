@@ -39,13 +39,12 @@ from jetllm import tinymodel
 from jetllm.producer import Client
 from jetllm.producer.embeds import embeds_store
 from jetllm.producer.fleet import instance_status
-from jetllm.producer.lora import ensure_lora_bucket
 from jetllm.producer.registry import instances, model_cards
 from jetllm.schemas import AdapterList, ErrorFrame, FinalFrame
 from jetllm.subjects import codec
 from jetllm.subjects.direct import subscribe_direct
 from jetllm.subjects.names import Names
-from jetllm.subjects.setup import QueuePolicy
+from jetllm.subjects.setup import QueuePolicy, ensure_lora_bucket
 
 from .conftest import WorkerProcess, inproc_worker, require_vllm
 from .fake_engine import FakeEngine

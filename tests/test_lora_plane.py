@@ -207,7 +207,7 @@ async def test_garbage_in_the_lora_bucket_does_not_stop_the_watch(nats_url, name
     """Keys that are no adapter's and values that do not decode are skipped: an adapter desired after
     them is still loaded by the watch alone (no verb asks for it)."""
     from jetllm.producer import Client
-    from jetllm.producer.lora import ensure_lora_bucket
+    from jetllm.subjects.setup import ensure_lora_bucket
 
     from .fake_engine import FakeEngine
 

@@ -21,7 +21,7 @@ import msgspec
 import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig, ObjectStoreConfig, StorageType
+from nats.js.api import ObjectStoreConfig, StorageType
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
@@ -46,6 +46,7 @@ from ..schemas import (
 )
 from ..subjects import codec
 from ..subjects.names import Names
+from ..subjects.setup import ensure_bucket, ensure_lora_bucket
 from .fleet import gather
 from .registry import entries_matching, instances
 
@@ -59,32 +60,16 @@ class AdapterError(Exception):
     """A LoRA command failed before any worker was asked."""
 
 
-async def ensure_lora_bucket(js: JetStreamContext, names: Names, *, replicas: int = 1) -> KeyValue:
-    cfg = KeyValueConfig(
-        bucket=names.lora_bucket,
-        description="jetllm: LoRA adapters each model should serve",
-        history=5,
-        storage=StorageType.FILE,
-        replicas=replicas,
-    )
-    try:
-        return await js.create_key_value(cfg)
-    except nats.js.errors.BadRequestError:
-        return await js.key_value(names.lora_bucket)
-
-
 async def ensure_adapters_store(js: JetStreamContext, names: Names, *, replicas: int = 1) -> ObjectStore:
-    try:
-        return await js.create_object_store(
-            names.adapters_store,
-            ObjectStoreConfig(
-                description="jetllm: LoRA adapter files",
-                storage=StorageType.FILE,
-                replicas=replicas,
-            ),
-        )
-    except nats.js.errors.BadRequestError:
-        return await js.object_store(names.adapters_store)
+    return await ensure_bucket(
+        js,
+        ObjectStoreConfig(
+            bucket=names.adapters_store,
+            description="jetllm: LoRA adapter files",
+            storage=StorageType.FILE,
+            replicas=replicas,
+        ),
+    )
 
 
 @dataclass

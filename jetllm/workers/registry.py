@@ -17,10 +17,10 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.js.kv import KeyValue
 
-from ..producer.registry import RECORD_TTL, ensure_registry
 from ..schemas import InstanceRecord, LoadReport, ModelCard
 from ..subjects import codec
 from ..subjects.names import Names
+from ..subjects.setup import RECORD_TTL, ensure_registry
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,6 @@ import nats.js.errors
 
 from ...adapterfiles import AdapterFileError
 from ...errors import EngineRequestError, RequestRejected
-from ...producer.lora import ensure_lora_bucket
 from ...schemas import (
     AdapterList,
     AdapterReply,
@@ -41,6 +40,7 @@ from ...schemas import (
 )
 from ...schemas.lora import AdapterName
 from ...subjects import codec
+from ...subjects.setup import ensure_lora_bucket
 from ...tinymodel import default_cache_dir
 from ..control import ControlError
 from ..engine import Engine, EngineAdapter
