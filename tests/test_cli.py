@@ -32,7 +32,6 @@ def test_producer_commands_do_not_import_vllm():
     assert out == ["False", "False"]
 
 
-
 def test_from_jetllm_import_client_works_and_the_watchdog_loads_no_nats_client():
     code = (
         "import sys, jetllm; light = 'nats' not in sys.modules and 'msgspec' not in sys.modules; "
@@ -40,6 +39,7 @@ def test_from_jetllm_import_client_works_and_the_watchdog_loads_no_nats_client()
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.split()
     assert out == ["True", "True"]
+
 
 @pytest.mark.vllm
 def test_generate_streams_text(shared_vllm, nats_url):
