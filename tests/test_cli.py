@@ -41,6 +41,16 @@ def test_from_jetllm_import_client_works_and_the_watchdog_loads_no_nats_client()
     assert out == ["True", "True"]
 
 
+def test_lora_push_of_an_unusable_directory_says_why_in_one_line(nats_url, tmp_path):
+    (tmp_path / "adapter_model.bin").write_bytes(b"pickle")
+    r = jetllm("lora", "push", str(tmp_path), "--name", "a", "--nats", nats_url, timeout=60)
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [
+        "error: the adapter lacks adapter_config.json, adapter_model.safetensors "
+        "(found adapter_model.bin: pickle formats are refused, convert to safetensors)"
+    ]
+
+
 @pytest.mark.vllm
 def test_generate_streams_text(shared_vllm, nats_url):
     r = jetllm(

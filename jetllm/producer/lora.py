@@ -34,6 +34,7 @@ from ..adapterfiles import (
     read_config,
     read_safetensors_header,
 )
+from ..errors import JetllmError
 from ..schemas import (
     AdapterList,
     AdapterManifest,
@@ -41,6 +42,7 @@ from ..schemas import (
     AdapterSource,
     AdapterSpec,
     ControlFailed,
+    ErrorCode,
     LoraLoad,
     LoraUnload,
 )
@@ -56,7 +58,7 @@ _change_reply = codec.Decoder(AdapterReply | ControlFailed)
 _list_reply = codec.Decoder(AdapterList | ControlFailed)
 
 
-class AdapterError(Exception):
+class AdapterError(JetllmError):
     """A LoRA command failed before any worker was asked."""
 
 
@@ -100,7 +102,7 @@ class LoraAdmin:
         try:
             msgspec.convert({"name": name, "source": "object", "ref": name}, AdapterSpec)
         except msgspec.ValidationError as exc:
-            raise AdapterError(f"bad adapter name {name!r}: {exc}") from None
+            raise AdapterError(f"bad adapter name {name!r}: {exc}", code=ErrorCode.INVALID_REQUEST) from None
         files = await anyio.to_thread.run_sync(_checked_digests, directory)
         sha = combined_sha256(files)
         store = await ensure_adapters_store(self.js, self.names)
@@ -142,7 +144,7 @@ class LoraAdmin:
                 AdapterSpec,
             )
         except msgspec.ValidationError as exc:
-            raise AdapterError(f"bad adapter: {exc}") from None
+            raise AdapterError(f"bad adapter: {exc}", code=ErrorCode.INVALID_REQUEST) from None
         revision = await kv.put(key, codec.encode(spec))
         out = await self._ask(
             model, "lora-load", LoraLoad(name=name, version=version), _change_reply, instance
@@ -180,7 +182,8 @@ class LoraAdmin:
             nats.js.errors.ObjectDeletedError,
         ):
             raise AdapterError(
-                f"no adapter {name!r} in the adapters object store; `jetllm lora push` it first"
+                f"no adapter {name!r} in the adapters object store; `jetllm lora push` it first",
+                code=ErrorCode.ADAPTER_NOT_FOUND,
             ) from None
         return _manifest.decode(found.data)  # type: ignore[arg-type]  # nats-py: data Optional
 

@@ -27,7 +27,7 @@ _KEY = re.compile(
 
 
 def _invalid(message: str) -> AdapterFileError:
-    return AdapterFileError(ErrorCode.ADAPTER_INVALID, message)
+    return AdapterFileError(message, code=ErrorCode.ADAPTER_INVALID)
 
 
 def _leaf(name: str) -> str:
