@@ -16,6 +16,7 @@ import anyio
 import msgspec
 
 from .errors import JetllmError, RequestFailed
+from .producer import Client
 from .schemas import (
     BatchError,
     BatchLine,
@@ -30,7 +31,6 @@ from .schemas import (
     TextPrompt,
     TokensPrompt,
 )
-from .subjects import Client
 from .subjects.codec import field_path
 
 _line_decoder = msgspec.json.Decoder(BatchLine)

@@ -6,12 +6,17 @@ from .schemas import ErrorCode
 
 
 class JetllmError(Exception):
+    """The one base of jetllm's errors: each carries the ErrorCode the wire would show for it (a
+    class's own, or `code` for one whose code depends on the case) and the field it is about."""
+
     code: ErrorCode = ErrorCode.INTERNAL
 
-    def __init__(self, message: str, *, field: str | None = None) -> None:
+    def __init__(self, message: str, *, field: str | None = None, code: ErrorCode | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.field = field
+        if code is not None:
+            self.code = code
 
 
 class ServerTooOld(JetllmError):
@@ -42,8 +47,7 @@ class RequestFailed(JetllmError):
     """The worker answered with an error frame."""
 
     def __init__(self, code: ErrorCode, message: str, *, field: str | None = None) -> None:
-        super().__init__(f"{code.value}: {message}", field=field)
-        self.code = code
+        super().__init__(f"{code.value}: {message}", field=field, code=code)
         self.remote_message = message
 
 
@@ -51,8 +55,7 @@ class RequestRejected(JetllmError):
     """A job that cannot be served as it is; it goes to the dead-letter stream."""
 
     def __init__(self, code: ErrorCode, message: str, *, field: str | None = None) -> None:
-        super().__init__(message, field=field)
-        self.code = code
+        super().__init__(message, field=field, code=code)
 
 
 class EngineDead(JetllmError):

@@ -18,9 +18,9 @@ import anyio
 import pytest
 
 from jetllm.natsserver import NatsServer
-from jetllm.subjects import Client
+from jetllm.producer import Client
+from jetllm.producer.fleet import worker_statuses
 from jetllm.subjects.connection import connect
-from jetllm.subjects.fleet import worker_statuses
 from jetllm.subjects.names import Names
 from jetllm.workers import Worker, WorkerConfig
 

@@ -101,7 +101,7 @@ async def kv_batches(
     timeout: float = 30,
 ) -> list:
     """An instance's KV-event batches in the stream, read again until `until(batches)` holds."""
-    from jetllm.subjects.kvevents import kv_events
+    from jetllm.producer.kvevents import kv_events
 
     with anyio.fail_after(timeout):
         while True:

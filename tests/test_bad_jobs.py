@@ -10,8 +10,9 @@ import uuid
 import msgspec
 import pytest
 
+from jetllm.producer import Client
 from jetllm.schemas import ErrorCode, ErrorFrame, FinalFrame
-from jetllm.subjects import Client, codec
+from jetllm.subjects import codec
 from jetllm.subjects.names import Names
 
 from .conftest import TINY, inproc_worker

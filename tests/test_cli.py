@@ -27,9 +27,28 @@ def test_schema_writes_one_json_schema_per_message(tmp_path):
 
 
 def test_producer_commands_do_not_import_vllm():
-    code = "import sys, jetllm.cli, jetllm.subjects, jetllm.batch; print('vllm' in sys.modules, 'torch' in sys.modules)"
+    code = "import sys, jetllm.cli, jetllm.producer, jetllm.subjects, jetllm.batch; print('vllm' in sys.modules, 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.split()
     assert out == ["False", "False"]
+
+
+def test_from_jetllm_import_client_works_and_the_watchdog_loads_no_nats_client():
+    code = (
+        "import sys, jetllm; light = 'nats' not in sys.modules and 'msgspec' not in sys.modules; "
+        "from jetllm import Client; from jetllm.producer import Client as C; print(light, Client is C)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.split()
+    assert out == ["True", "True"]
+
+
+def test_lora_push_of_an_unusable_directory_says_why_in_one_line(nats_url, tmp_path):
+    (tmp_path / "adapter_model.bin").write_bytes(b"pickle")
+    r = jetllm("lora", "push", str(tmp_path), "--name", "a", "--nats", nats_url, timeout=60)
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines() == [
+        "error: the adapter lacks adapter_config.json, adapter_model.safetensors "
+        "(found adapter_model.bin: pickle formats are refused, convert to safetensors)"
+    ]
 
 
 @pytest.mark.vllm

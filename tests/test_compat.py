@@ -16,6 +16,7 @@ import pytest
 
 from jetllm import batch
 from jetllm.errors import RequestFailed
+from jetllm.producer import deadletters, fleet, kvevents, lora, registry, results, traces
 from jetllm.schemas import (
     AcceptedFrame,
     AdapterList,
@@ -59,7 +60,7 @@ from jetllm.schemas import (
     Usage,
     WorkerStatus,
 )
-from jetllm.subjects import codec, deadletters, fleet, kvevents, lora, registry, results, traces
+from jetllm.subjects import codec
 from jetllm.workers import control, requestlog
 from jetllm.workers.jobs import RejectedJob, decode_request
 from jetllm.workers.lora import files as lora_files

@@ -14,10 +14,10 @@ import pytest
 
 from jetllm import tinymodel
 from jetllm.errors import RequestFailed
+from jetllm.producer import Client
+from jetllm.producer.lora import LoraAdmin
 from jetllm.schemas import ErrorCode, TokensPrompt
-from jetllm.subjects import Client
-from jetllm.subjects.client import HEADER_MARGIN
-from jetllm.subjects.lora import LoraAdmin
+from jetllm.subjects.codec import HEADER_MARGIN
 from jetllm.subjects.setup import QueuePolicy
 from jetllm.workers.lora import LoraSettings
 

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 
 from jetllm.errors import RequestFailed, RequestRejected
+from jetllm.producer import embeds_prompt
 from jetllm.schemas import EmbedsPrompt, ErrorCode, GenerateRequest, StopConditions, TokensPrompt
-from jetllm.subjects import codec, embeds_prompt
-from jetllm.subjects.client import HEADER_MARGIN
+from jetllm.subjects import codec
+from jetllm.subjects.codec import HEADER_MARGIN
 from jetllm.workers.embeds import HARD_CAP, check_header, default_max_bytes, to_array
 from jetllm.workers.engine import EngineFacts
 from jetllm.workers.jobs import dead_letter_record, decode_request
@@ -167,7 +168,7 @@ async def test_objects_whose_metadata_lies_are_refused_at_once(nats_url, client)
 
     import anyio
 
-    from jetllm.subjects.embeds import embeds_store
+    from jetllm.producer.embeds import embeds_store
 
     from .fake_engine import FakeEngine
 

@@ -14,8 +14,9 @@ import uuid
 import anyio
 import pytest
 
+from jetllm.producer import Client
 from jetllm.schemas import ErrorCode, ErrorFrame, FinalFrame, TextPrompt
-from jetllm.subjects import Client, codec
+from jetllm.subjects import codec
 
 from .conftest import TINY, WorkerProcess, inproc_worker, require_vllm
 from .fake_engine import FakeEngine

@@ -9,6 +9,9 @@ from __future__ import annotations
 import anyio
 import pytest
 
+from jetllm.producer.fleet import ask
+from jetllm.producer.registry import instances, model_cards
+from jetllm.producer.traces import trace_records
 from jetllm.schemas import (
     ControlDone,
     ControlFailed,
@@ -19,9 +22,6 @@ from jetllm.schemas import (
     SleepRequest,
 )
 from jetllm.subjects import codec
-from jetllm.subjects.fleet import ask
-from jetllm.subjects.registry import instances, model_cards
-from jetllm.subjects.traces import trace_records
 
 from .conftest import inproc_worker
 from .fake_engine import FakeEngine
@@ -218,7 +218,7 @@ async def test_a_trace_id_travels_on_the_job_its_first_and_last_frame_and_the_wo
 async def test_registry_readers_skip_entries_no_worker_wrote(nats_url, client, fake_engine):
     """Anyone can write the registry bucket: garbage under i.* and m.* is skipped by every reader
     (fleet commands, LoRA fan-outs), which still see the live worker and its model card."""
-    from jetllm.subjects.registry import watch
+    from jetllm.producer.registry import watch
 
     async with inproc_worker(nats_url, fake_engine, namespace=client.names.namespace) as w:
         bucket = client.names.registry_bucket

@@ -36,15 +36,15 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from jetllm import tinymodel
+from jetllm.producer import Client
+from jetllm.producer.embeds import embeds_store
+from jetllm.producer.fleet import instance_status
+from jetllm.producer.registry import instances, model_cards
 from jetllm.schemas import AdapterList, ErrorFrame, FinalFrame, ResumeQuery
-from jetllm.subjects import Client, codec
+from jetllm.subjects import codec
 from jetllm.subjects.direct import subscribe_direct
-from jetllm.subjects.embeds import embeds_store
-from jetllm.subjects.fleet import instance_status
-from jetllm.subjects.lora import ensure_lora_bucket
 from jetllm.subjects.names import Names
-from jetllm.subjects.registry import instances, model_cards
-from jetllm.subjects.setup import QueuePolicy
+from jetllm.subjects.setup import QueuePolicy, ensure_lora_bucket
 
 from .conftest import WorkerProcess, inproc_worker, require_vllm
 from .fake_engine import FakeEngine

@@ -14,7 +14,7 @@ import anyio
 import pytest
 
 from jetllm import tinymodel
-from jetllm.subjects.lora import LoraAdmin
+from jetllm.producer.lora import LoraAdmin
 from jetllm.workers.lora import LoraSettings
 from jetllm.workers.lora.cache import hold, prune, size
 
@@ -75,7 +75,7 @@ def test_a_pruned_copy_cannot_be_held(tmp_path: Path):
 
 @pytest.mark.anyio
 async def test_a_worker_prunes_unloaded_adapters_and_keeps_loaded_ones(nats_url, namespace, tmp_path):
-    from jetllm.subjects import Client
+    from jetllm.producer import Client
 
     from .fake_engine import FakeEngine
 

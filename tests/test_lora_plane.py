@@ -10,10 +10,10 @@ import msgspec
 import pytest
 
 from jetllm import tinymodel
+from jetllm.adapterfiles import AdapterFileError
 from jetllm.errors import RequestFailed
+from jetllm.producer.lora import LoraAdmin
 from jetllm.schemas import AdapterReply, ControlFailed, ErrorCode
-from jetllm.subjects.adapterfiles import AdapterFileError
-from jetllm.subjects.lora import LoraAdmin
 from jetllm.workers.engine import LoraFacts
 from jetllm.workers.lora import LoraSettings
 from jetllm.workers.lora.validate import validate
@@ -80,7 +80,7 @@ async def test_desired_state_reaches_every_instance_and_jobs_use_only_loaded_ada
     engines = [FakeEngine(), FakeEngine()]
     for e in engines:
         e.facts.lora = TINY_FACTS
-    from jetllm.subjects import Client
+    from jetllm.producer import Client
 
     async with Client(nats_url, namespace=namespace, heartbeat_timeout=10) as c:
         admin = LoraAdmin(c.nc, c.names, timeout=10)
@@ -119,7 +119,7 @@ async def test_a_job_naming_an_adapter_as_its_model_runs_only_on_a_worker_holdin
     nats_url, namespace, tmp_path
 ):
     """The adapter's own queue: workers pull from it only while they hold the adapter."""
-    from jetllm.subjects import Client
+    from jetllm.producer import Client
 
     from .fake_engine import FakeEngine
 
@@ -164,7 +164,7 @@ async def test_a_worker_stopped_while_it_starts_pulling_an_adapter_queue_still_s
 ):
     """Loading an adapter starts a pull on its queue; a stop that lands meanwhile must not leave a
     puller behind that keeps the worker from ever exiting."""
-    from jetllm.subjects import Client
+    from jetllm.producer import Client
     from jetllm.workers import adapterqueues
 
     from .fake_engine import FakeEngine
@@ -206,8 +206,8 @@ async def test_a_worker_stopped_while_it_starts_pulling_an_adapter_queue_still_s
 async def test_garbage_in_the_lora_bucket_does_not_stop_the_watch(nats_url, namespace, tmp_path):
     """Keys that are no adapter's and values that do not decode are skipped: an adapter desired after
     them is still loaded by the watch alone (no verb asks for it)."""
-    from jetllm.subjects import Client
-    from jetllm.subjects.lora import ensure_lora_bucket
+    from jetllm.producer import Client
+    from jetllm.subjects.setup import ensure_lora_bucket
 
     from .fake_engine import FakeEngine
 

@@ -13,6 +13,7 @@ import anyio
 import pytest
 
 from jetllm.errors import RequestFailed
+from jetllm.producer import Client
 from jetllm.schemas import (
     AcceptedFrame,
     ErrorCode,
@@ -22,7 +23,6 @@ from jetllm.schemas import (
     StopConditions,
     TokensFrame,
 )
-from jetllm.subjects import Client
 
 from .jobs import consumer_counts, req, wait_dead_letter
 
@@ -235,7 +235,7 @@ async def test_a_job_cancelled_while_queued_is_never_run(nats_url, namespace, st
         assert "changed my mind" in result.error.message
         statuses = [
             s
-            for s in await __import__("jetllm.subjects.fleet", fromlist=["x"]).worker_statuses(c.nc, c.names)
+            for s in await __import__("jetllm.producer.fleet", fromlist=["x"]).worker_statuses(c.nc, c.names)
         ]
         (status,) = [s for s in statuses if s.pid == w.proc.pid]
         assert status.extra["completed"] == "0" and status.extra["cancelled"] == "1"

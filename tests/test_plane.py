@@ -13,6 +13,7 @@ import msgspec
 import pytest
 
 from jetllm.errors import AcceptTimeout, PayloadTooLarge, RequestFailed, WorkerSilent
+from jetllm.producer import Client
 from jetllm.schemas import (
     AcceptedFrame,
     ChatMessage,
@@ -27,7 +28,7 @@ from jetllm.schemas import (
     TokensFrame,
     TokensPrompt,
 )
-from jetllm.subjects import Client, QueuePolicy, codec
+from jetllm.subjects import QueuePolicy, codec
 from jetllm.subjects.names import ROLES
 from jetllm.workers.roles import GenerateRole
 from jetllm.workers.runtime import EXIT_ENGINE_DEAD, EXIT_OK

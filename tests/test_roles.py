@@ -10,12 +10,12 @@ import uuid
 import anyio
 import pytest
 
+from jetllm.producer.fleet import ask, instance_status
+from jetllm.producer.registry import instances
 from jetllm.schemas import ErrorCode, ErrorFrame, FinalFrame, HealthReport, TokensFrame
 from jetllm.subjects import codec
 from jetllm.subjects.connection import connect
-from jetllm.subjects.fleet import ask, instance_status
 from jetllm.subjects.names import Names
-from jetllm.subjects.registry import instances
 from jetllm.workers import roles
 from jetllm.workers.roles import ROLES, FlagNotForRole, GenerateRole, UnknownRole, check_flags
 

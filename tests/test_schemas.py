@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jetllm.cli.misc import json_schemas, wire_types
 from jetllm.cli.reference import SECTIONS
+from jetllm.cli.reference_cmd import json_schemas, wire_types
 from jetllm.errors import ServerTooOld
 from jetllm.schemas import ErrorCode, ErrorFrame, Frame, GenerateRequest, TokensFrame, TokensPrompt
 from jetllm.subjects import codec
@@ -121,7 +121,9 @@ def test_every_wire_type_has_a_json_schema():
 def test_jetllm_schema_exports_every_struct_of_the_schemas_package():
     exported = {name for schema in json_schemas().values() for name in schema["$defs"]}
     missing = sorted(c.__name__ for c in wire_structs() if c.__name__ not in exported)
-    assert not missing, f"not reachable from `jetllm schema` (add to jetllm.cli.misc.wire_types): {missing}"
+    assert not missing, (
+        f"not reachable from `jetllm schema` (add to jetllm.cli.reference_cmd.wire_types): {missing}"
+    )
     tabled = {t for _, types in SECTIONS for t in types}
     missing = sorted(c.__name__ for c in wire_structs() if c not in tabled)
     assert not missing, f"no table in docs/messages.md (add them to jetllm.cli.reference.SECTIONS): {missing}"

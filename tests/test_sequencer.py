@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from jetllm.producer.sequencer import Decision, Sequencer
 from jetllm.schemas import (
     AcceptedFrame,
     Choice,
@@ -21,7 +22,6 @@ from jetllm.schemas import (
     Usage,
 )
 from jetllm.subjects import codec
-from jetllm.subjects.sequencer import Decision, Sequencer
 
 # -- frames, in short
 

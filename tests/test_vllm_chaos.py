@@ -17,9 +17,9 @@ import pytest
 
 from jetllm.bench.workload import percentile
 from jetllm.natsserver import NatsServer
+from jetllm.producer import Client
+from jetllm.producer.fleet import instance_status, worker_statuses
 from jetllm.schemas import AcceptedFrame, ErrorFrame, FinalFrame, SamplingOptions, StopConditions, TokensFrame
-from jetllm.subjects import Client
-from jetllm.subjects.fleet import instance_status, worker_statuses
 
 from .conftest import TINY, WorkerProcess
 from .jobs import req

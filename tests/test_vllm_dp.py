@@ -12,10 +12,11 @@ import anyio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from jetllm.producer import Client
+from jetllm.producer.fleet import worker_statuses
+from jetllm.producer.registry import instances
 from jetllm.schemas import LoadReport
-from jetllm.subjects import Client, codec
-from jetllm.subjects.fleet import worker_statuses
-from jetllm.subjects.registry import instances
+from jetllm.subjects import codec
 
 from .conftest import TINY
 from .jobs import req

@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 
 from jetllm.errors import RequestFailed
+from jetllm.producer import Client, embeds_prompt
+from jetllm.producer.embeds import embeds_store, upload
 from jetllm.schemas import (
     AcceptedFrame,
     EmbedsPrompt,
@@ -29,9 +31,7 @@ from jetllm.schemas import (
     TokensFrame,
     TokensPrompt,
 )
-from jetllm.subjects import Client, embeds_prompt
 from jetllm.subjects.connection import connect
-from jetllm.subjects.embeds import embeds_store, upload
 from jetllm.subjects.names import Names
 
 from .conftest import TINY, WorkerProcess, require_vllm

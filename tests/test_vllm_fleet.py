@@ -15,10 +15,11 @@ import anyio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from jetllm.producer import Client
+from jetllm.producer.fleet import ask
+from jetllm.producer.registry import instances
 from jetllm.schemas import ControlDone, HealthReport
-from jetllm.subjects import Client
-from jetllm.subjects.fleet import ask
-from jetllm.subjects.registry import RECORD_TTL, instances
+from jetllm.subjects.setup import RECORD_TTL
 
 from .conftest import TINY
 from .jobs import req

@@ -9,6 +9,7 @@ import anyio
 import pytest
 
 from jetllm.errors import RequestFailed
+from jetllm.producer import Client
 from jetllm.schemas import (
     ChatMessage,
     ChatPrompt,
@@ -22,7 +23,6 @@ from jetllm.schemas import (
     TokensFrame,
     TokensPrompt,
 )
-from jetllm.subjects import Client
 
 from .conftest import TINY
 from .jobs import RawInbox, consumer_counts, publish_raw
@@ -252,7 +252,7 @@ async def test_cancel_aborts_the_engine_request_and_frees_the_slot(c, shared_vll
     status = None
     with anyio.fail_after(10):
         while True:
-            from jetllm.subjects.fleet import instance_status
+            from jetllm.producer.fleet import instance_status
 
             status = await instance_status(c.nc, c.names, shared_vllm.instance)
             if req.request_id not in status.request_ids and status.engine_unfinished == 0:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import anyio
 import pytest
 
+from jetllm.producer import Client
+from jetllm.producer.kvevents import kv_events
 from jetllm.schemas import (
     ControlDone,
     ControlFailed,
@@ -14,8 +16,7 @@ from jetllm.schemas import (
     KvStored,
     StopConditions,
 )
-from jetllm.subjects import Client, codec
-from jetllm.subjects.kvevents import kv_events
+from jetllm.subjects import codec
 
 from .conftest import TINY
 from .jobs import kv_batches, kv_blocks, req

@@ -8,8 +8,8 @@ import signal
 import anyio
 import pytest
 
+from jetllm.producer import Client
 from jetllm.schemas import StopConditions
-from jetllm.subjects import Client
 from jetllm.workers.runtime import EXIT_ENGINE_DEAD
 
 from .conftest import TINY

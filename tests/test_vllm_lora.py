@@ -12,10 +12,10 @@ import pytest
 
 from jetllm import tinymodel
 from jetllm.errors import RequestFailed
+from jetllm.producer import Client
+from jetllm.producer.fleet import instance_status
+from jetllm.producer.lora import LoraAdmin
 from jetllm.schemas import AdapterList, AdapterReply, ControlFailed, ErrorCode, StopConditions
-from jetllm.subjects import Client
-from jetllm.subjects.fleet import instance_status
-from jetllm.subjects.lora import LoraAdmin
 from jetllm.workers.lora import adapter_id
 
 from .conftest import TINY

@@ -23,6 +23,8 @@ import anyio
 import msgspec
 
 from ..aio import run
+from ..producer import Client
+from ..producer.fleet import wait_for_workers, worker_statuses
 from ..schemas import (
     AcceptedFrame,
     FinalFrame,
@@ -32,8 +34,6 @@ from ..schemas import (
     TokensFrame,
     TokensPrompt,
 )
-from ..subjects import Client
-from ..subjects.fleet import wait_for_workers, worker_statuses
 from .run import _vocab, write_section
 from .workload import percentile
 

@@ -89,6 +89,9 @@ def engine_cli_args(opts: EngineOptions) -> list[str]:
 
 async def run_jetllm(opts: EngineOptions, work: Workload, url: str, log_dir: Path, vocab: int) -> Summary:
     """A `jetllm worker` process; this process is the producer, streaming over NATS."""
+    from ..producer import Client
+    from ..producer.fleet import wait_for_workers
+    from ..producer.traces import trace_records
     from ..schemas import (
         GenerateRequest,
         SamplingOptions,
@@ -96,9 +99,6 @@ async def run_jetllm(opts: EngineOptions, work: Workload, url: str, log_dir: Pat
         TokensFrame,
         TokensPrompt,
     )
-    from ..subjects import Client
-    from ..subjects.fleet import wait_for_workers
-    from ..subjects.traces import trace_records
 
     namespace = f"bench-{uuid.uuid4().hex[:8]}"
     cmd = [

@@ -8,7 +8,7 @@ import sys
 from .. import __version__
 from ..bench import chaos as bench_chaos
 from ..bench import run as bench
-from . import demo, dlq, fleet, kvevents, lora_cmd, misc, produce, worker_cmd
+from . import demo, dlq, fleet, kvevents, lora_cmd, produce, reference_cmd, tinymodel_cmd, worker_cmd
 from .common import setup_logging
 
 
@@ -27,7 +27,8 @@ def parser() -> argparse.ArgumentParser:
     fleet.register(sub)
     lora_cmd.register(sub)
     kvevents.register(sub)
-    misc.register(sub)
+    reference_cmd.register(sub)
+    tinymodel_cmd.register(sub)
     bench.register(sub)
     bench_chaos.register(sub)
     return p

@@ -21,8 +21,8 @@ from .common import TINY_MODEL_NAME
 
 
 async def _wait_ready(url: str, namespace: str, model: str, proc: subprocess.Popen, timeout: float) -> None:
+    from ..producer.fleet import worker_statuses
     from ..subjects.connection import connect
-    from ..subjects.fleet import worker_statuses
     from ..subjects.names import Names
 
     nc = await connect(url)

@@ -10,9 +10,9 @@ import sys
 import msgspec
 
 from ..aio import run
+from ..producer.deadletters import entries, get, replay
 from ..subjects import codec
 from ..subjects.connection import connect
-from ..subjects.deadletters import entries, get, replay
 from ..subjects.names import Names
 from ..subjects.setup import check_server
 from .common import add_nats, nats_url

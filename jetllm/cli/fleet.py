@@ -11,13 +11,13 @@ import msgspec
 import nats.errors
 
 from ..aio import run
+from ..producer.fleet import ask
+from ..producer.registry import instances, watch
+from ..producer.traces import trace_records
 from ..schemas import ControlFailed, HealthCheck, HealthReport, InstanceRecord, SleepRequest
 from ..subjects import codec
 from ..subjects.connection import connect
-from ..subjects.fleet import ask
 from ..subjects.names import Names
-from ..subjects.registry import instances, watch
-from ..subjects.traces import trace_records
 from .common import add_nats, nats_url
 
 

@@ -8,8 +8,8 @@ import sys
 import msgspec
 
 from ..aio import run
+from ..producer.kvevents import kv_events
 from ..subjects.connection import connect
-from ..subjects.kvevents import kv_events
 from ..subjects.names import Names
 from ..subjects.setup import check_server
 from .common import add_nats, nats_url

@@ -12,9 +12,10 @@ from pathlib import Path
 import msgspec
 
 from ..aio import run
+from ..errors import JetllmError
+from ..producer.lora import FanOut, LoraAdmin
 from ..schemas import AdapterList, AdapterReply, AdapterSource, ControlFailed
 from ..subjects.connection import connect
-from ..subjects.lora import AdapterError, FanOut, LoraAdmin
 from ..subjects.names import Names
 from ..subjects.setup import check_server
 from .common import add_nats, nats_url
@@ -25,7 +26,7 @@ async def _admin(args: argparse.Namespace, fn) -> int:
     try:
         await check_server(nc)
         return await fn(LoraAdmin(nc, Names(args.namespace), timeout=args.timeout))
-    except AdapterError as exc:
+    except JetllmError as exc:  # a bad name or spec, an adapter never pushed, unusable files
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:

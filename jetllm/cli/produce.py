@@ -72,7 +72,7 @@ def request_from_args(args: argparse.Namespace) -> GenerateRequest:
 
 
 async def _generate(args: argparse.Namespace) -> int:
-    from ..subjects import Client
+    from ..producer import Client
 
     try:
         req = msgspec.convert(msgspec.to_builtins(request_from_args(args)), GenerateRequest)

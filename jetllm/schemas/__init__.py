@@ -53,7 +53,7 @@ from .lora import (
     LoraLoad,
     LoraUnload,
 )
-from .progress import Cancelled, Claim, Handoff, Record, Result, Step, Steps
+from .requestlog import Cancelled, Claim, Handoff, Record, Result, Step, Steps
 from .trace import TraceRecord
 
 __all__ = [

@@ -21,6 +21,9 @@ _BY_TYPE: dict[str, Encoding] = {
     "text/json": "json",
 }
 
+HEADER_MARGIN = 512
+"""Bytes kept free under max_payload for headers (nats-py only checks the body)."""
+
 
 class UnknownContentType(ValueError):
     pass

@@ -1,12 +1,14 @@
-"""Server checks and idempotent creation of jetllm's streams and consumers.
+"""Server checks and idempotent creation of jetllm's streams, consumers and buckets.
 
 Every worker and every producer calls these on start, so creation races are normal: creating an
-existing stream with the same settings succeeds, and differing settings are updated in place.
+existing stream or bucket with the same settings succeeds; a stream with differing settings is
+updated in place, a bucket (KV or object store) with differing settings is opened as it is.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import overload
 
 import msgspec
 import nats.js.errors
@@ -17,10 +19,14 @@ from nats.js.api import (
     ConsumerConfig,
     DeliverPolicy,
     DiscardPolicy,
+    KeyValueConfig,
+    ObjectStoreConfig,
     RetentionPolicy,
     StorageType,
     StreamConfig,
 )
+from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore
 
 from ..errors import JetStreamUnavailable, ServerTooOld
 from .names import Names
@@ -29,6 +35,9 @@ log = logging.getLogger(__name__)
 
 MIN_SERVER = (2, 10, 0)
 _STREAM_IN_USE = 10058
+
+RECORD_TTL = 10.0
+"""Seconds a registry record outlives its last heartbeat in the bucket (the bound after a SIGKILL)."""
 
 
 class QueuePolicy(msgspec.Struct, kw_only=True, frozen=True):
@@ -101,6 +110,59 @@ async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
             raise
         log.info("stream %s exists with other settings; updating it", cfg.name)
         await js.update_stream(cfg)
+
+
+@overload
+async def ensure_bucket(js: JetStreamContext, cfg: KeyValueConfig) -> KeyValue: ...
+@overload
+async def ensure_bucket(js: JetStreamContext, cfg: ObjectStoreConfig) -> ObjectStore: ...
+async def ensure_bucket(
+    js: JetStreamContext, cfg: KeyValueConfig | ObjectStoreConfig
+) -> KeyValue | ObjectStore:
+    """The KV bucket or object store `cfg` names, created with `cfg` unless it exists. One that
+    exists with other settings is opened as it is, not updated: its data outlives any one writer,
+    and whoever made it first chose them."""
+    name = cfg.bucket or ""  # nats-py refuses an empty name, naming it
+    try:
+        if isinstance(cfg, KeyValueConfig):
+            return await js.create_key_value(cfg)
+        return await js.create_object_store(name, cfg)
+    except nats.js.errors.BadRequestError as exc:
+        if exc.err_code != _STREAM_IN_USE:
+            raise
+    if isinstance(cfg, KeyValueConfig):
+        return await js.key_value(name)
+    return await js.object_store(name)
+
+
+async def ensure_registry(js: JetStreamContext, names: Names, *, replicas: int = 1) -> KeyValue:
+    """The registry bucket: workers write it, producers and operators read it."""
+    return await ensure_bucket(
+        js,
+        KeyValueConfig(
+            bucket=names.registry_bucket,
+            description="jetllm registry: live instances (i.*) and model cards (m.*)",
+            history=1,
+            ttl=RECORD_TTL,
+            storage=StorageType.FILE,
+            replicas=replicas,
+            limit_marker_ttl=RECORD_TTL,
+        ),
+    )
+
+
+async def ensure_lora_bucket(js: JetStreamContext, names: Names, *, replicas: int = 1) -> KeyValue:
+    """The desired LoRA adapters of each model: producers write them, workers follow them."""
+    return await ensure_bucket(
+        js,
+        KeyValueConfig(
+            bucket=names.lora_bucket,
+            description="jetllm: LoRA adapters each model should serve",
+            history=5,
+            storage=StorageType.FILE,
+            replicas=replicas,
+        ),
+    )
 
 
 async def ensure_streams(js: JetStreamContext, names: Names, policy: QueuePolicy) -> None:

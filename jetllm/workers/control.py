@@ -20,6 +20,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from ..errors import JetllmError
 from ..schemas import ControlFailed, ErrorCode
 from ..subjects import codec
 from ..subjects.names import Names
@@ -32,13 +33,8 @@ RequestType = type[msgspec.Struct] | None
 """What a verb's body decodes as; None: the verb takes no body."""
 
 
-class ControlError(Exception):
-    """A control verb refused or failed; becomes a ControlFailed reply."""
-
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
+class ControlError(JetllmError):
+    """A control verb refused or failed; becomes a ControlFailed reply with its code and message."""
 
 
 def reply_encoding(msg: Msg) -> Any:

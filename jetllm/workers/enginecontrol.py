@@ -100,9 +100,9 @@ class EngineControl:
     async def reset_prefix_cache(self, _: None) -> ControlDone:
         if not await self._engine.reset_prefix_cache():
             raise ControlError(
-                ErrorCode.CONFLICT,
                 "the engine kept its prefix cache: blocks are still in use "
                 "by running requests; try again when idle",
+                code=ErrorCode.CONFLICT,
             )
         self._on_cache_cleared()
         return ControlDone(
@@ -114,7 +114,7 @@ class EngineControl:
 
     async def sleep(self, req: SleepRequest) -> ControlDone:
         if req.level not in (1, 2):
-            raise ControlError(ErrorCode.INVALID_REQUEST, f"sleep level must be 1 or 2, got {req.level}")
+            raise ControlError(f"sleep level must be 1 or 2, got {req.level}", code=ErrorCode.INVALID_REQUEST)
         lifecycle = self._lifecycle
         async with self._lock:
             if lifecycle.state == "sleeping":
@@ -122,7 +122,7 @@ class EngineControl:
                     instance=self._instance, verb="sleep", detail="already asleep", state="sleeping"
                 )
             if lifecycle.state != "serving":
-                raise ControlError(ErrorCode.CONFLICT, f"cannot sleep while {lifecycle.state}")
+                raise ControlError(f"cannot sleep while {lifecycle.state}", code=ErrorCode.CONFLICT)
             self._slots.pause(True)
             try:
                 await (
@@ -134,7 +134,7 @@ class EngineControl:
                 self._slots.pause(False)
                 if isinstance(exc, Exception):
                     raise ControlError(
-                        ErrorCode.ENGINE_ERROR, f"sleep failed, still serving: {exc}"
+                        f"sleep failed, still serving: {exc}", code=ErrorCode.ENGINE_ERROR
                     ) from None
                 raise
             lifecycle.advance("slept")
@@ -152,7 +152,7 @@ class EngineControl:
             try:
                 await self._engine.wake()
             except Exception as exc:
-                raise ControlError(ErrorCode.ENGINE_ERROR, f"wake failed, still asleep: {exc}") from None
+                raise ControlError(f"wake failed, still asleep: {exc}", code=ErrorCode.ENGINE_ERROR) from None
             lifecycle.advance("woke")
             self._slots.pause(False)
             self._on_state_change()

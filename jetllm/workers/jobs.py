@@ -14,8 +14,7 @@ from nats.aio.msg import Msg
 from ..errors import RequestRejected
 from ..schemas import SUPPORTED_VERSIONS, DeadLetter, ErrorCode
 from ..subjects import codec
-from ..subjects.client import HEADER_MARGIN
-from ..subjects.codec import field_path
+from ..subjects.codec import HEADER_MARGIN, field_path
 from ..subjects.names import is_safe_reply_subject
 
 log = logging.getLogger(__name__)

@@ -261,10 +261,13 @@ class KvEventRelay:
     async def resync_verb(self, _: None) -> ControlDone:
         if not self.sources:
             raise ControlError(
-                ErrorCode.CONFLICT, "this worker publishes no KV-cache events (start it with --kv-events)"
+                "this worker publishes no KV-cache events (start it with --kv-events)",
+                code=ErrorCode.CONFLICT,
             )
         if not self.running:
-            raise ControlError(ErrorCode.CONFLICT, "the KV-event relay is not running yet; try again shortly")
+            raise ControlError(
+                "the KV-event relay is not running yet; try again shortly", code=ErrorCode.CONFLICT
+            )
         ticket = self.ask_resync("requested")
         detail = f"resync queued: JetStream did not acknowledge it within {RESYNC_WAIT:.0f}s"
         with anyio.move_on_after(RESYNC_WAIT):

@@ -20,7 +20,7 @@ from nats.js.kv import KeyValue
 from ..schemas import InstanceRecord, LoadReport, ModelCard
 from ..subjects import codec
 from ..subjects.names import Names
-from ..subjects.registry import RECORD_TTL, ensure_registry
+from ..subjects.setup import RECORD_TTL, ensure_registry
 
 log = logging.getLogger(__name__)
 

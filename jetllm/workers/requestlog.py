@@ -1,4 +1,4 @@
-"""Reading and writing the request log (see schemas/progress.py), and what a history means."""
+"""Reading and writing the request log (see schemas/requestlog.py), and what a history means."""
 
 from __future__ import annotations
 

@@ -15,8 +15,9 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 
+from .. import tracecontext
 from ..schemas import TraceRecord
-from ..subjects import codec, tracecontext
+from ..subjects import codec
 from ..subjects.names import Names
 
 log = logging.getLogger(__name__)

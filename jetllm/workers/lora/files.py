@@ -19,9 +19,7 @@ import anyio
 import nats.js.errors
 from nats.js import JetStreamContext
 
-from ...schemas import AdapterManifest, AdapterSpec, ErrorCode
-from ...subjects import codec
-from ...subjects.adapterfiles import (
+from ...adapterfiles import (
     ADAPTER_FILES,
     AdapterFileError,
     check_present,
@@ -29,6 +27,8 @@ from ...subjects.adapterfiles import (
     digests,
     max_bytes,
 )
+from ...schemas import AdapterManifest, AdapterSpec, ErrorCode
+from ...subjects import codec
 from ...subjects.names import Names
 
 log = logging.getLogger(__name__)
@@ -64,8 +64,8 @@ class AdapterFiles:
         if spec.source == "hub":
             if not self.allow_hub:
                 raise AdapterFileError(
-                    ErrorCode.ADAPTER_NOT_ALLOWED,
                     "hub sources are off on this worker (start it with --lora-allow-hub)",
+                    code=ErrorCode.ADAPTER_NOT_ALLOWED,
                 )
             directory = await anyio.to_thread.run_sync(self._download_hub, spec.ref)
             return await anyio.to_thread.run_sync(self._copy_in, directory, spec.sha256, None)
@@ -76,19 +76,21 @@ class AdapterFiles:
     def _checked_path(self, ref: str) -> Path:
         if not self.allowed:
             raise AdapterFileError(
-                ErrorCode.ADAPTER_NOT_ALLOWED,
                 "path sources are off on this worker (no --lora-dir allows any directory)",
+                code=ErrorCode.ADAPTER_NOT_ALLOWED,
             )
         path = Path(ref)
         if not path.is_absolute():
-            raise AdapterFileError(ErrorCode.ADAPTER_NOT_ALLOWED, f"adapter path {ref!r} must be absolute")
+            raise AdapterFileError(
+                f"adapter path {ref!r} must be absolute", code=ErrorCode.ADAPTER_NOT_ALLOWED
+            )
         if not inside(path, self.allowed):
             raise AdapterFileError(
-                ErrorCode.ADAPTER_NOT_ALLOWED,
                 f"adapter path {ref!r} is outside this worker's --lora-dir directories",
+                code=ErrorCode.ADAPTER_NOT_ALLOWED,
             )
         if not path.is_dir():
-            raise AdapterFileError(ErrorCode.ADAPTER_NOT_FOUND, f"no adapter directory at {ref!r}")
+            raise AdapterFileError(f"no adapter directory at {ref!r}", code=ErrorCode.ADAPTER_NOT_FOUND)
         return path
 
     def _copy_in(self, source: Path, expected: str | None, roots: list[Path] | None) -> tuple[Path, str]:
@@ -99,12 +101,12 @@ class AdapterFiles:
                 src = source / name
                 if roots is not None and not inside(src, roots):
                     raise AdapterFileError(
-                        ErrorCode.ADAPTER_NOT_ALLOWED,
                         f"{name} links outside this worker's --lora-dir directories",
+                        code=ErrorCode.ADAPTER_NOT_ALLOWED,
                     )
                 if src.stat().st_size > max_bytes(name):
                     raise AdapterFileError(
-                        ErrorCode.ADAPTER_INVALID, f"{name} is larger than {max_bytes(name)} bytes"
+                        f"{name} is larger than {max_bytes(name)} bytes", code=ErrorCode.ADAPTER_INVALID
                     )
                 shutil.copyfile(src, tmp / name)
             return self._settle(tmp, expected)
@@ -116,8 +118,8 @@ class AdapterFiles:
         sha = combined_sha256(digests(tmp))
         if expected is not None and sha != expected:
             raise AdapterFileError(
-                ErrorCode.ADAPTER_INVALID,
                 f"the adapter's files hash to {sha[:12]}, not the expected {expected[:12]}",
+                code=ErrorCode.ADAPTER_INVALID,
             )
         final = self.cache_dir / sha
         if not final.is_dir():
@@ -147,8 +149,8 @@ class AdapterFiles:
             nats.js.errors.BucketNotFoundError,
         ):
             raise AdapterFileError(
-                ErrorCode.ADAPTER_NOT_FOUND,
                 f"no adapter {spec.ref!r} in the adapters object store (jetllm lora push)",
+                code=ErrorCode.ADAPTER_NOT_FOUND,
             ) from None
         if (self.cache_dir / sha).is_dir():
             return self.cache_dir / sha, sha
@@ -160,7 +162,7 @@ class AdapterFiles:
                     info = await store.get_info(obj)
                     if (info.size or 0) > max_bytes(name):
                         raise AdapterFileError(
-                            ErrorCode.ADAPTER_INVALID, f"{name} is larger than {max_bytes(name)} bytes"
+                            f"{name} is larger than {max_bytes(name)} bytes", code=ErrorCode.ADAPTER_INVALID
                         )
                     with open(tmp / name, "wb") as f:
                         await store.get(obj, writeinto=f)
@@ -170,8 +172,8 @@ class AdapterFiles:
                     nats.js.errors.ObjectDeletedError,
                 ):
                     raise AdapterFileError(
-                        ErrorCode.ADAPTER_NOT_FOUND,
                         f"adapter {spec.ref!r}: object {obj!r} is missing from the store",
+                        code=ErrorCode.ADAPTER_NOT_FOUND,
                     ) from None
             return await anyio.to_thread.run_sync(self._settle, tmp, sha)
         finally:
@@ -184,5 +186,6 @@ class AdapterFiles:
             return Path(snapshot_download(repo_id=repo, allow_patterns=list(ADAPTER_FILES)))
         except Exception as exc:  # offline, unknown repository, gated: all mean "not here"
             raise AdapterFileError(
-                ErrorCode.ADAPTER_NOT_FOUND, f"hub adapter {repo!r} unavailable: {type(exc).__name__}: {exc}"
+                f"hub adapter {repo!r} unavailable: {type(exc).__name__}: {exc}",
+                code=ErrorCode.ADAPTER_NOT_FOUND,
             ) from None

@@ -26,6 +26,7 @@ import msgspec
 import nats.errors
 import nats.js.errors
 
+from ...adapterfiles import AdapterFileError
 from ...errors import EngineRequestError, RequestRejected
 from ...schemas import (
     AdapterList,
@@ -39,8 +40,7 @@ from ...schemas import (
 )
 from ...schemas.lora import AdapterName
 from ...subjects import codec
-from ...subjects.adapterfiles import AdapterFileError
-from ...subjects.lora import ensure_lora_bucket
+from ...subjects.setup import ensure_lora_bucket
 from ...tinymodel import default_cache_dir
 from ..control import ControlError
 from ..engine import Engine, EngineAdapter
@@ -227,7 +227,7 @@ class LoraManager:
             return self._reply(name, cur.action, cur.info)
         failed = self._failed.get(name)
         if failed is not None and failed[0] == revision:
-            raise ControlError(failed[1], failed[2])
+            raise ControlError(failed[2], code=failed[1])
         try:
             return await self._load(name, revision, spec, cur)
         except ControlError as exc:
@@ -246,20 +246,20 @@ class LoraManager:
             try:
                 await anyio.to_thread.run_sync(validate, path, self.facts)
             except AdapterFileError as exc:
-                raise ControlError(exc.code, f"adapter {name!r}: {exc.message}") from None
+                raise ControlError(f"adapter {name!r}: {exc.message}", code=exc.code) from None
             engine = EngineAdapter(name=f"{name}@{sha[:12]}", id=adapter_id(name, sha), path=str(path))
             async with self._slots:
                 if cur is None and len(self._loaded) >= self.facts.capacity:
                     raise ControlError(
-                        ErrorCode.NO_ADAPTER_SLOT,
                         f"adapter {name!r}: this instance holds {len(self._loaded)} adapters, its "
                         f"limit (--max-loras) is {self.facts.capacity}; unload one first",
+                        code=ErrorCode.NO_ADAPTER_SLOT,
                     )
                 try:
                     await self._engine.add_adapter(engine)
                 except EngineRequestError as exc:
                     raise ControlError(
-                        ErrorCode.ADAPTER_INVALID, f"adapter {name!r}: {exc.message}"
+                        f"adapter {name!r}: {exc.message}", code=ErrorCode.ADAPTER_INVALID
                     ) from None
                 self._ctx.counters.lora_loads += 1  # idempotent calls do not count
                 info = LoadedAdapter(
@@ -291,14 +291,14 @@ class LoraManager:
             try:
                 path, sha = await self.files.fetch(spec)
             except AdapterFileError as exc:
-                raise ControlError(exc.code, f"adapter {name!r}: {exc.message}") from None
+                raise ControlError(f"adapter {name!r}: {exc.message}", code=exc.code) from None
             except OSError as exc:
-                raise ControlError(ErrorCode.ADAPTER_NOT_FOUND, f"adapter {name!r}: {exc}") from None
+                raise ControlError(f"adapter {name!r}: {exc}", code=ErrorCode.ADAPTER_NOT_FOUND) from None
             held = await anyio.to_thread.run_sync(hold, path)
             if held is not None:
                 return path, sha, held
         raise ControlError(
-            ErrorCode.ADAPTER_NOT_FOUND, f"adapter {name!r}: its cached copy kept being pruned"
+            f"adapter {name!r}: its cached copy kept being pruned", code=ErrorCode.ADAPTER_NOT_FOUND
         )
 
     async def _prune(self) -> None:
@@ -350,7 +350,7 @@ class LoraManager:
     def _require_lora(self) -> None:
         if self.facts is None:
             raise ControlError(
-                ErrorCode.LORA_DISABLED, "this worker runs without LoRA (start it with --enable-lora)"
+                "this worker runs without LoRA (start it with --enable-lora)", code=ErrorCode.LORA_DISABLED
             )
 
     async def on_load(self, msg: LoraLoad) -> AdapterReply:

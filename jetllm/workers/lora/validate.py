@@ -10,8 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ...schemas import ErrorCode
-from ...subjects.adapterfiles import (
+from ...adapterfiles import (
     CONFIG,
     WEIGHTS,
     AdapterFileError,
@@ -19,6 +18,7 @@ from ...subjects.adapterfiles import (
     read_config,
     read_safetensors_header,
 )
+from ...schemas import ErrorCode
 from ..engine import LoraFacts
 
 _KEY = re.compile(
@@ -27,7 +27,7 @@ _KEY = re.compile(
 
 
 def _invalid(message: str) -> AdapterFileError:
-    return AdapterFileError(ErrorCode.ADAPTER_INVALID, message)
+    return AdapterFileError(message, code=ErrorCode.ADAPTER_INVALID)
 
 
 def _leaf(name: str) -> str:

@@ -12,8 +12,8 @@ import nats.errors
 from nats.aio.client import Client as NATS
 
 from ..schemas import ControlDone, ControlFailed, HealthReport, StatusRequest, WorkerStatus
-from . import codec
-from .names import Names
+from ..subjects import codec
+from ..subjects.names import Names
 from .registry import instances
 
 _decoder = codec.Decoder(WorkerStatus)

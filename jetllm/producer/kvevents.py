@@ -16,8 +16,8 @@ from nats.aio.client import Client as NATS
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from ..schemas import KvEventBatch
-from . import codec
-from .names import Names
+from ..subjects import codec
+from ..subjects.names import Names
 
 _decoder = codec.Decoder(KvEventBatch)
 

@@ -6,8 +6,8 @@ import nats.errors
 from nats.js import JetStreamContext
 
 from ..schemas import TraceRecord
-from . import codec
-from .names import Names
+from ..subjects import codec
+from ..subjects.names import Names
 
 _decoder = codec.Decoder(TraceRecord)
 

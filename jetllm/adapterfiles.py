@@ -16,7 +16,8 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from ..schemas import ErrorCode
+from .errors import JetllmError
+from .schemas import ErrorCode
 
 CONFIG = "adapter_config.json"
 WEIGHTS = "adapter_model.safetensors"
@@ -27,13 +28,8 @@ MAX_HEADER_BYTES = 16 << 20
 _DTYPES = {"F32": 4, "F16": 2, "BF16": 2}
 
 
-class AdapterFileError(Exception):
+class AdapterFileError(JetllmError):
     """The adapter cannot be used; `code` says why in the wire's terms."""
-
-    def __init__(self, code: ErrorCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 def max_bytes(file: str) -> int:
@@ -47,7 +43,9 @@ def file_sha256(path: Path, limit: int) -> str:
         while chunk := f.read(1 << 20):
             seen += len(chunk)
             if seen > limit:
-                raise AdapterFileError(ErrorCode.ADAPTER_INVALID, f"{path.name} is larger than {limit} bytes")
+                raise AdapterFileError(
+                    f"{path.name} is larger than {limit} bytes", code=ErrorCode.ADAPTER_INVALID
+                )
             h.update(chunk)
     return h.hexdigest()
 
@@ -65,7 +63,9 @@ def check_present(directory: Path) -> None:
             if pickles
             else ""
         )
-        raise AdapterFileError(ErrorCode.ADAPTER_INVALID, f"the adapter lacks {', '.join(missing)}{hint}")
+        raise AdapterFileError(
+            f"the adapter lacks {', '.join(missing)}{hint}", code=ErrorCode.ADAPTER_INVALID
+        )
 
 
 def digests(directory: Path) -> dict[str, str]:
@@ -76,13 +76,15 @@ def digests(directory: Path) -> dict[str, str]:
 
 def read_config(path: Path) -> dict[str, Any]:
     if path.stat().st_size > MAX_CONFIG_BYTES:
-        raise AdapterFileError(ErrorCode.ADAPTER_INVALID, f"{CONFIG} is larger than {MAX_CONFIG_BYTES} bytes")
+        raise AdapterFileError(
+            f"{CONFIG} is larger than {MAX_CONFIG_BYTES} bytes", code=ErrorCode.ADAPTER_INVALID
+        )
     try:
         config = json.loads(path.read_bytes())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise AdapterFileError(ErrorCode.ADAPTER_INVALID, f"{CONFIG} is not valid JSON: {exc}") from None
+        raise AdapterFileError(f"{CONFIG} is not valid JSON: {exc}", code=ErrorCode.ADAPTER_INVALID) from None
     if not isinstance(config, dict):
-        raise AdapterFileError(ErrorCode.ADAPTER_INVALID, f"{CONFIG} must hold a JSON object")
+        raise AdapterFileError(f"{CONFIG} must hold a JSON object", code=ErrorCode.ADAPTER_INVALID)
     return config
 
 
@@ -94,16 +96,18 @@ def read_safetensors_header(path: Path) -> dict[str, tuple[str, list[int]]]:
     with open(path, "rb") as f:
         head = f.read(8)
         if len(head) < 8:
-            raise AdapterFileError(bad, f"{WEIGHTS} is too short to be safetensors")
+            raise AdapterFileError(f"{WEIGHTS} is too short to be safetensors", code=bad)
         (n,) = struct.unpack("<Q", head)
         if n > MAX_HEADER_BYTES or 8 + n > size:
-            raise AdapterFileError(bad, f"{WEIGHTS} has a corrupt header (length {n}, file {size} bytes)")
+            raise AdapterFileError(
+                f"{WEIGHTS} has a corrupt header (length {n}, file {size} bytes)", code=bad
+            )
         try:
             header = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise AdapterFileError(bad, f"{WEIGHTS} has a corrupt header: {exc}") from None
+            raise AdapterFileError(f"{WEIGHTS} has a corrupt header: {exc}", code=bad) from None
     if not isinstance(header, dict):
-        raise AdapterFileError(bad, f"{WEIGHTS} has a corrupt header (not an object)")
+        raise AdapterFileError(f"{WEIGHTS} has a corrupt header (not an object)", code=bad)
     header.pop("__metadata__", None)
     data = size - 8 - n
     tensors: dict[str, tuple[str, list[int]]] = {}
@@ -118,11 +122,11 @@ def read_safetensors_header(path: Path) -> dict[str, tuple[str, list[int]]]:
             ok = False
         if not ok:
             raise AdapterFileError(
-                bad,
                 f"{WEIGHTS}: tensor {name!r} is corrupt or of an unsupported dtype "
                 f"(supported: {', '.join(_DTYPES)})",
+                code=bad,
             )
         tensors[name] = (dtype, [int(d) for d in shape])
     if not tensors:
-        raise AdapterFileError(bad, f"{WEIGHTS} holds no tensors")
+        raise AdapterFileError(f"{WEIGHTS} holds no tensors", code=bad)
     return tensors

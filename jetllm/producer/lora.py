@@ -21,22 +21,11 @@ import msgspec
 import nats.js.errors
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig, ObjectStoreConfig, StorageType
+from nats.js.api import ObjectStoreConfig, StorageType
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
-from ..schemas import (
-    AdapterList,
-    AdapterManifest,
-    AdapterReply,
-    AdapterSource,
-    AdapterSpec,
-    ControlFailed,
-    LoraLoad,
-    LoraUnload,
-)
-from . import codec
-from .adapterfiles import (
+from ..adapterfiles import (
     ADAPTER_FILES,
     CONFIG,
     WEIGHTS,
@@ -45,8 +34,22 @@ from .adapterfiles import (
     read_config,
     read_safetensors_header,
 )
+from ..errors import JetllmError
+from ..schemas import (
+    AdapterList,
+    AdapterManifest,
+    AdapterReply,
+    AdapterSource,
+    AdapterSpec,
+    ControlFailed,
+    ErrorCode,
+    LoraLoad,
+    LoraUnload,
+)
+from ..subjects import codec
+from ..subjects.names import Names
+from ..subjects.setup import ensure_bucket, ensure_lora_bucket
 from .fleet import gather
-from .names import Names
 from .registry import entries_matching, instances
 
 _spec = codec.Decoder(AdapterSpec)
@@ -55,36 +58,20 @@ _change_reply = codec.Decoder(AdapterReply | ControlFailed)
 _list_reply = codec.Decoder(AdapterList | ControlFailed)
 
 
-class AdapterError(Exception):
+class AdapterError(JetllmError):
     """A LoRA command failed before any worker was asked."""
 
 
-async def ensure_lora_bucket(js: JetStreamContext, names: Names, *, replicas: int = 1) -> KeyValue:
-    cfg = KeyValueConfig(
-        bucket=names.lora_bucket,
-        description="jetllm: LoRA adapters each model should serve",
-        history=5,
-        storage=StorageType.FILE,
-        replicas=replicas,
-    )
-    try:
-        return await js.create_key_value(cfg)
-    except nats.js.errors.BadRequestError:
-        return await js.key_value(names.lora_bucket)
-
-
 async def ensure_adapters_store(js: JetStreamContext, names: Names, *, replicas: int = 1) -> ObjectStore:
-    try:
-        return await js.create_object_store(
-            names.adapters_store,
-            ObjectStoreConfig(
-                description="jetllm: LoRA adapter files",
-                storage=StorageType.FILE,
-                replicas=replicas,
-            ),
-        )
-    except nats.js.errors.BadRequestError:
-        return await js.object_store(names.adapters_store)
+    return await ensure_bucket(
+        js,
+        ObjectStoreConfig(
+            bucket=names.adapters_store,
+            description="jetllm: LoRA adapter files",
+            storage=StorageType.FILE,
+            replicas=replicas,
+        ),
+    )
 
 
 @dataclass
@@ -115,7 +102,7 @@ class LoraAdmin:
         try:
             msgspec.convert({"name": name, "source": "object", "ref": name}, AdapterSpec)
         except msgspec.ValidationError as exc:
-            raise AdapterError(f"bad adapter name {name!r}: {exc}") from None
+            raise AdapterError(f"bad adapter name {name!r}: {exc}", code=ErrorCode.INVALID_REQUEST) from None
         files = await anyio.to_thread.run_sync(_checked_digests, directory)
         sha = combined_sha256(files)
         store = await ensure_adapters_store(self.js, self.names)
@@ -157,7 +144,7 @@ class LoraAdmin:
                 AdapterSpec,
             )
         except msgspec.ValidationError as exc:
-            raise AdapterError(f"bad adapter: {exc}") from None
+            raise AdapterError(f"bad adapter: {exc}", code=ErrorCode.INVALID_REQUEST) from None
         revision = await kv.put(key, codec.encode(spec))
         out = await self._ask(
             model, "lora-load", LoraLoad(name=name, version=version), _change_reply, instance
@@ -195,7 +182,8 @@ class LoraAdmin:
             nats.js.errors.ObjectDeletedError,
         ):
             raise AdapterError(
-                f"no adapter {name!r} in the adapters object store; `jetllm lora push` it first"
+                f"no adapter {name!r} in the adapters object store; `jetllm lora push` it first",
+                code=ErrorCode.ADAPTER_NOT_FOUND,
             ) from None
         return _manifest.decode(found.data)  # type: ignore[arg-type]  # nats-py: data Optional
 

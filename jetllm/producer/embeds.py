@@ -10,11 +10,13 @@ import hashlib
 from typing import Any
 
 import anyio
-import nats.js.errors
+from nats.js import JetStreamContext
 from nats.js.api import ObjectMeta, ObjectMetaOptions, ObjectStoreConfig, StorageType
+from nats.js.object_store import ObjectStore
 
 from ..schemas import EmbedsPrompt
-from .names import Names
+from ..subjects.names import Names
+from ..subjects.setup import ensure_bucket
 
 CHUNK_SIZE = 512 * 1024
 """Object chunk size: well under the smallest usual max_payload (1 MB), few round trips."""
@@ -45,20 +47,19 @@ def embeds_prompt(array: Any, *, dtype: str | None = None) -> EmbedsPrompt:
     return EmbedsPrompt(dtype=name, shape=[int(n) for n in arr.shape], data=data)  # type: ignore[arg-type]
 
 
-async def embeds_store(js: Any, names: Names, *, ttl: float, replicas: int = 1) -> Any:
+async def embeds_store(js: JetStreamContext, names: Names, *, ttl: float, replicas: int = 1) -> ObjectStore:
     """The namespace's embeddings object store, created on first use. Objects expire after `ttl`
     seconds (the job queue's max_age: no job can need one longer)."""
-    try:
-        return await js.object_store(names.embeds_store)
-    except nats.js.errors.BucketNotFoundError:
-        config = ObjectStoreConfig(
+    return await ensure_bucket(
+        js,
+        ObjectStoreConfig(
             bucket=names.embeds_store,
             ttl=ttl,
             replicas=replicas,
             storage=StorageType.FILE,
             description="jetllm prompt embeddings too big for a job message",
-        )
-        return await js.create_object_store(names.embeds_store, config=config)
+        ),
+    )
 
 
 async def upload(store: Any, name: str, prompt: EmbedsPrompt) -> EmbedsPrompt:

@@ -17,8 +17,8 @@ import nats.js.errors
 from nats.js import JetStreamContext
 
 from ..schemas import Cancelled, Frame, Record, Result, Step, Steps, TokensFrame
-from . import codec
-from .names import Names
+from ..subjects import codec
+from ..subjects.names import Names
 from .sequencer import rest_of
 
 log = logging.getLogger(__name__)

@@ -7,8 +7,8 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 
 from ..schemas import DeadLetter
-from . import codec
-from .names import Names
+from ..subjects import codec
+from ..subjects.names import Names
 
 _decoder = codec.Decoder(DeadLetter)
 

@@ -15,36 +15,17 @@ from typing import Any
 import msgspec
 import nats.js.errors
 from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig, StorageType
 from nats.js.kv import KeyValue
 
 from ..schemas import InstanceRecord, ModelCard
-from . import codec
-from .names import Names
+from ..subjects import codec
+from ..subjects.names import Names
+from ..subjects.setup import ensure_registry
 
 log = logging.getLogger(__name__)
 
-RECORD_TTL = 10.0
-"""Seconds a record outlives its last heartbeat in the bucket (the bound after a SIGKILL)."""
-
 _instance = codec.Decoder(InstanceRecord)
 _card = codec.Decoder(ModelCard)
-
-
-async def ensure_registry(js: JetStreamContext, names: Names, *, replicas: int = 1) -> KeyValue:
-    cfg = KeyValueConfig(
-        bucket=names.registry_bucket,
-        description="jetllm registry: live instances (i.*) and model cards (m.*)",
-        history=1,
-        ttl=RECORD_TTL,
-        storage=StorageType.FILE,
-        replicas=replicas,
-        limit_marker_ttl=RECORD_TTL,
-    )
-    try:
-        return await js.create_key_value(cfg)
-    except nats.js.errors.BadRequestError:
-        return await js.key_value(names.registry_bucket)
 
 
 async def entries_matching(kv: KeyValue, pattern: str, *, meta_only: bool = False) -> list[KeyValue.Entry]:

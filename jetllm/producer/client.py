@@ -30,6 +30,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import PubAck
 
+from .. import tracecontext
 from ..aio import retried
 from ..errors import PayloadTooLarge, RequestFailed
 from ..schemas import (
@@ -44,19 +45,19 @@ from ..schemas import (
     GenerateRequest,
     Result,
 )
-from . import codec, results, tracecontext
+from ..subjects import codec
+from ..subjects.codec import HEADER_MARGIN
+from ..subjects.connection import connect
+from ..subjects.direct import subscribe_direct
+from ..subjects.names import Names, check_role
+from ..subjects.setup import QueuePolicy, check_server, ensure_streams
+from . import results
 from .completion import Completion, assemble
-from .connection import connect
-from .direct import subscribe_direct
 from .embeds import embeds_store, upload
-from .names import Names, check_role
 from .sequencer import Decision, Sequencer
-from .setup import QueuePolicy, check_server, ensure_streams
 
 log = logging.getLogger(__name__)
 
-HEADER_MARGIN = 512
-"""Bytes kept free under max_payload for headers (nats-py only checks the body)."""
 PROBE_TIMEOUT = 0.25
 """How long a ping waits: "no responders" comes back within a round trip to the server; later
 than this, the worker is there and busy, and the next ping is soon anyway."""

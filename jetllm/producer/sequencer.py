@@ -35,7 +35,7 @@ from ..schemas import (
     ResumeQuery,
     TokensFrame,
 )
-from . import codec
+from ..subjects import codec
 
 
 class Decision(msgspec.Struct, frozen=True, kw_only=True):
