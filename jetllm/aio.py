@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import anyio
@@ -60,6 +60,14 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def backoff(first: float, longest: float) -> Iterator[float]:
+    """Pauses between attempts: `first`, then twice as long each time, never more than `longest`."""
+    delay = first
+    while True:
+        yield delay
+        delay = min(delay * 2, longest)
+
+
 async def retried(
     call: Callable[[], Awaitable[T]],
     *,
@@ -73,8 +81,7 @@ async def retried(
     (from `first` up to `longest`) for up to `within` seconds; then the last failure is raised.
     For calls that fail while a server restarts or a stream leader moves: there waiting is the fix."""
     deadline = time.monotonic() + within
-    delay = first
-    while True:
+    for delay in backoff(first, longest):
         try:
             return await call()
         except errors as exc:
@@ -82,4 +89,4 @@ async def retried(
                 raise
             log.info("%s failed (%s); retrying in %.1fs", what, type(exc).__name__, delay)
             await anyio.sleep(delay)
-            delay = min(delay * 2, longest)
+    raise AssertionError("unreachable")

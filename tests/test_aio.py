@@ -5,7 +5,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from jetllm.aio import retried
+from jetllm.aio import backoff, retried
 
 pytestmark = pytest.mark.anyio
 
@@ -43,3 +43,9 @@ async def test_other_failures_are_not_retried():
     with pytest.raises(ValueError, match="bad"):
         await retried(call, errors=(TimeoutError,), within=5, what="x")
     assert call.calls == 1
+
+
+def test_backoff_doubles_up_to_its_longest_pause():
+    from itertools import islice
+
+    assert list(islice(backoff(0.1, 0.5), 5)) == [0.1, 0.2, 0.4, 0.5, 0.5]

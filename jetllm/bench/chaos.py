@@ -268,6 +268,8 @@ async def _main(args: argparse.Namespace, log_dir: Path) -> tuple[Run, Run, Canc
     if model is None:
         model, served = str(tinymodel.ensure()), served or "tiny"
     served = served or model
+    if args.slots is None:
+        args.slots = args.concurrency
     args.vocab = _vocab(type("O", (), {"model": model})())
     extra = [
         "--max-model-len",
@@ -362,7 +364,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-len", type=int, default=20, help="tokens per prompt")
     p.add_argument("--output-len", type=int, default=200, help="generated tokens per request (greedy)")
     p.add_argument("--workers", type=int, default=2, help="worker processes")
-    p.add_argument("--slots", type=int, default=16, help="slots per worker")
+    p.add_argument(
+        "--slots",
+        type=int,
+        default=None,
+        help="slots per worker (default: the concurrency, so the survivors have a slot for every moved request)",
+    )
     p.add_argument("--kills", type=int, default=2, help="SIGKILLs in the second run")
     p.add_argument("--kill-every", type=float, default=4.0, help="seconds between kills")
     p.add_argument("--ack-wait", type=float, default=10.0, help="the queue's ack_wait (redelivery backstop)")

@@ -25,7 +25,7 @@ import msgspec
 import nats.errors
 import nats.js.errors
 
-from ..aio import supervised
+from ..aio import backoff, supervised
 from ..schemas import (
     ControlDone,
     ErrorCode,
@@ -297,8 +297,7 @@ class KvEventRelay:
 
     async def _load_last_seq(self) -> None:
         """Continue the instance's numbering: a restarted worker with the same id must not reuse seqs."""
-        delay = 0.2
-        while True:
+        for delay in backoff(0.2, 5.0):
             try:
                 raw = await self.ctx.js.get_last_msg(self.ctx.names.kv_events_stream, self.subject)
                 self.seq = _batch_reader.decode(raw.data or b"").seq
@@ -315,7 +314,6 @@ class KvEventRelay:
             except Exception as exc:
                 log.warning("KV events: cannot read the last batch yet (%s)", exc)
                 await anyio.sleep(delay)
-                delay = min(delay * 2, 5.0)
 
     async def _publish_loop(self) -> None:
         while True:
@@ -379,9 +377,8 @@ class KvEventRelay:
         """Publish until JetStream acknowledges; only then does `seq` move on."""
         data = codec.encode(batch)
         msg_id = f"{self.ctx.instance}:{batch.seq}"
-        delay = 0.1
         failures = 0
-        while True:
+        for delay in backoff(0.1, 5.0):
             try:
                 await self.ctx.js.publish(
                     self.subject,
@@ -403,7 +400,6 @@ class KvEventRelay:
                         exc,
                     )
             await anyio.sleep(delay)
-            delay = min(delay * 2, 5.0)
         self.seq = batch.seq
         self.counters["published"] += 1
 

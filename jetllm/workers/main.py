@@ -8,6 +8,7 @@ import time
 import anyio
 from nats.aio.client import Client as NATS
 
+from ..aio import retried
 from ..subjects.connection import connect, redact
 from ..subjects.setup import check_server
 from .engine.options import EngineOptions
@@ -20,17 +21,14 @@ EXIT_STARTUP_FAILED = 2
 
 async def connect_waiting(url: str, wait: float, name: str) -> NATS:
     """Connect, retrying for up to `wait` seconds: workers often start before NATS is up."""
-    deadline = time.monotonic() + wait
-    delay = 0.25
-    while True:
-        try:
-            return await connect(url, name=name)
-        except ConnectionError as exc:
-            if time.monotonic() + delay > deadline:
-                raise
-            log.info("waiting for NATS at %s (%s)", redact(url), exc)
-            await anyio.sleep(delay)
-            delay = min(delay * 2, 5.0)
+    return await retried(
+        lambda: connect(url, name=name),
+        errors=(ConnectionError,),
+        within=wait,
+        what=f"connecting to NATS at {redact(url)}",
+        first=0.25,
+        longest=5.0,
+    )
 
 
 async def run_worker(

@@ -10,6 +10,7 @@ import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
 
+from ..aio import retried
 from ..schemas import Cancelled, Claim, Handoff, Record, Result, Step, Steps, TokensFrame
 from ..subjects import codec
 from ..subjects.names import Names
@@ -147,24 +148,21 @@ class RequestLog:
         For records that decide whether a job runs again (results, and steps rewritten after a
         reconnect): a plain publish that reaches a server still recovering its streams is dropped.
         """
-        delay = 0.2
-        with anyio.move_on_after(within):
-            while True:
-                try:
-                    await self.js.publish(self.names.request_log(request_id), codec.encode(record), timeout=5)
-                    return
-                except (nats.errors.Error, TimeoutError) as exc:
-                    log.debug(
-                        "request %s: storing a %s record failed (%s); retrying",
-                        request_id,
-                        type(record).__name__,
-                        exc,
-                    )
-                await anyio.sleep(delay)
-                delay = min(delay * 2, 2.0)
-        raise LogUnavailable(
-            f"request log: could not store a {type(record).__name__} record in {within:.0f}s"
-        )
+        subject, data = self.names.request_log(request_id), codec.encode(record)
+        try:
+            with anyio.fail_after(within):
+                await retried(
+                    lambda: self.js.publish(subject, data, timeout=5),
+                    errors=(nats.errors.Error, TimeoutError),
+                    within=within,
+                    what=f"request {request_id}: storing a {type(record).__name__} record",
+                    first=0.2,
+                    longest=2.0,
+                )
+        except (nats.errors.Error, TimeoutError):
+            raise LogUnavailable(
+                f"request log: could not store a {type(record).__name__} record in {within:.0f}s"
+            ) from None
 
     async def store_result(self, request_id: str, result: Result) -> None:
         """Store a request's end before acking its job, so a redelivery answers from it, not reruns."""
