@@ -9,6 +9,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
+from jetllm.producer import Client
 from jetllm.producer.fleet import ask
 from jetllm.producer.registry import instances, model_cards
 from jetllm.producer.traces import trace_records
@@ -167,11 +168,15 @@ async def _sleeping(js, names):
 
 
 async def test_a_trace_id_travels_on_the_job_its_first_and_last_frame_and_the_worker_timing_record(
-    nats_url, client, fake_engine
+    nats_url, namespace, fake_engine
 ):
-    names = client.names
     trace_id, parent = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
-    async with inproc_worker(nats_url, fake_engine, namespace=names.namespace) as worker:
+    # JSON frames are sent one message each (msgpack ones may go batched, without headers)
+    async with (
+        Client(nats_url, namespace=namespace, encoding="json") as client,
+        inproc_worker(nats_url, fake_engine, namespace=namespace) as worker,
+    ):
+        names = client.names
         sub = await client.nc.subscribe(f"{client._inbox_root}.>")  # a second listener on the frames
         request = req("fake", max_tokens=5)
         frames = [f async for f in client.generate(request, traceparent=f"00-{trace_id}-{parent}-01")]
@@ -182,7 +187,7 @@ async def test_a_trace_id_travels_on_the_job_its_first_and_last_frame_and_the_wo
                 seen.append(await sub.next_msg(timeout=1))
         await sub.unsubscribe()
         traced = [m for m in seen if m.headers]  # token frames go without: one header parse per token
-        kinds = [type(codec.frame_decoder.decode(m.data)).__name__ for m in traced]
+        kinds = [type(codec.frame_decoder.decode(m.data, "json")).__name__ for m in traced]
         assert kinds == ["AcceptedFrame", "FinalFrame"]
         headers = {m.headers.get("traceparent") for m in traced}
         assert len(seen) == len(frames) and len(headers) == 1

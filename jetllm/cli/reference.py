@@ -38,6 +38,7 @@ SECTIONS: list[tuple[str, list[type]]] = [
         "Reply frames",
         [s.AcceptedFrame, s.TokensFrame, s.HeartbeatFrame, s.FinalFrame, s.Choice, s.Usage, s.ErrorFrame],
     ),
+    ("Frame batches", [s.FrameBatch, s.BatchedFrame]),
     ("Taking a request over", [s.ResumeQuery, s.Delivered]),
     ("Request log", [s.Claim, s.Steps, s.Step, s.Handoff, s.Cancelled, s.Result]),
     ("Control", [s.CancelRequest, s.StatusRequest, s.WorkerStatus]),

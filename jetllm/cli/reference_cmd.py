@@ -21,6 +21,7 @@ def wire_types() -> dict[str, object]:
         "CancelRequest": s.CancelRequest,
         # what comes back: frames on the reply subject, the request log, dead letters, traces
         "Frame": s.Frame,
+        "FrameBatch": s.FrameBatch,
         "ResumeQuery": s.ResumeQuery,
         "Delivered": s.Delivered,
         "Record": s.Record,

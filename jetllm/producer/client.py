@@ -42,6 +42,7 @@ from ..schemas import (
     ErrorFrame,
     FinalFrame,
     Frame,
+    FrameBatch,
     GenerateRequest,
     Result,
 )
@@ -49,7 +50,7 @@ from ..subjects import codec
 from ..subjects.codec import HEADER_MARGIN
 from ..subjects.connection import connect
 from ..subjects.direct import subscribe_direct
-from ..subjects.names import Names, check_role
+from ..subjects.names import FRAME_BATCH_TOKEN, Names, check_role, frame_batch_subject
 from ..subjects.setup import QueuePolicy, check_server, ensure_streams
 from . import results
 from .completion import Completion, assemble
@@ -57,6 +58,7 @@ from .embeds import embeds_store, upload
 from .sequencer import Decision, Sequencer
 
 log = logging.getLogger(__name__)
+_batch_decoder = codec.Decoder(FrameBatch)
 
 PROBE_TIMEOUT = 0.25
 """How long a ping waits: "no responders" comes back within a round trip to the server; later
@@ -200,9 +202,25 @@ class Client:
         self._nc = None
 
     def _on_frame(self, msg: Msg) -> None:
-        inbox = self._inboxes.get(msg.subject[len(self._inbox_root) + 1 :])
+        key = msg.subject[len(self._inbox_root) + 1 :]
+        inbox = self._inboxes.get(key)
         if inbox is not None:
             inbox.put(msg if msg.reply else msg.data)  # frames never ask for a reply
+        elif key == FRAME_BATCH_TOKEN:
+            self._on_batch(msg.data)
+
+    def _on_batch(self, data: bytes) -> None:
+        """Frames of several of our requests in one message (workers/framebatch.py)."""
+        try:
+            batch = _batch_decoder.decode(data)
+        except msgspec.DecodeError as exc:
+            log.warning("ignoring an unreadable frame batch: %s", exc)
+            return
+        start = len(self._inbox_root) + 1
+        for entry in batch.frames:
+            inbox = self._inboxes.get(entry.to[start:]) if entry.to.startswith(self._inbox_root) else None
+            if inbox is not None:
+                inbox.put(bytes(entry.frame))
 
     async def _watchdog(self) -> None:
         """Wakes requests whose wait ran out; a timer per request per frame costs too much.
@@ -236,7 +254,12 @@ class Client:
         return data
 
     async def submit(
-        self, req: GenerateRequest, *, role: str = "generate", traceparent: str | None = None
+        self,
+        req: GenerateRequest,
+        *,
+        role: str = "generate",
+        traceparent: str | None = None,
+        batch_frames: bool = False,
     ) -> PubAck:
         """Publish a job durably; the PubAck says it is stored (or was a duplicate).
 
@@ -244,7 +267,9 @@ class Client:
         seconds; the request id as `Nats-Msg-Id` makes the retries safe. The job carries a W3C
         `traceparent` (the one given, else a new trace) that its frames and records repeat.
         `role` names the job queue, one of `names.ROLES` (the queues workers consume); any other
-        raises ValueError rather than publish a job nobody would take.
+        raises ValueError rather than publish a job nobody would take. `batch_frames`: the reader of
+        `req.reply_to` also reads its `.batch` sibling (as `generate` does), so the worker may send
+        frames of several requests together.
         """
         check_role(role)
         req, _ = await self.offload_embeds(req)
@@ -254,6 +279,8 @@ class Client:
             codec.CONTENT_TYPE: codec.content_type(self.encoding),
             tracecontext.HEADER: traceparent or tracecontext.new_traceparent(),
         }
+        if batch_frames and req.reply_to is not None and self.encoding == "msgpack":
+            headers[codec.FRAME_BATCH_HEADER] = frame_batch_subject(req.reply_to)
         subject = self.names.jobs(role, req.model)
         return await retried(
             lambda: self.js.publish(subject, data, headers=headers, timeout=2.0),
@@ -360,7 +387,7 @@ class Client:
         uploaded = None
         try:
             req, uploaded = await self.offload_embeds(req)
-            ack = await self.submit(req, role=role, traceparent=traceparent)
+            ack = await self.submit(req, role=role, traceparent=traceparent, batch_frames=True)
             if ack.duplicate:
                 # The job exists already (submitted before, maybe by a run that died): follow it.
                 ours = False  # nothing of ours to cancel: the request belongs to its first submitter

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+import msgspec
+
 from .common import ErrorCode, Report, Tolerant
 
 FinishReason = Literal["stop", "length", "cancelled", "error", "repetition"]
@@ -111,3 +113,17 @@ class Delivered(Report, kw_only=True):
     """The producer's answer to a ResumeQuery: the token frames it holds after `after`, in seq order."""
 
     frames: list[TokensFrame] = []
+
+
+class BatchedFrame(Tolerant, kw_only=True):
+    to: str
+    """The request's reply subject."""
+    frame: msgspec.Raw
+    """The frame, encoded as it would be sent alone (msgpack)."""
+
+
+class FrameBatch(Report, kw_only=True):
+    """Frames of several requests of one producer, sent together on its batch subject when its jobs
+    carry the `Jetllm-Frame-Batch` header; in the order the worker sent them."""
+
+    frames: list[BatchedFrame]

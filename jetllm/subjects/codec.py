@@ -21,6 +21,10 @@ _BY_TYPE: dict[str, Encoding] = {
     "text/json": "json",
 }
 
+FRAME_BATCH_HEADER = "Jetllm-Frame-Batch"
+"""On a job: the producer reads this job's frames batched with others' on the subject named
+(see workers/framebatch.py). A header, not a field: a worker that does not know it sends frames singly."""
+
 HEADER_MARGIN = 512
 """Bytes kept free under max_payload for headers (nats-py only checks the body)."""
 

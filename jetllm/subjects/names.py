@@ -93,6 +93,15 @@ def is_safe_reply_subject(subject: str) -> bool:
     return all(t and t not in ("*", ">") and not any(c.isspace() for c in t) for t in tokens)
 
 
+FRAME_BATCH_TOKEN = "batch"
+"""Last token of a producer's batch subject, beside its per-request reply subjects (which are hex)."""
+
+
+def frame_batch_subject(reply_to: str) -> str:
+    """Where a producer reads batched frames: its reply subject's sibling `<prefix>.batch`."""
+    return f"{reply_to.rpartition('.')[0]}.{FRAME_BATCH_TOKEN}"
+
+
 class Names:
     """The names of one namespace."""
 

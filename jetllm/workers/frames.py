@@ -24,6 +24,7 @@ from ..schemas import (
     Usage,
 )
 from ..subjects import codec
+from .framebatch import FrameBatcher
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +49,11 @@ class FrameSink:
         log_subject: str | None = None,
         checkpoint_interval: float = CHECKPOINT_INTERVAL,
         headers: dict[str, str] | None = None,
+        batch: tuple[FrameBatcher, str] | None = None,
     ) -> None:
         self._nc = nc
+        self._batch = batch
+        """Where frames go together with other requests' (framebatch.py), when the producer reads batches."""
         self.reply_to = reply_to
         self.encoding = encoding
         self.request_id = request_id
@@ -98,6 +102,11 @@ class FrameSink:
         if frame.seq > self.sent_seq:
             self.sent_seq = frame.seq
         if self.reply_to is None:
+            return
+        if self._batch is not None:
+            batcher, subject = self._batch
+            batcher.add(subject, self.reply_to, codec.encode(frame, self.encoding))
+            self.frames_sent += 1
             return
         try:
             await self._nc.publish(self.reply_to, codec.encode(frame, self.encoding), headers=headers)

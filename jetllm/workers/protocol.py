@@ -43,6 +43,7 @@ from ..schemas import (
 from ..subjects import codec
 from .context import WorkerContext
 from .deadletters import DeadLetters
+from .framebatch import FrameBatcher, batch_subject
 from .frames import CHECKPOINT_INTERVAL, FrameSink
 from .jobs import Job, RejectedJob, dead_letter_record, salvage
 from .pulls import Pulls
@@ -76,6 +77,7 @@ class JobDeps:
     pulls: Pulls
     lifecycle: Lifecycle
     checkpoint_interval: float = CHECKPOINT_INTERVAL
+    batcher: FrameBatcher | None = None
 
 
 class JobRun:
@@ -129,6 +131,7 @@ class JobRun:
                 log_subject=d.ctx.names.request_log(req.request_id),
                 checkpoint_interval=d.checkpoint_interval,
                 headers=hop.header,
+                batch=self._batch(msg.headers, req.reply_to, encoding),
             )
             self.tokens = frames.tokens
             await self._serve()
@@ -169,6 +172,13 @@ class JobRun:
             d.ctx.counters.frames_sent += frames.frames_sent
             with anyio.CancelScope(shield=True):
                 await self._settle_interrupted(run)
+
+    def _batch(
+        self, headers: dict[str, str] | None, reply_to: str | None, encoding: codec.Encoding
+    ) -> tuple[FrameBatcher, str] | None:
+        batcher = self._d.batcher
+        subject = batch_subject(headers, reply_to, encoding) if batcher is not None else None
+        return (batcher, subject) if batcher is not None and subject is not None else None
 
     # the handle a role runs the job through
 

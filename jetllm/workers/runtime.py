@@ -42,6 +42,7 @@ from .deadletters import DeadLetters
 from .embeds import EmbedsLoader
 from .engine import Engine
 from .enginecontrol import EngineControl
+from .framebatch import FrameBatcher
 from .kvevents import KvEventRelay
 from .lora import LoraManager
 from .protocol import Exhausted, JobDeps, intake
@@ -158,6 +159,7 @@ class Worker:
             reports.load_reports,
             interval=config.registry_interval,
         )
+        self.batcher = FrameBatcher(nc)
         self.jobs = jobs = JobDeps(
             ctx=ctx,
             role=self.role,
@@ -169,6 +171,7 @@ class Worker:
             pulls=pulls,
             lifecycle=lifecycle,
             checkpoint_interval=config.checkpoint_interval,
+            batcher=self.batcher,
         )
         on_job = intake(jobs, slots)
         self.engine_control = EngineControl(
@@ -223,6 +226,7 @@ class Worker:
             ("engine monitor", self.engine_control.monitor, ()),
             ("heartbeats", self.running.tick, (config.heartbeat_interval, config.policy.ack_wait)),
             ("log resync", resync_after_reconnects, (self.nc, self.log, self.instance, self.running)),
+            ("frame batches", self.batcher.run, ()),
         ]
         if self.lora.enabled:
             services.append(("LoraManager.watch", self.lora.watch, ()))
