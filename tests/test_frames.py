@@ -115,3 +115,14 @@ async def test_only_the_accepted_and_the_last_frame_carry_the_trace_header():
         ("HeartbeatFrame", None),
         ("FinalFrame", trace),
     ]
+
+
+async def test_no_checkpoint_follows_the_end_of_a_request():
+    """Readers take the log's last record for the result, and compaction keeps only the last."""
+    nc = Wire()
+    frames = FrameSink(nc, "inbox", "msgpack", "r", log_subject="log", checkpoint_interval=3600)  # type: ignore[arg-type]
+    await frames.tokens(0, [5], None)
+    final = frames.final_frame([], Usage(prompt_tokens=1, completion_tokens=1))
+    await frames.checkpoint_if_due(frames.last_sent + 7200)  # the heartbeat tick, after the result was stored
+    await frames.send(final)
+    assert [where for where, _ in nc.sent] == ["frame", "frame"]

@@ -204,7 +204,13 @@ class FrameSink:
         except Exception as exc:  # the producer still holds them; a broker restart rewrites them
             log.warning("request %s: frames up to %d not logged: %s", self.request_id, pending[-1].seq, exc)
 
+    def _ending(self) -> None:
+        """The result is about to be stored: no checkpoint may follow it (compaction keeps the last
+        record, and readers take the last one for the result)."""
+        self.log_subject = None
+
     def final_frame(self, choices: list[Choice], usage: Usage) -> FinalFrame:
+        self._ending()
         return FinalFrame(
             seq=self._next(), attempt=self.attempt, request_id=self.request_id, choices=choices, usage=usage
         )
@@ -212,6 +218,7 @@ class FrameSink:
     def error_frame(
         self, code: ErrorCode, message: str, field: str | None = None, retryable: bool = False
     ) -> ErrorFrame:
+        self._ending()
         return ErrorFrame(
             seq=self._next(),
             attempt=self.attempt,
