@@ -113,15 +113,18 @@ def _resume_times(
     ended: dict[str, float],
 ) -> list[float]:
     """For each request a kill interrupted (running on the killed worker, not ended yet): the time
-    from the kill to its next token. Read from the frames, not from a status taken before the kill,
-    which under load misses requests the worker took meanwhile."""
+    from the kill to its next token from the worker that took it over (tokens the killed worker
+    sent just before it died can still arrive after the kill; they do not count). Read from the
+    frames, not from a status taken before the kill, which under load misses requests the worker
+    took meanwhile."""
     resume = []
     for at, victim in kill_times:
         for rid, accepts in on.items():
             before = [worker for t, worker in accepts if t < at]
             if not before or before[-1] != victim or ended.get(rid, at) < at:
                 continue
-            later = [t for t in arrivals.get(rid, []) if t > at]
+            moved = [t for t, worker in accepts if t > at]
+            later = [t for t in arrivals.get(rid, []) if moved and t > moved[0]]
             if later:
                 resume.append(later[0] - at)
     return resume
