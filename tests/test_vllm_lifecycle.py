@@ -6,6 +6,7 @@ import os
 import signal
 
 import anyio
+import nats.errors
 import pytest
 
 from jetllm.producer import Client
@@ -106,5 +107,17 @@ async def test_a_worker_killed_alone_takes_its_engine_processes_with_it(nats_url
         engine = psutil.Process(worker.proc.pid).children(recursive=True)
         assert len(engine) >= 2, [p.name() for p in engine]  # EngineCore and its model runner
         os.kill(worker.proc.pid, signal.SIGKILL)
+        # Its NATS connection dies with it, not with the engine processes it forked (reaped ~5 s
+        # later): the server says "no responders" at once, which is how producers move its jobs.
+        ping = c.names.instance_control(worker.instance, "ping")
+        with anyio.fail_after(2):
+            while True:
+                try:
+                    await c.nc.request(ping, b"", timeout=0.25)
+                except nats.errors.NoRespondersError:
+                    break
+                except nats.errors.TimeoutError:
+                    pass
+                await anyio.sleep(0.05)
         _, alive = await anyio.to_thread.run_sync(lambda: psutil.wait_procs(engine, timeout=60))
         assert not alive, [(p.pid, p.name()) for p in alive]
