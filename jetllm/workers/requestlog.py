@@ -117,6 +117,8 @@ def contiguous_after(after: int, frames: list[TokensFrame]) -> list[TokensFrame]
     """The frames that continue seq `after` with no gap (a producer's answer is not trusted blindly)."""
     out: list[TokensFrame] = []
     for f in sorted(frames, key=lambda f: f.seq):
+        if f.index < 0 or any(t < 0 for t in f.token_ids):
+            break  # not a frame a worker sent
         if f.seq == after + len(out) + 1:
             out.append(f)
         elif f.seq > after + len(out) + 1:
