@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 import anyio
 import nats.errors
 import pytest
 
 from jetllm.producer import Client
-from jetllm.schemas import StopConditions
+from jetllm.producer.completion import Completion, assemble
+from jetllm.schemas import Frame, StopConditions, TokensFrame
 from jetllm.workers.runtime import EXIT_ENGINE_DEAD
 
 from .conftest import TINY
 from .jobs import consumer_counts, req
 
 pytestmark = [pytest.mark.anyio, pytest.mark.vllm]
+
+LONG = 480  # tokens per request: the most the test worker's 512-token context holds after the prompt
 
 
 async def test_queued_jobs_wait_for_a_worker_and_sigterm_drains_without_losing_any(
@@ -25,19 +30,29 @@ async def test_queued_jobs_wait_for_a_worker_and_sigterm_drains_without_losing_a
     """Jobs published before any worker exists are served once one starts; SIGTERM with 8 requests
     in flight lets them finish, the job it had not started goes to a second worker, exit code 0."""
     async with Client(nats_url, namespace=namespace, heartbeat_timeout=60) as c:
-        results: dict[int, object] = {}
+        results: dict[int, Completion] = {}
+        streaming: set[int] = set()
+        all_streaming = anyio.Event()
+
+        async def watched(i: int, frames: AsyncIterator[Frame]) -> AsyncIterator[Frame]:
+            async for frame in frames:
+                if isinstance(frame, TokensFrame) and i < 8 and i not in streaming:
+                    streaming.add(i)
+                    if len(streaming) == 8:
+                        all_streaming.set()
+                yield frame
 
         async def one(i: int, tokens: int) -> None:
-            results[i] = await c.complete(
-                req(TINY, [10 + i, 20, 30], stop=StopConditions(max_tokens=tokens, ignore_eos=True))
-            )
+            r = req(TINY, [10 + i, 20, 30], stop=StopConditions(max_tokens=tokens, ignore_eos=True))
+            async with aclosing(c.generate(r)) as frames:
+                results[i] = await assemble(r, watched(i, frames), 1)
 
         async def queued() -> int:
             return (await c.nc.jetstream().stream_info(c.names.jobs_stream)).state.messages
 
         async with anyio.create_task_group() as tg:
             for i in range(8):
-                tg.start_soon(one, i, 300)
+                tg.start_soon(one, i, LONG)
             with anyio.fail_after(10):
                 while await queued() < 8:
                     await anyio.sleep(0.02)
@@ -49,25 +64,22 @@ async def test_queued_jobs_wait_for_a_worker_and_sigterm_drains_without_losing_a
             assert results == {}  # nobody serves them yet; they wait in JetStream
 
             first = start_worker(namespace, "--slots", "8", "--grace-period", "120")
-            await first.wait_ready(nats_url)
-            counts = None
+            # Tokens streaming for all 8 is the moment to stop it (the worker may finish them
+            # before a status poll would even see it serving).
             try:
-                with anyio.fail_after(60):
-                    while (counts := await consumer_counts(c.nc, c.names, TINY))[1] != 8:
-                        await anyio.sleep(0.02)
+                with anyio.fail_after(240):
+                    await all_streaming.wait()
             except TimeoutError:
-                pytest.fail(
-                    f"worker never held 8 jobs: (waiting, held)={counts}, "
-                    f"done={sorted(results)}\n{first.log_tail()}"
-                )
+                pytest.fail(f"8 requests never streamed: {sorted(streaming)}\n{first.log_tail()}")
             first.signal(signal.SIGTERM)
             second = start_worker(namespace, "--slots", "8")
             await second.wait_ready(nats_url)
             code = await anyio.to_thread.run_sync(first.wait, 180)
     assert code == 0, first.log_tail()
     assert sorted(results) == list(range(9))
-    assert [len(results[i].token_ids) for i in range(8)] == [300] * 8
-    assert {results[i].worker for i in range(8)} == {first.instance}
+    assert [len(results[i].token_ids) for i in range(8)] == [LONG] * 8
+    assert len({results[i].worker for i in range(8)}) == 1  # the first worker finished them
+    assert results[0].worker != second.instance
     assert results[8].worker == second.instance and len(results[8].token_ids) == 20
 
 
