@@ -1,0 +1,78 @@
+"""Prefill/decode handoff: what a decode worker asks a prefill worker, and where the KV blocks are.
+
+A decode worker renders the prompt, publishes a `PrefillRequest` on the prefill queue and waits
+on its reply subject for `Prefilled` (or an ErrorFrame). The blocks travel on their own subject
+(`Names.kv_blocks(transfer_id)`): first a `KvBlocksHeader`, then the blocks in order, each block
+split into chunks that fit the server's max payload. `Prefilled.checksums` are taken from the
+bytes the prefill engine wrote, so the decode worker checks every block it fetched against a
+digest that came by another path.
+"""
+
+from __future__ import annotations
+
+from .common import Command, Report, Tolerant
+from .generate import TokensPrompt
+
+
+class PrefillRequest(Command, kw_only=True):
+    """A job on `jobs.prefill.<model>`: compute the prompt's KV cache and publish its full blocks."""
+
+    request_id: str
+    """`<generate request id>:prefill:<n>`: the request it serves, and which try."""
+    reply_to: str
+    model: str
+    prompt: TokensPrompt
+    """Rendered by the decode worker, so both engines see exactly the same tokens."""
+    transfer_id: str
+    """Where the blocks go: hex, 16-64 characters (the subject token of `kv_blocks`)."""
+    expires_at: float
+    """Unix time after which nobody waits for the blocks: an older job is refused, and the block
+    stream forgets blocks once they are this old anyway."""
+    adapter: str | None = None
+    cache_salt: str | None = None
+
+
+class KvLayer(Tolerant, kw_only=True):
+    """One KV-cache tensor of the engine, as one block of it is laid out."""
+
+    name: str
+    dtype: str
+    """torch dtype name without the prefix: float32, bfloat16, float16, ..."""
+    block_shape: list[int]
+    """The tensor's shape with the block dimension left out."""
+    block_dim: int
+    """Where the block dimension sits in the engine's tensor."""
+
+
+class KvBlocksHeader(Tolerant, kw_only=True):
+    """What the blocks are: enough for a decode engine to refuse blocks it cannot use."""
+
+    block_size: int
+    """Tokens per block."""
+    num_tokens: int
+    """Tokens covered: num_blocks * block_size (full blocks only)."""
+    num_blocks: int
+    block_bytes: int
+    """Bytes of one block: every layer's slice of it, in `layers` order."""
+    prompt_digest: str
+    """blake2b-128 of the covered prompt tokens (int32 little-endian): blocks of another prompt
+    never load."""
+    layers: list[KvLayer]
+
+
+class Prefilled(Report, kw_only=True, tag_field="kind", tag="prefilled"):
+    """The prefill worker's answer: the blocks are published and checked."""
+
+    request_id: str
+    transfer_id: str
+    worker: str
+    header: KvBlocksHeader
+    checksums: list[str]
+    """blake2b-128 of each block's bytes, in order."""
+    chunk_bytes: int
+    """Largest chunk a block was split into (the last chunk of a block may be shorter)."""
+    messages: int
+    """Messages on the block subject: the header plus every chunk."""
+    expires_at: float
+    prefill_ms: float = 0.0
+    publish_ms: float = 0.0
