@@ -91,6 +91,7 @@ class FakeEngine:
         prompt_ids: EnginePrompt,
         max_tokens: int,
         adapter: EngineAdapter | None = None,
+        kv_transfer: dict[str, str] | None = None,
     ) -> AsyncIterator[EngineStep]:
         if isinstance(prompt_ids, PromptEmbeds):  # each row stands for the token its first value rounds to
             rows = [int(abs(float(r[0]))) % self.facts.vocab_size for r in prompt_ids.array]

@@ -13,6 +13,7 @@ Subject tree (one namespace `<ns>` per deployment):
     jetllm.<ns>.load.<model>.<instance>      load reports, about once a second (core NATS)
     jetllm.<ns>.kv.<model>.<instance>        KV-cache events (limits stream, replayable)
     jetllm.<ns>.trace.<request>              per-hop timing records of a request (limits stream)
+    jetllm.<ns>.kvblocks.<transfer>          one prompt's KV blocks, prefill to decode (memory stream, TTL)
 
 KV buckets and object stores: `<NS>_REGISTRY` (instance records `i.<instance>`, model cards
 `m.<model>`), `<NS>_LORA` (desired adapters per model), `<NS>_ADAPTERS` (adapter files), `<NS>_EMBEDS` (prompt embeddings too big for a job message).
@@ -29,6 +30,7 @@ PREFIX = "jetllm"
 _SAFE = re.compile(r"[A-Za-z0-9-]")
 _TOKEN = re.compile(r"^(?:[A-Za-z0-9-]|_[0-9A-F]{2})+$")
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
+_TRANSFER = re.compile(r"^[0-9a-f]{16,64}$")
 
 ROLES = ("generate",)
 """The job queues producers may use: those with workers. Queues are named by what the job asks
@@ -118,6 +120,7 @@ class Names:
         self.lora_bucket = f"JETLLM_{upper}_LORA"
         self.adapters_store = f"JETLLM_{upper}_ADAPTERS"
         self.embeds_store = f"JETLLM_{upper}_EMBEDS"
+        self.kv_blocks_stream = f"JETLLM_{upper}_KVBLOCKS"
 
     # jobs
     def jobs(self, role: str, model: str) -> str:
@@ -136,6 +139,16 @@ class Names:
         if len(parts) < 5 or ".".join(parts[:3]) != f"{self._root}.jobs":
             raise ValueError(f"not a job subject of namespace {self.namespace!r}: {subject!r}")
         return parts[3], decode_token(parts[4])
+
+    # prefill/decode handoff
+    def kv_blocks(self, transfer_id: str) -> str:
+        if not _TRANSFER.match(transfer_id):
+            raise ValueError(f"transfer id {transfer_id!r} is not 16-64 lowercase hex characters")
+        return f"{self._root}.kvblocks.{transfer_id}"
+
+    @property
+    def kv_blocks_all(self) -> str:
+        return f"{self._root}.kvblocks.*"
 
     # dead letters
     def dlq(self, role: str, model: str) -> str:

@@ -231,6 +231,29 @@ async def ensure_kv_events_stream(js: JetStreamContext, names: Names, policy: Qu
     )
 
 
+async def ensure_kv_blocks_stream(
+    js: JetStreamContext, names: Names, *, ttl: float, max_bytes: int, replicas: int = 1
+) -> None:
+    """Where prefill workers leave KV blocks for decode workers: in memory, forgotten after `ttl`,
+    and refusing new blocks when `max_bytes` are held (a full store makes decode workers prefill
+    locally; it never pushes out blocks someone is about to load)."""
+    await _ensure_stream(
+        js,
+        StreamConfig(
+            name=names.kv_blocks_stream,
+            description="jetllm KV blocks: one subject per prefill-to-decode transfer",
+            subjects=[names.kv_blocks_all],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.MEMORY,
+            num_replicas=replicas,
+            max_age=ttl,
+            max_bytes=max_bytes,
+            discard=DiscardPolicy.NEW,
+            duplicate_window=min(ttl, 120.0),
+        ),
+    )
+
+
 async def _ensure_requests_stream(js: JetStreamContext, names: Names, policy: QueuePolicy) -> None:
     await _ensure_stream(
         js,

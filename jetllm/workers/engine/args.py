@@ -80,5 +80,20 @@ def engine_args(opts: EngineOptions, kv_dir: str | None = None) -> Any:
             )
         kw["enable_prefix_caching"] = True
         kw["kv_events_config"] = kv_events_config(kv_dir or tempfile.mkdtemp(prefix="jetllm-kv-"))
+    if opts.kv_block_dir or opts.kv_connector:
+        kw["kv_transfer_config"] = kv_transfer_config(opts)
     kw.update(opts.extra)
     return AsyncEngineArgs(**kw)
+
+
+def kv_transfer_config(opts: EngineOptions) -> Any:
+    from vllm.config import KVTransferConfig
+
+    if opts.kv_connector:
+        return KVTransferConfig(**opts.kv_connector)
+    return KVTransferConfig(
+        kv_connector="JetllmKvConnector",
+        kv_connector_module_path="jetllm.kvtransfer.connector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"block_dir": opts.kv_block_dir},
+    )

@@ -138,8 +138,11 @@ class Engine(Protocol):
         prompt_ids: EnginePrompt,
         max_tokens: int,
         adapter: EngineAdapter | None = None,
+        kv_transfer: dict[str, str] | None = None,
     ) -> AsyncGenerator[EngineStep, None]:
         """Run one request (with a loaded adapter). Cancelling the iteration aborts it inside the engine.
+
+        `kv_transfer`: what the engine's KV connector does for this request (kvtransfer/connector.py).
 
         Raises RequestRejected (bad parameters), EngineRequestError (this request failed),
         EngineDead (nothing more will run).

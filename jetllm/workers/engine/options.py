@@ -39,6 +39,11 @@ class EngineOptions(msgspec.Struct, kw_only=True):
     max_lora_rank: int = 16
     kv_events: bool = False
     """Publish KV-cache events (turns prefix caching on; the worker relays them to JetStream)."""
+    kv_block_dir: str | None = None
+    """Load jetllm's KV connector, exchanging block files in this private directory (the prefill
+    and decode roles set it; the connector's module docstring says how)."""
+    kv_connector: dict[str, Any] | None = None
+    """Another vLLM KV connector's `kv_transfer_config` (e.g. NIXL on GPU boxes), instead."""
     extra: dict[str, Any] = {}
     """Any other AsyncEngineArgs field, passed through unchanged."""
 

@@ -261,12 +261,15 @@ class VllmEngine:
         prompt_ids: EnginePrompt,
         max_tokens: int,
         adapter: EngineAdapter | None = None,
+        kv_transfer: dict[str, str] | None = None,
     ) -> AsyncGenerator[EngineStep, None]:
         from vllm.exceptions import VLLMValidationError
         from vllm.inputs import tokens_input
         from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
         params = build_sampling_params(req, max_tokens, self._defaults)
+        if kv_transfer:
+            params.extra_args = {**(params.extra_args or {}), "kv_transfer_params": dict(kv_transfer)}
         want_text = (
             req.output.text
             if req.output.text is not None

@@ -1,0 +1,154 @@
+"""KV blocks between workers: the block file, chunking, and the trip through NATS, checked."""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import msgspec
+import pytest
+
+from jetllm.kvtransfer import blockfile
+from jetllm.kvtransfer.transport import (
+    TransferFailed,
+    chunks,
+    chunks_per_block,
+    fetch_blocks,
+    publish_blocks,
+    remove_blocks,
+)
+from jetllm.schemas.disagg import KvBlocksHeader, KvLayer, Prefilled
+from jetllm.subjects import Names
+from jetllm.subjects.connection import connect
+from jetllm.subjects.setup import ensure_kv_blocks_stream
+
+pytestmark = pytest.mark.anyio
+
+
+def header(num_blocks: int, block_bytes: int = 4096) -> KvBlocksHeader:
+    return KvBlocksHeader(
+        block_size=32,
+        num_tokens=32 * num_blocks,
+        num_blocks=num_blocks,
+        block_bytes=block_bytes,
+        prompt_digest=blockfile.prompt_digest(range(32 * num_blocks)),
+        layers=[KvLayer(name="l0", dtype="float32", block_shape=[2, 32, block_bytes // 256], block_dim=1)],
+    )
+
+
+def make_file(path, num_blocks: int, block_bytes: int = 4096) -> list[bytes]:
+    blocks = [os.urandom(block_bytes) for _ in range(num_blocks)]
+    blockfile.write(path, header(num_blocks, block_bytes), blocks)
+    return blocks
+
+
+def test_a_block_file_reads_back_and_refuses_what_is_not_one(tmp_path):
+    path = tmp_path / "a.kv"
+    make_file(path, 3)
+    got, offset = blockfile.read_header(path)
+    assert got == header(3) and path.stat().st_size == offset + 3 * 4096
+    cases = {
+        "short": path.read_bytes()[:-1],
+        "not-ours": b"hello world, this is not a block file",
+        "empty": b"",
+    }
+    for name, data in cases.items():
+        bad = tmp_path / f"{name}.kv"
+        bad.write_bytes(data)
+        with pytest.raises(blockfile.BadBlockFile):
+            blockfile.read_header(bad)
+    with pytest.raises(blockfile.BadBlockFile, match="2 blocks written"):
+        blockfile.write(tmp_path / "b.kv", header(3), [b"\0" * 4096] * 2)
+    assert not (tmp_path / "b.kv").exists() and not (tmp_path / "b.kv.part").exists()
+
+
+@pytest.mark.parametrize(
+    ("block_bytes", "chunk", "per_block", "sizes"),
+    [
+        (10, 4, 3, [4, 4, 2, 4, 4, 2]),
+        (8, 4, 2, [4, 4, 4, 4]),
+        (8, 100, 1, [8, 8]),
+    ],
+)
+def test_blocks_are_cut_into_chunks_that_never_span_two_blocks(block_bytes, chunk, per_block, sizes):
+    data = memoryview(bytes(range(2 * block_bytes)))
+    got = list(chunks(data, block_bytes, 2, chunk))
+    assert [len(c) for c in got] == sizes and chunks_per_block(block_bytes, chunk) == per_block
+    assert b"".join(got) == bytes(data)
+
+
+async def _stream(nc, names, **kw):
+    await ensure_kv_blocks_stream(
+        nc.jetstream(), names, ttl=kw.get("ttl", 60), max_bytes=kw.get("max_bytes", 64 << 20)
+    )
+
+
+def done_of(pub, transfer: str, **over) -> Prefilled:
+    fields = dict(
+        request_id="r:prefill:1",
+        transfer_id=transfer,
+        worker="w",
+        header=pub.header,
+        checksums=pub.checksums,
+        chunk_bytes=pub.chunk_bytes,
+        messages=pub.messages,
+        expires_at=time.time() + 60,
+    )
+    fields.update(over)
+    return Prefilled(**fields)
+
+
+async def test_blocks_cross_nats_intact_in_chunks_and_are_removed_after(nats_url, namespace, tmp_path):
+    names = Names(namespace)
+    nc = await connect(nats_url)
+    try:
+        await _stream(nc, names)
+        src = tmp_path / "src.kv"
+        block_bytes = nc.max_payload + 1000  # every block takes two messages
+        blocks = make_file(src, 5, block_bytes)
+        transfer = uuid.uuid4().hex
+        pub = await publish_blocks(nc, names, transfer, src)
+        assert pub.messages == 1 + 5 * 2 and pub.bytes == 5 * block_bytes
+        dest = tmp_path / "dest.kv"
+        await fetch_blocks(nc, names, done_of(pub, transfer), dest, timeout=10)
+        got, offset = blockfile.read_header(dest)
+        assert got == pub.header and dest.read_bytes()[offset:] == b"".join(blocks)
+        await remove_blocks(nc, names, transfer)
+        info = await nc.jetstream().stream_info(names.kv_blocks_stream)
+        assert info.state.messages == 0
+    finally:
+        await nc.close()
+
+
+async def test_wrong_missing_late_or_refused_blocks_fail_with_a_reason(nats_url, namespace, tmp_path):
+    names = Names(namespace)
+    nc = await connect(nats_url)
+    try:
+        await _stream(nc, names, max_bytes=64 * 1024)
+        src = tmp_path / "src.kv"
+        make_file(src, 4)
+        transfer = uuid.uuid4().hex
+        pub = await publish_blocks(nc, names, transfer, src)
+        dest = tmp_path / "dest.kv"
+        wrong = list(pub.checksums)
+        wrong[2] = "0" * 32
+        with pytest.raises(TransferFailed, match="block 3 of 4 fails its checksum"):
+            await fetch_blocks(nc, names, done_of(pub, transfer, checksums=wrong), dest, timeout=10)
+        assert not dest.exists() and not (tmp_path / "dest.kv.part").exists()
+        with pytest.raises(TransferFailed, match="expired"):
+            await fetch_blocks(
+                nc, names, done_of(pub, transfer, expires_at=time.time() - 1), dest, timeout=10
+            )
+        other = msgspec.structs.replace(pub.header, prompt_digest="f" * 32)
+        with pytest.raises(TransferFailed, match="header differs"):
+            await fetch_blocks(nc, names, done_of(pub, transfer, header=other), dest, timeout=10)
+        await remove_blocks(nc, names, transfer)
+        with pytest.raises(TransferFailed, match="only 0 of 4 blocks arrived"):
+            await fetch_blocks(nc, names, done_of(pub, transfer), dest, timeout=1)
+        big = tmp_path / "big.kv"
+        make_file(big, 40)  # 160 KiB: more than the store holds
+        with pytest.raises(TransferFailed, match="refused"):
+            await publish_blocks(nc, names, uuid.uuid4().hex, big)
+    finally:
+        await nc.close()
