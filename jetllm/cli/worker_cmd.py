@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from .common import TINY_MODEL_NAME, add_nats, nats_url, parse_kv
 
@@ -123,8 +127,9 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
         "--role",
         default="generate",
         metavar="ROLE",
-        help="what the worker does with its jobs (default: generate, prefill and decode on this "
-        "engine); a flag that means nothing for the role is refused",
+        help="what the worker does with its jobs: generate (default: prefill and decode on this "
+        "engine), prefill (computes prompts' KV blocks for decode workers) or decode (generate, "
+        "with long prompts prefilled by prefill workers); a flag that means nothing for the role is refused",
     )
     w.add_argument(
         "--slots",
@@ -184,6 +189,47 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
     w.add_argument(
         "--nats-wait", type=float, default=60.0, help="seconds to keep retrying the first connection to NATS"
     )
+    d = p.add_argument_group("prefill/decode disaggregation (--role prefill / decode)")
+    d.add_argument(
+        "--disagg-threshold",
+        type=int,
+        default=256,
+        metavar="TOKENS",
+        help="decode: prompts shorter than this are prefilled here (default: 256)",
+    )
+    d.add_argument(
+        "--max-prefill-queue",
+        type=int,
+        default=16,
+        metavar="N",
+        help="decode: prefill here when this many prefill jobs already wait for a prefill worker",
+    )
+    d.add_argument(
+        "--prefill-timeout",
+        type=float,
+        default=30.0,
+        help="decode: seconds to wait for a prefill worker's answer before prefilling here",
+    )
+    d.add_argument(
+        "--kv-transfer-timeout",
+        type=float,
+        default=30.0,
+        help="decode: seconds the announced KV blocks get to arrive before prefilling here",
+    )
+    d.add_argument(
+        "--kv-ttl",
+        type=float,
+        default=120.0,
+        help="seconds the block store keeps KV blocks nobody removed (a decode worker died)",
+    )
+    d.add_argument(
+        "--kv-store-bytes",
+        type=int,
+        default=1 << 30,
+        metavar="N",
+        help="bytes of KV blocks the store holds at once; beyond it new ones are refused and decode "
+        "workers prefill themselves (the store is created by the first prefill worker)",
+    )
     q = p.add_argument_group("queue policy (applied when creating or updating streams and consumers)")
     q.add_argument(
         "--ack-wait",
@@ -240,6 +286,7 @@ def engine_options(args: argparse.Namespace):
 def worker_config(args: argparse.Namespace, slots: int | None = None):
     from ..subjects.setup import QueuePolicy
     from ..workers import WorkerConfig
+    from ..workers.config import DisaggSettings
     from ..workers.lora import LoraSettings
 
     return WorkerConfig(
@@ -260,6 +307,14 @@ def worker_config(args: argparse.Namespace, slots: int | None = None):
             cache_dir=args.lora_cache_dir,
             allow_hub=args.lora_allow_hub,
             cache_max_bytes=args.lora_cache_max_bytes,
+        ),
+        disagg=DisaggSettings(
+            threshold=args.disagg_threshold,
+            max_prefill_queue=args.max_prefill_queue,
+            prefill_timeout=args.prefill_timeout,
+            transfer_timeout=args.kv_transfer_timeout,
+            kv_ttl=args.kv_ttl,
+            kv_store_bytes=args.kv_store_bytes,
         ),
         policy=QueuePolicy(
             ack_wait=args.ack_wait,
@@ -292,6 +347,28 @@ def check_role(args: argparse.Namespace) -> str | None:
     return None
 
 
+DISAGG_ROLES = ("prefill", "decode")
+
+
+@contextlib.contextmanager
+def block_dir(role: str, opts: Any, config: Any) -> Iterator[tuple[Any, Any]]:
+    """For the prefill and decode roles: a private directory the engine's KV connector and the
+    worker exchange block files in, removed when the worker ends."""
+    if role not in DISAGG_ROLES:
+        yield opts, config
+        return
+    import msgspec
+
+    d = tempfile.mkdtemp(prefix="jetllm-kvblocks-")
+    try:
+        yield (
+            msgspec.structs.replace(opts, kv_block_dir=d),
+            msgspec.structs.replace(config, disagg=msgspec.structs.replace(config.disagg, block_dir=d)),
+        )
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def _engine_env() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -308,12 +385,12 @@ def cmd_worker(args: argparse.Namespace) -> int:
         print(f"jetllm worker: {refused}", file=sys.stderr)
         return EXIT_STARTUP_FAILED
     try:
-        opts, config = engine_options(args), worker_config(args)
         if args.headless:
             from ..workers.headless import run_headless
 
-            return run_headless(opts)
-        return run(lambda: run_worker(nats_url(args), opts, config, nats_wait=args.nats_wait))
+            return run_headless(engine_options(args))
+        with block_dir(args.role, engine_options(args), worker_config(args)) as (opts, config):
+            return run(lambda: run_worker(nats_url(args), opts, config, nats_wait=args.nats_wait))
     except KeyboardInterrupt:
         return 0
     except Exception as exc:  # a worker that served ends inside serve(), with its own exit log
@@ -348,8 +425,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-        config = worker_config(args)
-        return run(lambda: run_worker(url, opts, config, nats_wait=args.nats_wait))
+        with block_dir(args.role, opts, worker_config(args)) as (opts, config):
+            return run(lambda: run_worker(url, opts, config, nats_wait=args.nats_wait))
     except KeyboardInterrupt:
         return 0
     except Exception as exc:

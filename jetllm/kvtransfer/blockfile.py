@@ -31,7 +31,7 @@ def prompt_digest(token_ids: Iterable[int]) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
-def checksum(block: bytes | memoryview) -> str:
+def checksum(block: bytes | bytearray | memoryview) -> str:
     return hashlib.blake2b(block, digest_size=16).hexdigest()
 
 

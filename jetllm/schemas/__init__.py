@@ -4,6 +4,7 @@ from .batch import BatchError, BatchLine, BatchResult
 from .common import SCHEMA_VERSION, SUPPORTED_VERSIONS, Command, ErrorCode, Report, Strict, Tolerant
 from .control import CancelRequest, StatusRequest, WorkerStatus
 from .deadletter import DeadLetter
+from .disagg import KvBlocksHeader, KvLayer, Prefilled, PrefillRequest
 from .fleet import (
     ControlDone,
     ControlFailed,
@@ -99,6 +100,10 @@ __all__ = [
     "EmbedsPrompt",
     "Choice",
     "DeadLetter",
+    "KvBlocksHeader",
+    "KvLayer",
+    "Prefilled",
+    "PrefillRequest",
     "ErrorCode",
     "ErrorFrame",
     "FinalFrame",

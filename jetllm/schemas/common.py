@@ -97,6 +97,11 @@ class ErrorCode(enum.StrEnum):
     """The adapter's files are not there (no such directory, object or hub repository)."""
     ADAPTER_INVALID = "adapter_invalid"
     """The adapter's files fail validation (config, rank, shapes, size, hash); the engine never saw them."""
+    EXPIRED = "expired"
+    """A prefill job taken after its `expires_at`: its decode worker no longer waits for it."""
+    KV_TRANSFER_FAILED = "kv_transfer_failed"
+    """The prefill worker computed the blocks but could not hand them on (the block store is full
+    or unreachable); its decode worker computes the prompt itself."""
     INTERNAL = "internal"
     """A bug in jetllm; the message says where."""
     WORKER_SILENT = "worker_silent"

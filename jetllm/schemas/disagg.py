@@ -29,7 +29,6 @@ class PrefillRequest(Command, kw_only=True):
     """Unix time after which nobody waits for the blocks: an older job is refused, and the block
     stream forgets blocks once they are this old anyway."""
     adapter: str | None = None
-    cache_salt: str | None = None
 
 
 class KvLayer(Tolerant, kw_only=True):

@@ -29,3 +29,6 @@ class TraceRecord(Report, kw_only=True):
     resumed_tokens: int = 0
     completion_tokens: int = 0
     frames: int = 0
+    prefill: str | None = None
+    """Where the prompt was prefilled, for roles that choose: `remote on <instance> (...)`, or
+    `local: <why>` (a short prompt, no prefill worker, a full prefill queue, a failed handoff)."""

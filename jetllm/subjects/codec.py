@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from ..schemas import Frame, GenerateRequest
+from ..schemas import Frame, GenerateRequest, PrefillRequest
 
 Encoding = Literal["msgpack", "json"]
 CONTENT_TYPE = "Content-Type"
@@ -131,6 +131,7 @@ class JobEnvelope(msgspec.Struct, kw_only=True):
 
 frame_decoder = KindDecoder(Frame)
 request_decoder = Decoder(GenerateRequest)
+prefill_decoder = Decoder(PrefillRequest)
 envelope_decoder = Decoder(JobEnvelope)
 
 

@@ -8,6 +8,26 @@ from ..subjects.setup import QueuePolicy
 from .lora.manager import LoraSettings
 
 
+class DisaggSettings(msgspec.Struct, kw_only=True, frozen=True):
+    """Prefill/decode disaggregation: when a decode worker hands a prompt to a prefill worker, and
+    how long it waits for the blocks. The defaults are argued in docs/operations.md."""
+
+    block_dir: str | None = None
+    """The private directory the engine's KV connector exchanges block files in (set by the CLI)."""
+    threshold: int = 256
+    """Prompts shorter than this (in tokens) are prefilled by the decode worker itself."""
+    max_prefill_queue: int = 16
+    """Prefill jobs waiting for a prefill worker beyond which a decode worker prefills itself."""
+    prefill_timeout: float = 30.0
+    """Seconds a decode worker waits for a prefill worker's answer before prefilling itself."""
+    transfer_timeout: float = 30.0
+    """Seconds a decode worker gives the blocks to arrive once they are announced."""
+    kv_ttl: float = 120.0
+    """Seconds the block store keeps blocks nobody removed (a decode worker died, say)."""
+    kv_store_bytes: int = 1 << 30
+    """Bytes the block store holds at once; beyond it new blocks are refused (decode prefills)."""
+
+
 class WorkerConfig(msgspec.Struct, kw_only=True):
     namespace: str = "default"
     role: str = "generate"
@@ -35,3 +55,4 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     """Largest embeddings prompt accepted; None: a full context of float32 rows (capped at 1 GiB)."""
     policy: QueuePolicy = msgspec.field(default_factory=QueuePolicy)
     lora: LoraSettings = msgspec.field(default_factory=LoraSettings)
+    disagg: DisaggSettings = msgspec.field(default_factory=DisaggSettings)

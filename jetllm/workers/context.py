@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nats.aio.client import Client as NATS
 from nats.js.client import JetStreamContext
@@ -69,3 +69,5 @@ class WorkerContext:
     counters: Counters
     errors: collections.Counter[str]
     """Error frames sent, by error code."""
+    prefills: collections.Counter[str] = field(default_factory=collections.Counter)
+    """Prompts of a decode worker by where they were prefilled: `remote`, or `local_<why>`."""

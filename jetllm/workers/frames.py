@@ -248,6 +248,23 @@ class FrameSink:
         )
         await self._send(frame, self.headers)
 
+    async def answer(self, message: Any, kind: str) -> None:
+        """The job's one answer when it is not a stream of frames (a prefill's `Prefilled`);
+        like a terminal frame, nothing is sent after it."""
+        self._ending()
+        if self.ended_with is not None:
+            log.warning("request %s: ended (%s) already; %s not sent", self.request_id, self.ended_with, kind)
+            return
+        self.ended_with = "stop"
+        self.last_sent = time.monotonic()
+        if self.reply_to is None:
+            return
+        try:
+            await self._nc.publish(self.reply_to, codec.encode(message, self.encoding), headers=self.headers)
+            self.frames_sent += 1
+        except Exception as exc:  # the requester times out and does the work itself
+            log.warning("request %s: %s not sent: %s", self.request_id, kind, exc)
+
     async def heartbeat_if_idle(self, now: float, interval: float) -> None:
         if now - self.last_sent >= interval:
             await self._send(HeartbeatFrame(seq=self.sent_seq, attempt=self.attempt))

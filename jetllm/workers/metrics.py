@@ -49,6 +49,15 @@ class PlaneCollector(Collector):
         for code, n in ctx.errors.items():
             errors.add_metric([*ids, str(code)], n)
         yield errors
+        if ctx.prefills:
+            prefills = CounterMetricFamily(
+                "jetllm_prefills",
+                "Prompts of a decode worker by where they were prefilled",
+                labels=[*labels, "how"],
+            )
+            for how, n in ctx.prefills.items():
+                prefills.add_metric([*ids, how], n)
+            yield prefills
         relay = self._kv
         if relay.running:
             kv = CounterMetricFamily(

@@ -83,7 +83,7 @@ class JobDeps:
 class JobRun:
     """One delivery, from its bytes to its settlement; the `JobHandle` its role runs it through."""
 
-    __slots__ = ("_d", "job", "request", "request_id", "tokens", "_frames", "_run")
+    __slots__ = ("_d", "job", "request", "request_id", "tokens", "prefill", "_frames", "_run")
     tokens: TokenSender
 
     def __init__(self, deps: JobDeps, msg: Msg) -> None:
@@ -91,6 +91,7 @@ class JobRun:
         self.job = Job(msg)
         self.request: Any = None
         self.request_id = ""
+        self.prefill: str | None = None
         self._frames: FrameSink | None = None
         self._run: Running | None = None
 
@@ -144,6 +145,7 @@ class JobRun:
                     attempt=frames.attempt,
                     frames=frames,
                     outcome=outcome_of(frames, job.settled_how),
+                    prefill=self.prefill,
                 ),
             )
         except Exception as exc:
@@ -288,6 +290,17 @@ class JobRun:
         d.ctx.counters.acked += 1
         d.ctx.counters.completed += 1
         d.tasks.spawn(d.log.compact, rid)
+
+    async def reply(self, message: msgspec.Struct, kind: str) -> None:
+        """Answer a job whose requester waits for one message and keeps no log (a prefill), and ack."""
+        d, frames = self._d, self._frames
+        assert frames is not None and self._run is not None
+        self._run.ended = True
+        self.job.stage = f"sending its {kind} answer"
+        await frames.answer(message, kind)
+        await self.job.ack()
+        d.ctx.counters.acked += 1
+        d.ctx.counters.completed += 1
 
     async def answer_from(self, result: Result) -> None:
         """The request already finished (a redelivery or a resubmission): answer from its result."""

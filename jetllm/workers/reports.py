@@ -125,6 +125,7 @@ class Reports:
                 "max_model_len": str(engine.facts.max_model_len),
                 **{k: str(v) for k, v in ctx.counters.items()},
                 **{f"kv_{k}": str(v) for k, v in self._kv.counters.items() if self._kv.running},
+                **{f"prefill_{k}": str(v) for k, v in ctx.prefills.items()},
             },
         )
 

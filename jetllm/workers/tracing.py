@@ -42,7 +42,15 @@ class Hop:
         self.accepted_at: float | None = None
 
     def record(
-        self, *, request_id: str, instance: str, model: str, attempt: int, frames: Any, outcome: str
+        self,
+        *,
+        request_id: str,
+        instance: str,
+        model: str,
+        attempt: int,
+        frames: Any,
+        outcome: str,
+        prefill: str | None = None,
     ) -> TraceRecord:
         return TraceRecord(
             trace_id=self.trace_id,
@@ -61,6 +69,7 @@ class Hop:
             resumed_tokens=frames.resumed_tokens,
             completion_tokens=frames.tokens_sent,
             frames=frames.frames_sent,
+            prefill=prefill,
         )
 
 

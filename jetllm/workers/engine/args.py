@@ -80,17 +80,17 @@ def engine_args(opts: EngineOptions, kv_dir: str | None = None) -> Any:
             )
         kw["enable_prefix_caching"] = True
         kw["kv_events_config"] = kv_events_config(kv_dir or tempfile.mkdtemp(prefix="jetllm-kv-"))
-    if opts.kv_block_dir or opts.kv_connector:
-        kw["kv_transfer_config"] = kv_transfer_config(opts)
+    kw["kv_transfer_config"] = kv_transfer_config(opts)
     kw.update(opts.extra)
     return AsyncEngineArgs(**kw)
 
 
 def kv_transfer_config(opts: EngineOptions) -> Any:
+    """None without disaggregation; else jetllm's connector on its block directory."""
     from vllm.config import KVTransferConfig
 
-    if opts.kv_connector:
-        return KVTransferConfig(**opts.kv_connector)
+    if not opts.kv_block_dir:
+        return None
     return KVTransferConfig(
         kv_connector="JetllmKvConnector",
         kv_connector_module_path="jetllm.kvtransfer.connector",

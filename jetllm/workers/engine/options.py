@@ -42,8 +42,6 @@ class EngineOptions(msgspec.Struct, kw_only=True):
     kv_block_dir: str | None = None
     """Load jetllm's KV connector, exchanging block files in this private directory (the prefill
     and decode roles set it; the connector's module docstring says how)."""
-    kv_connector: dict[str, Any] | None = None
-    """Another vLLM KV connector's `kv_transfer_config` (e.g. NIXL on GPU boxes), instead."""
     extra: dict[str, Any] = {}
     """Any other AsyncEngineArgs field, passed through unchanged."""
 

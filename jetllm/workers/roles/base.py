@@ -45,6 +45,8 @@ class JobHandle(Protocol):
     """What the worker is doing with the job now, for the message of an unexpected failure."""
     tokens: TokenSender
     """Sends one tokens frame (checkpointed in the log); the request's frames are numbered for the role."""
+    prefill: str | None
+    """Where the prompt was prefilled, for the trace (roles that choose set it)."""
 
     @property
     def attempt(self) -> int: ...
@@ -81,6 +83,10 @@ class JobHandle(Protocol):
         migrations: int = 0,
     ) -> None:
         """Store the result, send the final frame, ack the job."""
+
+    async def reply(self, message: msgspec.Struct, kind: str) -> None:
+        """Instead of frames and a stored result: send the one answer its requester waits for
+        (who keeps no log and redoes the work when none comes), and ack."""
 
     async def answer_from(self, result: Result) -> None:
         """The request already ended: answer from its stored result and ack."""

@@ -27,6 +27,7 @@ async def generate(
     prompt_ids: EnginePrompt,
     history: History,
     adapter: EngineAdapter | None = None,
+    kv_transfer: dict[str, str] | None = None,
 ) -> Outcome:
     """Generate (or continue) the request, streaming token frames; the caller sends the final.
 
@@ -51,7 +52,7 @@ async def generate(
         else:
             engine_req, engine_prompt, engine_max = continued(req, prompt_ids, tokens[0], budget)
     if not ends:
-        async for step in engine.generate(engine_req, engine_prompt, engine_max, adapter):
+        async for step in engine.generate(engine_req, engine_prompt, engine_max, adapter, kv_transfer):
             cached = step.cached_tokens or cached
             for c in step.choices:
                 if c.token_ids or c.text:

@@ -1,0 +1,209 @@
+"""Prefill/decode disaggregation on real vLLM: a prefill worker and a decode worker (two engines)
+against the aggregated shared worker, whose output is the reference."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+import uuid
+from collections.abc import Iterator
+
+import anyio
+import pytest
+
+from jetllm.producer import Client
+from jetllm.producer.fleet import instance_status
+from jetllm.producer.traces import trace_records
+from jetllm.schemas import (
+    ChatMessage,
+    ChatPrompt,
+    GenerateRequest,
+    SamplingOptions,
+    StopConditions,
+    TextPrompt,
+    TokensFrame,
+    TokensPrompt,
+)
+
+from .conftest import TINY, WorkerProcess, require_vllm
+
+pytestmark = [pytest.mark.anyio, pytest.mark.vllm]
+
+THRESHOLD = 64
+LONG = [5 + (i * 7) % 400 for i in range(150)]
+
+
+def fresh_long() -> list[int]:
+    """A 150-token prompt no engine has cached yet (each engine keeps a prefix cache)."""
+    head = uuid.uuid4().int
+    return [4 + (head >> (8 * i)) % 250 for i in range(8)] + LONG[8:]
+
+
+TEXT = " ".join(["the quick brown fox jumps over the lazy dog"] * 20)
+
+
+def request(prompt, rid: str | None = None, tokens: int = 24) -> GenerateRequest:
+    return GenerateRequest(
+        request_id=rid or f"r-{uuid.uuid4().hex}",
+        model=TINY,
+        prompt=prompt,
+        sampling=SamplingOptions(temperature=0),
+        stop=StopConditions(max_tokens=tokens, ignore_eos=True),
+    )
+
+
+@pytest.fixture(scope="module")
+def disagg(nats_url, tiny_model, tmp_path_factory) -> Iterator[dict[str, WorkerProcess]]:
+    """A prefill worker (with test faults: tests/helpers/faulty_prefill.py) and a decode worker."""
+    require_vllm()
+    namespace = f"pd{uuid.uuid4().hex[:8]}"
+    logs = tmp_path_factory.mktemp("disagg")
+    prefill = WorkerProcess(
+        nats_url,
+        namespace,
+        tiny_model,
+        logs / "prefill.log",
+        "--role",
+        "prefill",
+        module="tests.helpers.faulty_prefill",
+    )
+    decode = WorkerProcess(
+        nats_url,
+        namespace,
+        tiny_model,
+        logs / "decode.log",
+        "--role",
+        "decode",
+        "--disagg-threshold",
+        str(THRESHOLD),
+        "--prefill-timeout",
+        "600",
+    )
+    workers = {"prefill": prefill, "decode": decode}
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            for w in workers.values():
+                pool.submit(anyio.run, w.wait_ready, nats_url).result()
+        yield workers
+    finally:
+        for w in workers.values():
+            w.stop()
+
+
+async def run(url: str, namespace: str, req: GenerateRequest):
+    async with Client(url, namespace=namespace, heartbeat_timeout=30) as c:
+        return await c.complete(req)
+
+
+async def prefill_note(url: str, namespace: str, rid: str) -> str | None:
+    async with Client(url, namespace=namespace) as c:
+        with anyio.fail_after(10):
+            while True:
+                records = [r for r in await trace_records(c.js, c.names, rid) if r.request_id == rid]
+                if records:
+                    return records[-1].prefill
+                await anyio.sleep(0.2)
+
+
+async def completed(url: str, namespace: str, w: WorkerProcess) -> int:
+    async with Client(url, namespace=namespace) as c:
+        return int((await instance_status(c.nc, c.names, w.instance)).extra["completed"])
+
+
+async def test_disaggregated_output_equals_aggregated_for_token_text_and_chat_prompts(
+    nats_url, disagg, shared_vllm
+):
+    ns = disagg["decode"].namespace
+    prompts = [
+        TokensPrompt(token_ids=LONG),
+        TextPrompt(text=TEXT),
+        ChatPrompt(messages=[ChatMessage(role="user", content=TEXT)]),
+    ]
+    before = await completed(nats_url, ns, disagg["prefill"])
+    for prompt in prompts:
+        want = await run(nats_url, shared_vllm.namespace, request(prompt))
+        req = request(prompt)
+        got = await run(nats_url, ns, req)
+        assert got.token_ids == want.token_ids, type(prompt).__name__
+        assert got.text == want.text
+        # the decode engine took the prompt's full blocks from the prefill worker's
+        assert got.usage.cached_tokens >= 128 and got.usage.cached_tokens % 32 == 0, got.usage
+        note = await prefill_note(nats_url, ns, req.request_id)
+        assert note and note.startswith(f"remote on {disagg['prefill'].instance}"), note
+    assert await completed(nats_url, ns, disagg["prefill"]) == before + 3
+    async with Client(nats_url, namespace=ns) as c:
+        s = await instance_status(c.nc, c.names, disagg["decode"].instance)
+        assert int(s.extra["prefill_remote"]) >= 3
+        blocks = await c.js.stream_info(c.names.kv_blocks_stream)
+        assert blocks.state.messages == 0  # every transfer was removed once loaded
+
+
+async def test_a_short_prompt_never_leaves_the_decode_worker(nats_url, disagg):
+    ns = disagg["decode"].namespace
+    before = await completed(nats_url, ns, disagg["prefill"])
+    req = request(TokensPrompt(token_ids=LONG[: THRESHOLD - 1]))
+    got = await run(nats_url, ns, req)
+    assert len(got.token_ids) == 24
+    assert await prefill_note(nats_url, ns, req.request_id) == "local: short"
+    assert await completed(nats_url, ns, disagg["prefill"]) == before
+
+
+async def test_corrupt_blocks_are_detected_and_the_prompt_is_computed_locally(nats_url, disagg, shared_vllm):
+    ns = disagg["decode"].namespace
+    prompt = TokensPrompt(token_ids=fresh_long())
+    want = await run(nats_url, shared_vllm.namespace, request(prompt))
+    req = request(prompt, rid=f"corrupt-kv-{uuid.uuid4().hex}")
+    got = await run(nats_url, ns, req)
+    assert got.token_ids == want.token_ids
+    assert got.usage.cached_tokens == 0
+    note = await prefill_note(nats_url, ns, req.request_id)
+    assert note and note.startswith("local:") and "block 2 of 4 fails its checksum" in note, note
+
+
+async def test_cancel_during_a_remote_prefill_frees_the_prefill_workers_slot(nats_url, disagg):
+    ns = disagg["decode"].namespace
+    prefill = disagg["prefill"]
+    req = request(TokensPrompt(token_ids=fresh_long()), rid=f"slow-prefill-{uuid.uuid4().hex}")
+    async with Client(nats_url, namespace=ns, heartbeat_timeout=30) as c:
+        async with anyio.create_task_group() as tg:
+
+            async def follow() -> None:
+                async for frame in c.generate(req):
+                    assert not isinstance(frame, TokensFrame)
+
+            tg.start_soon(follow)
+            with anyio.fail_after(30):
+                while not (await instance_status(c.nc, c.names, prefill.instance)).request_ids:
+                    await anyio.sleep(0.1)
+            await c.cancel(req.request_id)
+            with anyio.fail_after(30):
+                while (s := await instance_status(c.nc, c.names, prefill.instance)).request_ids:
+                    await anyio.sleep(0.1)
+            assert s.in_flight == 0
+            tg.cancel_scope.cancel()
+
+
+async def test_a_prefill_worker_killed_mid_prefill_costs_a_local_prefill_not_the_request(
+    nats_url, disagg, shared_vllm
+):
+    ns = disagg["decode"].namespace
+    prefill = disagg["prefill"]
+    prompt = TokensPrompt(token_ids=fresh_long())
+    want = await run(nats_url, shared_vllm.namespace, request(prompt))
+    req = request(prompt, rid=f"slow-prefill-{uuid.uuid4().hex}")
+    async with Client(nats_url, namespace=ns, heartbeat_timeout=30) as c:
+        async with anyio.create_task_group() as tg:
+            result = {}
+
+            async def one() -> None:
+                result["got"] = await c.complete(req)
+
+            tg.start_soon(one)
+            with anyio.fail_after(30):
+                while not (await instance_status(c.nc, c.names, prefill.instance)).request_ids:
+                    await anyio.sleep(0.1)
+            prefill.signal(signal.SIGKILL)
+    got = result["got"]
+    assert got.token_ids == want.token_ids and got.usage.cached_tokens == 0
+    note = await prefill_note(nats_url, ns, req.request_id)
+    assert note and note.startswith("local:"), note
