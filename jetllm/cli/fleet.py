@@ -169,6 +169,8 @@ async def _trace(args: argparse.Namespace) -> int:
         if r.accepted_at:
             resumed = f", resuming after {r.resumed_tokens} tokens" if r.resumed_tokens else ""
             print(f"{ms(r.accepted_at)}  accepted{resumed}")
+        if r.prefill:
+            print(f"{'':13}  prompt prefilled {r.prefill}")
         if r.first_token_at:
             print(f"{ms(r.first_token_at)}  first token")
         print(f"{ms(r.ended_at)}  {r.outcome}: {r.completion_tokens} tokens in {r.frames} frames")

@@ -57,6 +57,7 @@ SECTIONS: list[tuple[str, list[type]]] = [
         ],
     ),
     ("Tracing", [s.TraceRecord]),
+    ("Prefill/decode handoff", [s.PrefillRequest, s.Prefilled, s.KvBlocksHeader, s.KvLayer]),
     (
         "LoRA adapters",
         [

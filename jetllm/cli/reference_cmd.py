@@ -47,6 +47,10 @@ def wire_types() -> dict[str, object]:
         "LoraUnload": s.LoraUnload,
         "AdapterReply": s.AdapterReply,
         "AdapterList": s.AdapterList,
+        # prefill/decode handoff: the prefill job, its answer, the blocks' header on their subject
+        "PrefillRequest": s.PrefillRequest,
+        "Prefilled": s.Prefilled,
+        "KvBlocksHeader": s.KvBlocksHeader,
         # batch files
         "BatchLine": s.BatchLine,
         "BatchResult": s.BatchResult,

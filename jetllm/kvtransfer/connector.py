@@ -32,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ..schemas.disagg import KvBlocksHeader, KvLayer
 from . import blockfile
+from .params import LOAD, SAVE, full_block_tokens
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -43,14 +44,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SAVE = "jetllm_save"
-LOAD = "jetllm_load"
 _NAME = re.compile(r"^[0-9a-f]{16,64}\.kv$")
-
-
-def full_block_tokens(prompt_len: int, block_size: int) -> int:
-    """Tokens a block file covers for a prompt: whole blocks, leaving the last token to compute."""
-    return max(prompt_len - 1, 0) // block_size * block_size
 
 
 @dataclass

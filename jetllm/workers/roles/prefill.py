@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from ...errors import EngineRequestError, RequestRejected
-from ...kvtransfer.connector import SAVE, full_block_tokens
+from ...kvtransfer.params import SAVE, full_block_tokens
 from ...kvtransfer.transport import TransferFailed, publish_blocks
 from ...schemas import (
     ErrorCode,

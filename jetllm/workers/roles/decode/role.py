@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import ClassVar
 
-from ....kvtransfer.connector import LOAD, full_block_tokens
+from ....kvtransfer.params import LOAD, full_block_tokens
 from ....schemas import GenerateRequest
 from ...engine import EnginePrompt, PromptEmbeds
 from ...requestlog import History
