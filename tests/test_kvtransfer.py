@@ -11,6 +11,7 @@ import pytest
 
 from jetllm.kvtransfer import blockfile
 from jetllm.kvtransfer.transport import (
+    Incoming,
     TransferFailed,
     chunks,
     chunks_per_block,
@@ -144,7 +145,7 @@ async def test_wrong_missing_late_or_refused_blocks_fail_with_a_reason(nats_url,
         with pytest.raises(TransferFailed, match="header differs"):
             await fetch_blocks(nc, names, done_of(pub, transfer, header=other), dest, timeout=10)
         await remove_blocks(nc, names, transfer)
-        with pytest.raises(TransferFailed, match="only 0 of 4 blocks arrived"):
+        with pytest.raises(TransferFailed, match="only 0 of 4 blocks are in the store"):
             await fetch_blocks(nc, names, done_of(pub, transfer), dest, timeout=1)
         big = tmp_path / "big.kv"
         make_file(big, 40)  # 160 KiB: more than the store holds
@@ -152,3 +153,33 @@ async def test_wrong_missing_late_or_refused_blocks_fail_with_a_reason(nats_url,
             await publish_blocks(nc, names, uuid.uuid4().hex, big)
     finally:
         await nc.close()
+
+
+async def test_blocks_received_as_published_are_used_and_a_damaged_copy_is_read_back(
+    nats_url, namespace, tmp_path
+):
+    names = Names(namespace)
+    prefill, decode = await connect(nats_url), await connect(nats_url)
+    try:
+        await _stream(prefill, names)
+        src = tmp_path / "src.kv"
+        blocks = make_file(src, 6)
+        for damaged, source in ((False, "live"), (True, "stored")):
+            transfer = uuid.uuid4().hex
+            incoming = await Incoming.open(decode, names, transfer)
+            await decode.flush()
+            pub = await publish_blocks(prefill, names, transfer, src)
+            await prefill.flush()
+            assert await incoming.wait_for(pub.messages)
+            if damaged:
+                incoming.messages[3] = incoming.messages[3][:-1] + b"\0"
+            dest = tmp_path / f"{transfer}.kv"
+            got = await fetch_blocks(
+                decode, names, done_of(pub, transfer), dest, timeout=10, incoming=incoming
+            )
+            await incoming.close()
+            _, offset = blockfile.read_header(dest)
+            assert got == source and dest.read_bytes()[offset:] == b"".join(blocks)
+    finally:
+        await prefill.close()
+        await decode.close()

@@ -32,7 +32,8 @@ def prompt_digest(token_ids: Iterable[int]) -> str:
 
 
 def checksum(block: bytes | bytearray | memoryview) -> str:
-    return hashlib.blake2b(block, digest_size=16).hexdigest()
+    """sha256, cut to 128 bits: about twice as fast as blake2b on CPUs with SHA instructions."""
+    return hashlib.sha256(block).hexdigest()[:32]
 
 
 def encode_header(header: KvBlocksHeader) -> bytes:

@@ -10,14 +10,18 @@ one connection's messages are handled in order; a store that is full refuses the
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncGenerator, Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import msgspec
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 
 from ..schemas.disagg import KvBlocksHeader, Prefilled
 from ..subjects.codec import HEADER_MARGIN
@@ -52,26 +56,37 @@ def chunks_per_block(block_bytes: int, chunk: int) -> int:
     return max(1, -(-block_bytes // chunk))
 
 
-def _read(path: Path) -> tuple[KvBlocksHeader, memoryview, list[str]]:
+def _load(path: Path) -> tuple[KvBlocksHeader, memoryview]:
     header, offset = blockfile.read_header(path)
-    data = memoryview(path.read_bytes())[offset:]
+    return header, memoryview(path.read_bytes())[offset:]
+
+
+def _checksums(data: memoryview, header: KvBlocksHeader) -> list[str]:
     bb = header.block_bytes
-    return header, data, [blockfile.checksum(data[j * bb : (j + 1) * bb]) for j in range(header.num_blocks)]
+    return [blockfile.checksum(data[j * bb : (j + 1) * bb]) for j in range(header.num_blocks)]
 
 
 async def publish_blocks(nc: NATS, names: Names, transfer_id: str, path: Path) -> Published:
-    """Publish the block file at `path`; raises TransferFailed when the store refuses it."""
-    header, data, sums = await anyio.to_thread.run_sync(_read, path)
+    """Publish the block file at `path` (its checksums are taken in a thread meanwhile); raises
+    TransferFailed when the store refuses it."""
+    header, data = await anyio.to_thread.run_sync(_load, path)
     subject = names.kv_blocks(transfer_id)
     js = nc.jetstream()
     chunk = chunk_size(nc.max_payload)
     pieces = list(chunks(data, header.block_bytes, header.num_blocks, chunk))
+    sums: list[str] = []
+
+    async def checksum() -> None:
+        sums.extend(await anyio.to_thread.run_sync(_checksums, data, header))
+
     try:
-        await js.publish(subject, blockfile.encode_header(header), timeout=5)
-        for piece in pieces[:-1]:
-            await nc.publish(subject, bytes(piece))
-        if pieces:
-            await js.publish(subject, bytes(pieces[-1]), timeout=10)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(checksum)
+            await js.publish(subject, blockfile.encode_header(header), timeout=5)
+            for piece in pieces[:-1]:
+                await nc.publish(subject, piece)  # type: ignore[arg-type]  # any bytes-like will do
+            if pieces:
+                await js.publish(subject, bytes(pieces[-1]), timeout=10)
     except Exception as exc:
         raise TransferFailed(f"the block store refused the blocks: {type(exc).__name__}: {exc}") from None
     return Published(
@@ -79,9 +94,50 @@ async def publish_blocks(nc: NATS, names: Names, transfer_id: str, path: Path) -
     )
 
 
-async def fetch_blocks(nc: NATS, names: Names, done: Prefilled, dest: Path, *, timeout: float) -> None:
-    """Fetch the blocks `done` announces into the block file `dest`, checking each block against
-    its checksum; raises TransferFailed naming what is missing, late or wrong."""
+class Incoming:
+    """A transfer's messages as they are published: a plain subscription the decode worker opens
+    before it sends the prefill job. Usually every block is here when the answer comes, and nothing
+    is read back from the store; the store is there for what this copy missed or got wrong."""
+
+    def __init__(self) -> None:
+        self.messages: list[bytes] = []
+        self._sub: Any = None
+
+    @classmethod
+    async def open(cls, nc: NATS, names: Names, transfer_id: str) -> Incoming:
+        incoming = cls()
+
+        async def on_msg(msg: Msg) -> None:
+            incoming.messages.append(msg.data)
+
+        incoming._sub = await nc.subscribe(
+            names.kv_blocks(transfer_id), cb=on_msg, pending_msgs_limit=-1, pending_bytes_limit=-1
+        )
+        return incoming
+
+    async def wait_for(self, count: int, quiet: float = 0.2) -> bool:
+        """Whether `count` messages came, waiting while they still arrive (none for `quiet` s: stop)."""
+        seen = -1
+        while len(self.messages) < count and len(self.messages) != seen:
+            seen = len(self.messages)
+            await anyio.sleep(quiet)
+        return len(self.messages) >= count
+
+    async def close(self) -> None:
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception:
+                pass
+        self.messages = []
+
+
+async def fetch_blocks(
+    nc: NATS, names: Names, done: Prefilled, dest: Path, *, timeout: float, incoming: Incoming | None = None
+) -> str:
+    """Write the blocks `done` announces into the block file `dest`, every block checked against
+    its checksum: from `incoming` when it holds them all and they check out, else from the store.
+    Returns which ("live" or "stored"); raises TransferFailed naming what is missing, late or wrong."""
     header = done.header
     n, bb = header.num_blocks, header.block_bytes
     if len(done.checksums) != n or done.chunk_bytes <= 0:
@@ -93,44 +149,101 @@ async def fetch_blocks(nc: NATS, names: Names, done: Prefilled, dest: Path, *, t
         )
     if done.expires_at < time.time():
         raise TransferFailed("the blocks expired before they were fetched")
-    js = nc.jetstream()
-    sub = await js.subscribe(
-        names.kv_blocks(done.transfer_id), stream=names.kv_blocks_stream, ordered_consumer=True
-    )
-    tmp = dest.with_name(dest.name + ".part")
-    got = 0
+    if incoming is not None and await incoming.wait_for(done.messages):
+        try:
+            await anyio.to_thread.run_sync(
+                _assemble, incoming.messages[: done.messages], done, per_block, dest
+            )
+            return "live"
+        except TransferFailed:
+            pass  # a damaged live copy: the stored one decides
+    msgs: list[bytes] = []
+    subject = names.kv_blocks(done.transfer_id)
     try:
-        with anyio.fail_after(timeout), open(tmp, "wb") as f:
-            msgs = sub.messages
-            first = await msgs.__anext__()
-            try:
-                sent = blockfile.decode_header(first.data)
-            except blockfile.BadBlockFile as exc:
-                raise TransferFailed(str(exc)) from None
-            if sent != header:
-                raise TransferFailed("the stored block header differs from the handoff's")
+        with anyio.fail_after(timeout):
+            async for data in _direct_batch(nc, names.kv_blocks_stream, subject, done.messages):
+                msgs.append(data)
+    except TimeoutError:
+        raise TransferFailed(
+            f"only {_blocks_in(len(msgs), per_block)} of {n} blocks arrived within {timeout:.1f}s"
+        ) from None
+    if len(msgs) < done.messages:
+        raise TransferFailed(f"only {_blocks_in(len(msgs), per_block)} of {n} blocks are in the store")
+    await anyio.to_thread.run_sync(_assemble, msgs, done, per_block, dest)
+    return "stored"
+
+
+def _blocks_in(messages: int, per_block: int) -> int:
+    return max(messages - 1, 0) // per_block if per_block else 0
+
+
+def _assemble(msgs: list[bytes], done: Prefilled, per_block: int, dest: Path) -> None:
+    header = done.header
+    n, bb = header.num_blocks, header.block_bytes
+    try:
+        sent = blockfile.decode_header(msgs[0])
+    except blockfile.BadBlockFile as exc:
+        raise TransferFailed(str(exc)) from None
+    if sent != header:
+        raise TransferFailed("the stored block header differs from the handoff's")
+    tmp = dest.with_name(dest.name + ".part")
+    try:
+        with open(tmp, "wb") as f:
             head = blockfile.encode_header(header)
             f.write(blockfile.MAGIC + len(head).to_bytes(4, "little") + head)
-            block = bytearray()
             for j in range(n):
-                block.clear()
-                for _ in range(per_block):
-                    block += (await msgs.__anext__()).data
+                block = b"".join(msgs[1 + j * per_block : 1 + (j + 1) * per_block])
                 if len(block) != bb or blockfile.checksum(block) != done.checksums[j]:
                     raise TransferFailed(f"block {j + 1} of {n} fails its checksum")
                 f.write(block)
-                got += 1
-    except BaseException as exc:
+        os.replace(tmp, dest)
+    except BaseException:
         tmp.unlink(missing_ok=True)
-        if isinstance(exc, TimeoutError):
-            raise TransferFailed(f"only {got} of {n} blocks arrived within {timeout:.1f}s") from None
         raise
+
+
+async def _direct_batch(nc: NATS, stream: str, subject: str, count: int) -> AsyncGenerator[bytes, None]:
+    """The payloads of the first `count` messages on `subject`, by batched direct gets: the server
+    streams them to an inbox with no consumer to create, pace or delete (ADR-31; nats-server 2.11+).
+    A server that sends fewer per batch than asked says so in its end-of-batch message, and the
+    rest is asked for from there. Ends early when the subject holds fewer."""
+    inbox = nc.new_inbox()
+    send, recv = anyio.create_memory_object_stream[Msg](math.inf)
+    sub = await nc.subscribe(inbox, cb=_forward(send), pending_msgs_limit=-1, pending_bytes_limit=-1)
+    api = f"$JS.API.DIRECT.GET.{stream}"
+    try:
+        seq, left = 1, count
+        while left:
+            body = {"seq": seq, "next_by_subj": subject, "batch": left}
+            await nc.publish(api, json.dumps(body).encode(), reply=inbox)
+            while True:
+                msg = await recv.receive()
+                status = (msg.headers or {}).get("Status")
+                if status is None:
+                    left -= 1
+                    seq = int((msg.headers or {}).get("Nats-Sequence", seq)) + 1
+                    yield msg.data
+                    continue
+                if status == "204" and left and int((msg.headers or {}).get("Nats-Num-Pending", 0)):
+                    break  # the batch was capped: ask for the rest
+                if status in ("204", "404"):
+                    return
+                raise TransferFailed(
+                    f"the block store answered {status}: {(msg.headers or {}).get('Description')}"
+                )
     finally:
-        try:
-            await sub.unsubscribe()
-        except Exception:
-            pass
-    os.replace(tmp, dest)
+        with anyio.CancelScope(shield=True):
+            try:
+                await sub.unsubscribe()
+            except Exception:
+                pass
+
+
+def _forward(send: Any) -> Any:
+    async def cb(msg: Msg) -> None:
+        send.send_nowait(msg)
+
+    return cb
 
 
 async def remove_blocks(nc: NATS, names: Names, transfer_id: str) -> None:

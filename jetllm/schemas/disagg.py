@@ -67,7 +67,7 @@ class Prefilled(Report, kw_only=True, tag_field="kind", tag="prefilled"):
     worker: str
     header: KvBlocksHeader
     checksums: list[str]
-    """blake2b-128 of each block's bytes, in order."""
+    """sha256 (first 128 bits) of each block's bytes, in order."""
     chunk_bytes: int
     """Largest chunk a block was split into (the last chunk of a block may be shorter)."""
     messages: int

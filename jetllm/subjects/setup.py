@@ -250,6 +250,7 @@ async def ensure_kv_blocks_stream(
             max_bytes=max_bytes,
             discard=DiscardPolicy.NEW,
             duplicate_window=min(ttl, 120.0),
+            allow_direct=True,
         ),
     )
 

@@ -17,7 +17,7 @@ import anyio
 import msgspec
 import nats.errors
 
-from ....kvtransfer.transport import TransferFailed, fetch_blocks, remove_blocks
+from ....kvtransfer.transport import Incoming, TransferFailed, fetch_blocks, remove_blocks
 from ....schemas import (
     AcceptedFrame,
     CancelRequest,
@@ -53,6 +53,8 @@ class Handoff(msgspec.Struct, kw_only=True):
     done: Prefilled
     path: Path
     fetch_ms: float
+    source: str
+    """"live" (received as published) or "stored" (read back from the block stream)."""
 
 
 class RemotePrefill:
@@ -97,6 +99,7 @@ class RemotePrefill:
             expires_at=time.time() + s.prefill_timeout,
         )
         sub = await ctx.nc.subscribe(job.reply_to)
+        incoming = await Incoming.open(ctx.nc, ctx.names, transfer)
         answered = False
         try:
             try:
@@ -113,7 +116,9 @@ class RemotePrefill:
             path = self._dir / f"{transfer}.kv"
             started = time.monotonic()
             try:
-                await fetch_blocks(ctx.nc, ctx.names, done, path, timeout=s.transfer_timeout)
+                source = await fetch_blocks(
+                    ctx.nc, ctx.names, done, path, timeout=s.transfer_timeout, incoming=incoming
+                )
             except TransferFailed as exc:
                 raise HandoffFailed(
                     f"the blocks from {done.worker} are unusable: {exc}", "fallback_transfer"
@@ -124,9 +129,10 @@ class RemotePrefill:
                         await remove_blocks(ctx.nc, ctx.names, transfer)
                     except Exception:  # the stream's TTL removes them
                         pass
-            return Handoff(done=done, path=path, fetch_ms=(time.monotonic() - started) * 1000)
+            return Handoff(done=done, path=path, fetch_ms=(time.monotonic() - started) * 1000, source=source)
         finally:
             with anyio.CancelScope(shield=True):
+                await incoming.close()
                 try:
                     await sub.unsubscribe()
                 except Exception:

@@ -59,7 +59,8 @@ class DecodeRole(GenerateRole):
                 d = handoff.done
                 job.prefill = (
                     f"remote on {d.worker} ({d.header.num_tokens} tokens in {d.header.num_blocks} blocks; "
-                    f"prefill {d.prefill_ms:.0f} ms, publish {d.publish_ms:.0f} ms, fetch {handoff.fetch_ms:.0f} ms)"
+                    f"prefill {d.prefill_ms:.0f} ms, publish {d.publish_ms:.0f} ms, "
+                    f"{handoff.source} blocks checked in {handoff.fetch_ms:.0f} ms)"
                 )
             except HandoffFailed as exc:
                 how = f"local_{exc.label}"

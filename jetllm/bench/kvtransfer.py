@@ -1,0 +1,170 @@
+"""`jetllm bench-kv`: how fast KV blocks cross NATS, against the physical limit on the same server.
+
+The limit is a plain nats-py publish of the same bytes, cut to the same chunks, to a subscriber on
+another connection (no JetStream, no checks). jetllm's transfer is what a handoff costs the two
+workers end to end: the prefill side reads the block file, checksums and publishes it to the block
+stream while the decode side receives it as published; then every block is checked and the
+decode side's block file written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import anyio
+import msgspec
+
+from ..kvtransfer import blockfile
+from ..kvtransfer.transport import Incoming, chunk_size, chunks, fetch_blocks, publish_blocks, remove_blocks
+from ..schemas.disagg import KvBlocksHeader, KvLayer, Prefilled
+from ..subjects.connection import connect
+from ..subjects.names import Names
+from ..subjects.setup import ensure_kv_blocks_stream
+
+
+def make_block_file(path: Path, num_blocks: int, block_bytes: int, block_size: int) -> KvBlocksHeader:
+    header = KvBlocksHeader(
+        block_size=block_size,
+        num_tokens=num_blocks * block_size,
+        num_blocks=num_blocks,
+        block_bytes=block_bytes,
+        prompt_digest=blockfile.prompt_digest(range(num_blocks * block_size)),
+        layers=[KvLayer(name="bench", dtype="uint8", block_shape=[block_bytes], block_dim=0)],
+    )
+    blockfile.write(path, header, (os.urandom(block_bytes) for _ in range(num_blocks)))
+    return header
+
+
+async def plain(url: str, data: memoryview, block_bytes: int, num_blocks: int) -> float:
+    """Seconds for the bytes to reach a subscriber through core NATS publishes."""
+    pub, sub_nc = await connect(url, name="bench-plain-pub"), await connect(url, name="bench-plain-sub")
+    try:
+        subject = f"bench.plain.{uuid.uuid4().hex}"
+        pieces = [bytes(p) for p in chunks(data, block_bytes, num_blocks, chunk_size(pub.max_payload))]
+        got = anyio.Event()
+        seen = [0]
+
+        async def on_msg(msg) -> None:
+            seen[0] += 1
+            if seen[0] == len(pieces):
+                got.set()
+
+        await sub_nc.subscribe(subject, cb=on_msg, pending_bytes_limit=1 << 30, pending_msgs_limit=1 << 20)
+        await sub_nc.flush()
+        started = time.perf_counter()
+        for p in pieces:
+            await pub.publish(subject, p)
+        await pub.flush()
+        await got.wait()
+        return time.perf_counter() - started
+    finally:
+        await pub.close()
+        await sub_nc.close()
+
+
+async def through_jetllm(url: str, names: Names, src: Path, work: Path) -> float:
+    """The handoff as the two workers run it: the decode side listens for the blocks and the
+    answer, the prefill side publishes the blocks and then the answer, the decode side checks the
+    blocks and writes its block file."""
+    prefill, decode = await connect(url, name="bench-prefill"), await connect(url, name="bench-decode")
+    try:
+        transfer = uuid.uuid4().hex
+        incoming = await Incoming.open(decode, names, transfer)
+        answers = await decode.subscribe(f"bench.answer.{transfer}", max_msgs=1)
+        await decode.flush()
+        started = time.perf_counter()
+        pub = await publish_blocks(prefill, names, transfer, src)
+        done = Prefilled(
+            request_id="bench",
+            transfer_id=transfer,
+            worker="bench",
+            header=pub.header,
+            checksums=pub.checksums,
+            chunk_bytes=pub.chunk_bytes,
+            messages=pub.messages,
+            expires_at=time.time() + 600,
+        )
+        await prefill.publish(f"bench.answer.{transfer}", msgspec.msgpack.encode(done))
+        msg = await answers.next_msg(timeout=600)
+        done = msgspec.msgpack.decode(msg.data, type=Prefilled)
+        dest = work / f"{transfer}.kv"
+        await fetch_blocks(decode, names, done, dest, timeout=600, incoming=incoming)
+        seconds = time.perf_counter() - started
+        await incoming.close()
+        await remove_blocks(decode, names, transfer)
+        dest.unlink()
+        return seconds
+    finally:
+        await prefill.close()
+        await decode.close()
+
+
+async def _bench(args: argparse.Namespace, url: str) -> str:
+    work = Path(tempfile.mkdtemp(prefix="jetllm-bench-kv-"))
+    names = Names(f"benchkv{uuid.uuid4().hex[:6]}")
+    nc = await connect(url)
+    await ensure_kv_blocks_stream(nc.jetstream(), names, ttl=600, max_bytes=4 * args.mb << 20)
+    await nc.close()
+    num_blocks = max(1, (args.mb << 20) // args.block_bytes)
+    src = work / "src.kv"
+    make_block_file(src, num_blocks, args.block_bytes, args.block_size)
+    header, offset = blockfile.read_header(src)
+    data = memoryview(src.read_bytes())[offset:]
+    size = len(data)
+    rows: dict[str, list[float]] = {"plain": [], "jetllm": []}
+    for _ in range(args.rounds):
+        rows["plain"].append(await plain(url, data, args.block_bytes, num_blocks))
+        rows["jetllm"].append(await through_jetllm(url, names, src, work))
+    src.unlink()
+    mbs = {k: size / statistics.median(v) / 1e6 for k, v in rows.items()}
+    per_token = args.block_bytes / args.block_size
+    return (
+        f"{size / 1e6:,.1f} MB in {num_blocks} blocks of {args.block_bytes:,} bytes "
+        f"({per_token:,.0f} bytes per prompt token), median of {args.rounds} rounds:\n\n"
+        "| path | MB/s | share of the limit |\n|---|---:|---:|\n"
+        f"| plain nats-py publish to a subscriber (the limit) | {mbs['plain']:,.0f} | 100% |\n"
+        f"| jetllm: publish to the block stream, fetch, check every block, write the file "
+        f"| {mbs['jetllm']:,.0f} | {mbs['jetllm'] / mbs['plain']:.0%} |\n"
+    )
+
+
+def cmd_bench_kv(args: argparse.Namespace) -> int:
+    from ..aio import run
+    from ..natsserver import NatsServer
+
+    if args.nats:
+        text = run(_bench, args, args.nats)
+    else:
+        with NatsServer(Path(tempfile.mkdtemp(prefix="jetllm-bench-kv-nats-"))) as server:
+            text = run(_bench, args, server.url)
+    command = "jetllm bench-kv " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "jetllm bench-kv"
+    text = f"`{command}`\n\n{text}"
+    print(text)
+    if args.write:
+        from .run import section_marks, write_section
+
+        write_section(Path(args.write), text, section_marks("bench-kv"))
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench-kv",
+        help="KV blocks through NATS (prefill to decode) against a plain publish of the same bytes",
+        description="Time jetllm's KV-block transfer end to end against the physical limit: a plain "
+        "nats-py publish of the same bytes, in the same chunks, on the same server.",
+    )
+    p.add_argument("--mb", type=int, default=256, help="megabytes of blocks per transfer")
+    p.add_argument("--block-bytes", type=int, default=65536, help="bytes per block (the tiny model: 65,536)")
+    p.add_argument("--block-size", type=int, default=32, help="tokens per block")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--nats", default=None, help="use this NATS server instead of an embedded one")
+    p.add_argument("--write", default=None, help="replace the bench-kv section of this markdown file")
+    p.set_defaults(func=cmd_bench_kv)
