@@ -15,7 +15,7 @@ TINY_MODEL_NAME = "tiny"
 
 
 NATS_FILES = (
-    ("--nats-creds", "NATS_CREDS", "a NATS credentials file (.creds)"),
+    ("--nats-creds", "NATS_CREDS", "a NATS credentials file: user JWT and nkey seed"),
     ("--nats-nkey", "NATS_NKEY", "a file holding an nkey seed"),
     ("--nats-ca", "NATS_CA", "CA certificate(s) that signed the server's, for tls:// URLs"),
     ("--nats-cert", "NATS_CERT", "client certificate, for servers that require one"),
