@@ -204,6 +204,9 @@ class Connection(NATS):
 
 
 def _is_tls(nc: NATS) -> bool:
+    server = nc._current_server
+    if server is not None and server.uri.scheme == "wss":  # the websocket library does TLS itself
+        return True
     writer = getattr(nc._transport, "_io_writer", None)
     return writer is not None and writer.get_extra_info("ssl_object") is not None
 
