@@ -66,3 +66,25 @@ class EngineRequestError(JetllmError):
     """The engine failed one request and survived."""
 
     code = ErrorCode.ENGINE_ERROR
+
+
+class NotPermitted(JetllmError):
+    """The NATS server refused a publish or subscribe for this connection's identity; the message
+    names the subject and the access roles that may (subjects/denials.py)."""
+
+    def __init__(self, message: str, *, op: str, subject: str) -> None:
+        super().__init__(message)
+        self.op = op
+        self.subject = subject
+
+
+class InsecureConnection(JetllmError):
+    """TLS was required or expected, and the connection would not have it."""
+
+
+class ConnectRefused(JetllmError):
+    """The server refused this connection's credentials or TLS settings: retrying cannot help."""
+
+
+class NatsSettingsError(JetllmError):
+    """Credentials or TLS settings that cannot be what was meant (the message names the variable)."""

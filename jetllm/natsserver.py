@@ -58,8 +58,16 @@ class NatsServer:
         binary: str | None = None,
         log_file: str | Path | None = None,
         sync_always: bool = False,
+        extra_config: str = "",
+        env: dict[str, str] | None = None,
+        tls: bool = False,
     ) -> None:
+        """`extra_config`: appended to the bundled settings (accounts, a `tls` block: natsconfig.py);
+        `env`: variables the configuration refers to (passwords); `tls`: the URL is `tls://`."""
         self.data_dir = Path(data_dir)
+        self.extra_config = extra_config
+        self.env = env
+        self.tls = tls
         self.sync_always = sync_always
         """fsync every write before acknowledging it: a crash of this server then loses nothing it
         acknowledged (at a cost in throughput); by default writes reach the disk within seconds."""
@@ -71,7 +79,7 @@ class NatsServer:
 
     @property
     def url(self) -> str:
-        return f"nats://{self.host}:{self.port}"
+        return f"{'tls' if self.tls else 'nats'}://{self.host}:{self.port}"
 
     def start(self, timeout: float = 20.0) -> NatsServer:
         check_version(binary_version(self.binary))
@@ -80,7 +88,7 @@ class NatsServer:
         text = resources.files("jetllm").joinpath("data", CONFIG).read_text()
         if self.sync_always:
             text = text.replace("jetstream {", "jetstream {\n  sync_interval: always", 1)
-        conf.write_text(text)
+        conf.write_text(f"{text}\n{self.extra_config}" if self.extra_config else text)
         log = open(self.log_file, "ab")
         self.proc = subprocess.Popen(
             [
@@ -98,6 +106,7 @@ class NatsServer:
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
+            env={**os.environ, **self.env} if self.env else None,
         )
         log.close()
         reaper.watch_pid(self.proc.pid)

@@ -312,7 +312,10 @@ class WorkerProcess:
 class FakeWorkerProcess(WorkerProcess):
     """A worker process on the light test engine (tests/helpers/fake_worker.py)."""
 
-    def __init__(self, url: str, namespace: str, log_path: Path, *args: str) -> None:
+    def __init__(
+        self, url: str, namespace: str, log_path: Path, *args: str, env: dict[str, str] | None = None
+    ) -> None:
+        """`env`: variables on top of this process's (credentials, TLS settings)."""
         self.namespace = namespace
         self.served = "fake"
         self.log_path = log_path
@@ -322,7 +325,7 @@ class FakeWorkerProcess(WorkerProcess):
             stdout=self._log,
             stderr=subprocess.STDOUT,
             cwd=Path(__file__).resolve().parent.parent,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
             start_new_session=True,
         )
         self.instance = None

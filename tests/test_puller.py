@@ -110,6 +110,7 @@ class FakeJetStream:
         self.is_connected = True
         self.subs: dict[int, FakeSub] = {}
         self._sids = itertools.count(1)
+        self._inboxes = itertools.count(1)
         self._seqs = itertools.count(1)
         self.waiting: list[list] = []  # [reply, credit left], served from the front
         self.pulls: list[tuple[str, int]] = []
@@ -128,6 +129,9 @@ class FakeJetStream:
         return sum(n for _, n in self.waiting)
 
     # the connection
+
+    def new_inbox(self) -> str:
+        return f"_INBOX.fake{next(self._inboxes)}"
 
     async def subscribe(self, subject: str) -> FakeSub:
         sub = FakeSub(next(self._sids), subject)

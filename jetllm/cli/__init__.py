@@ -9,8 +9,20 @@ from .. import __version__
 from ..bench import chaos as bench_chaos
 from ..bench import kvtransfer as bench_kv
 from ..bench import run as bench
-from . import demo, dlq, fleet, kvevents, lora_cmd, produce, reference_cmd, tinymodel_cmd, worker_cmd
-from .common import setup_logging
+from ..errors import JetllmError
+from . import (
+    demo,
+    dlq,
+    fleet,
+    kvevents,
+    lora_cmd,
+    natsconfig_cmd,
+    produce,
+    reference_cmd,
+    tinymodel_cmd,
+    worker_cmd,
+)
+from .common import export_nats_flags, setup_logging
 
 
 def parser() -> argparse.ArgumentParser:
@@ -29,6 +41,7 @@ def parser() -> argparse.ArgumentParser:
     lora_cmd.register(sub)
     kvevents.register(sub)
     reference_cmd.register(sub)
+    natsconfig_cmd.register(sub)
     tinymodel_cmd.register(sub)
     bench.register(sub)
     bench_chaos.register(sub)
@@ -39,7 +52,21 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     setup_logging(args.log_level)
-    return int(args.func(args) or 0)
+    export_nats_flags(args)
+    try:
+        return int(args.func(args) or 0)
+    except Exception as exc:
+        cause = _leaf(exc)
+        if not isinstance(cause, (JetllmError, ConnectionError)):
+            raise
+        print(f"jetllm {args.command}: {cause}", file=sys.stderr)  # a refusal, bad credentials: one line
+        return 1
+
+
+def _leaf(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
 
 
 if __name__ == "__main__":

@@ -14,13 +14,30 @@ TINY_MODEL_NAME = "tiny"
 """What the bundled tiny model is called on the wire."""
 
 
+NATS_FILES = (
+    ("--nats-creds", "NATS_CREDS", "a NATS credentials file: user JWT and nkey seed"),
+    ("--nats-nkey", "NATS_NKEY", "a file holding an nkey seed"),
+    ("--nats-ca", "NATS_CA", "CA certificate(s) that signed the server's, for tls:// URLs"),
+    ("--nats-cert", "NATS_CERT", "client certificate, for servers that require one"),
+    ("--nats-key", "NATS_KEY", "the client certificate's key"),
+)
+"""Flags naming credential and TLS files, and the variable each sets (subjects/connection.py reads them)."""
+
+
 def add_nats(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--nats",
         default=None,
         metavar="URL",
         help="NATS server URL(s), comma separated (default: $NATS_URL, else nats://127.0.0.1:4222); "
-        "credentials may be in the URL or in a creds file named by $NATS_CREDS",
+        "tls://host:port for TLS; a user and password may be in the URL or in $NATS_USER and $NATS_PASSWORD",
+    )
+    for flag, variable, meaning in NATS_FILES:
+        p.add_argument(flag, default=None, metavar="FILE", help=f"{meaning} (default: ${variable})")
+    p.add_argument(
+        "--require-tls",
+        action="store_true",
+        help="refuse any NATS URL that is not tls:// (default: $JETLLM_REQUIRE_TLS)",
     )
     p.add_argument(
         "--namespace",
@@ -31,6 +48,17 @@ def add_nats(p: argparse.ArgumentParser) -> None:
 
 def nats_url(args: argparse.Namespace) -> str:
     return args.nats or default_url()
+
+
+def export_nats_flags(args: argparse.Namespace) -> None:
+    """Hand the credential and TLS flags to every connection the command opens (its own, a Client's,
+    a worker's), the way the environment does: a flag overrides its variable."""
+    for flag, variable, _ in NATS_FILES:
+        value = getattr(args, flag[2:].replace("-", "_"), None)
+        if value:
+            os.environ[variable] = value
+    if getattr(args, "require_tls", False):
+        os.environ["JETLLM_REQUIRE_TLS"] = "1"
 
 
 def setup_logging(level: str) -> None:

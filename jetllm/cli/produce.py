@@ -13,7 +13,7 @@ import msgspec
 
 from ..aio import run
 from ..batch import run_batch
-from ..errors import JetllmError
+from ..errors import ConnectRefused, InsecureConnection, JetllmError, NatsSettingsError, NotPermitted
 from ..schemas import (
     AcceptedFrame,
     ChatMessage,
@@ -121,11 +121,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise SystemExit("give a prompt text, or --tokens")
     try:
         return run(_generate, args)
+    except (ConnectionError, ConnectRefused, InsecureConnection, NatsSettingsError, NotPermitted) as exc:
+        print(f"error: {exc}", file=sys.stderr)  # about the connection, not the request: no code
+        return 1
     except JetllmError as exc:
         print(f"error: {exc.code.value}: {exc}", file=sys.stderr)
-        return 1
-    except ConnectionError as exc:
-        print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

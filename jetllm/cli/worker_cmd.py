@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ..subjects.connection import redact
 from .common import TINY_MODEL_NAME, add_nats, nats_url, parse_kv
 
 log = logging.getLogger("jetllm")
@@ -369,6 +370,18 @@ def block_dir(role: str, opts: Any, config: Any) -> Iterator[tuple[Any, Any]]:
         shutil.rmtree(d, ignore_errors=True)
 
 
+def check_connection(url: str) -> str | None:
+    """Why the credential and TLS settings cannot work (None: they may), before the engine loads."""
+    from ..errors import JetllmError
+    from ..subjects.connection import Security, servers_of
+
+    try:
+        Security.from_env().check(servers_of(url))
+    except JetllmError as exc:
+        return str(exc)
+    return None
+
+
 def _engine_env() -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -380,7 +393,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     from ..aio import describe, run
     from ..workers.main import EXIT_STARTUP_FAILED, run_worker
 
-    refused = check_role(args)
+    refused = check_role(args) or check_connection(nats_url(args))
     if refused is not None:
         print(f"jetllm worker: {refused}", file=sys.stderr)
         return EXIT_STARTUP_FAILED
@@ -405,7 +418,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     from ..natsserver import NatsServer
     from ..workers.main import EXIT_STARTUP_FAILED, run_worker
 
-    refused = check_role(args)
+    refused = check_role(args) or (check_connection(args.nats) if args.nats else None)
     if refused is not None:
         print(f"jetllm up: {refused}", file=sys.stderr)
         return EXIT_STARTUP_FAILED
@@ -417,10 +430,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         url = server.url
     try:
         opts = engine_options(args)
+        shown = redact(url)  # a URL with a password in it is printed without
         print(
-            f"jetllm up: NATS at {url}  (namespace {args.namespace!r}, model {opts.name!r})\n"
-            f'  try:  jetllm generate --nats {url} --model {opts.name} "Hello"\n'
-            f"        jetllm batch --nats {url} --model {opts.name} prompts.jsonl -o results.jsonl\n"
+            f"jetllm up: NATS at {shown}  (namespace {args.namespace!r}, model {opts.name!r})\n"
+            f'  try:  jetllm generate --nats {shown} --model {opts.name} "Hello"\n'
+            f"        jetllm batch --nats {shown} --model {opts.name} prompts.jsonl -o results.jsonl\n"
             "  Ctrl-C stops the worker and the server.",
             file=sys.stderr,
             flush=True,

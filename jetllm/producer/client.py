@@ -173,7 +173,7 @@ class Client:
             await check_server(self._nc)
             self.js = self._nc.jetstream(timeout=10)
             await ensure_streams(self.js, self.names, self._policy)
-            self._inbox_root = f"_INBOX.{uuid.uuid4().hex}"
+            self._inbox_root = self._nc.new_inbox()  # under the identity's inbox prefix
             self._sub = await subscribe_direct(self._nc, f"{self._inbox_root}.*", self._on_frame)
             self._tg = anyio.create_task_group()
             await self._tg.__aenter__()

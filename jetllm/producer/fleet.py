@@ -11,8 +11,10 @@ import msgspec
 import nats.errors
 from nats.aio.client import Client as NATS
 
+from ..errors import NotPermitted
 from ..schemas import ControlDone, ControlFailed, HealthReport, StatusRequest, WorkerStatus
 from ..subjects import codec
+from ..subjects.denials import checked
 from ..subjects.names import Names
 from .registry import instances
 
@@ -37,7 +39,8 @@ async def gather(
     answered: set[str] = set()
     sub = await nc.subscribe(inbox)
     try:
-        await nc.publish(subject, body, reply=inbox)
+        async with checked(nc, "publish", subject):  # a refused verb is an error, not silence
+            await nc.publish(subject, body, reply=inbox)
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0 and not (expected and expected <= answered):
             try:
@@ -114,7 +117,10 @@ async def ask(
             raise LookupError(f"no instance {instance!r} answers (not running, or not serving yet)") from None
         return [_reply_decoder.decode(msg.data)]
     assert model is not None  # exactly one of the two, checked above
-    expected = {r.instance for r in await instances(nc.jetstream(), names, model=model)}
+    try:
+        expected = {r.instance for r in await instances(nc.jetstream(), names, model=model)}
+    except NotPermitted:  # an identity that may not read the registry: the verb itself says if it may
+        expected = set()
     # Nothing registered (registry unreachable, or workers just starting): take what comes in 1 s.
     return await gather(
         nc,

@@ -121,6 +121,7 @@ class Names:
         self.adapters_store = f"JETLLM_{upper}_ADAPTERS"
         self.embeds_store = f"JETLLM_{upper}_EMBEDS"
         self.kv_blocks_stream = f"JETLLM_{upper}_KVBLOCKS"
+        self._advisories = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self.jobs_stream}"
 
     # jobs
     def jobs(self, role: str, model: str) -> str:
@@ -129,6 +130,10 @@ class Names:
     @property
     def jobs_all(self) -> str:
         return f"{self._root}.jobs.>"
+
+    def jobs_of_role(self, role: str) -> str:
+        """Every model's queue of one role (decode workers publish prefill jobs)."""
+        return f"{self._root}.jobs.{check_name('role', role)}.*"
 
     def consumer(self, role: str, model: str) -> str:
         return f"{check_name('role', role)}_{encode_token(model)}"
@@ -182,7 +187,23 @@ class Names:
 
     def max_deliveries_advisory(self, role: str, model: str) -> str:
         """Where JetStream announces that a job of (role, model) ran out of deliveries."""
-        return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self.jobs_stream}.{self.consumer(role, model)}"
+        return f"{self._advisories}.{self.consumer(role, model)}"
+
+    @property
+    def max_deliveries_advisories(self) -> str:
+        return f"{self._advisories}.*"
+
+    def any_instance_control(self, verb: str | None = None) -> str:
+        """`verb` (None: any verb) on every instance's own subject: a pattern, for permissions."""
+        return f"{self._root}.ctl.i.*.{'*' if verb is None else check_name('verb', verb)}"
+
+    def any_model_control(self, verb: str | None = None) -> str:
+        return f"{self._root}.ctl.m.*.{'*' if verb is None else check_name('verb', verb)}"
+
+    @property
+    def everything(self) -> str:
+        """Every subject of the namespace: a pattern, for permissions."""
+        return f"{self._root}.>"
 
     def model_control(self, model: str, verb: str) -> str:
         return f"{self._root}.ctl.m.{encode_token(model)}.{check_name('verb', verb)}"

@@ -28,7 +28,7 @@ from nats.js.api import (
 from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
-from ..errors import JetStreamUnavailable, ServerTooOld
+from ..errors import JetStreamUnavailable, NotPermitted, ServerTooOld
 from .names import Names
 
 log = logging.getLogger(__name__)
@@ -112,6 +112,32 @@ async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
         await js.update_stream(cfg)
 
 
+async def _ensure_streams(js: JetStreamContext, configs: list[StreamConfig]) -> None:
+    """Create or update each stream; an identity that may not (a producer, a router) only checks
+    they exist, after one refusal, so it does not collect a refusal per stream."""
+    refused: NotPermitted | None = None
+    for cfg in configs:
+        if refused is None:
+            try:
+                await _ensure_stream(js, cfg)
+                continue
+            except NotPermitted as exc:
+                refused = exc
+        await _existing(js, cfg.name or "", refused)
+
+
+async def _existing(js: JetStreamContext, stream: str, refused: NotPermitted) -> None:
+    try:
+        await js.stream_info(stream)
+    except nats.js.errors.NotFoundError:
+        raise NotPermitted(
+            f"{refused.message}; stream {stream} does not exist yet: start a worker first (workers "
+            "create the streams), or run once with admin credentials",
+            op=refused.op,
+            subject=refused.subject,
+        ) from None
+
+
 @overload
 async def ensure_bucket(js: JetStreamContext, cfg: KeyValueConfig) -> KeyValue: ...
 @overload
@@ -123,6 +149,7 @@ async def ensure_bucket(
     exists with other settings is opened as it is, not updated: its data outlives any one writer,
     and whoever made it first chose them."""
     name = cfg.bucket or ""  # nats-py refuses an empty name, naming it
+    refused: NotPermitted | None = None
     try:
         if isinstance(cfg, KeyValueConfig):
             return await js.create_key_value(cfg)
@@ -130,9 +157,21 @@ async def ensure_bucket(
     except nats.js.errors.BadRequestError as exc:
         if exc.err_code != _STREAM_IN_USE:
             raise
-    if isinstance(cfg, KeyValueConfig):
-        return await js.key_value(name)
-    return await js.object_store(name)
+    except NotPermitted as exc:  # an identity that only reads it: open it as it is
+        refused = exc
+    try:
+        if isinstance(cfg, KeyValueConfig):
+            return await js.key_value(name)
+        return await js.object_store(name)
+    except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError):
+        if refused is None:
+            raise
+        raise NotPermitted(
+            f"{refused.message}; {name} does not exist yet: start a worker first, or run once with "
+            "admin credentials",
+            op=refused.op,
+            subject=refused.subject,
+        ) from None
 
 
 async def ensure_registry(js: JetStreamContext, names: Names, *, replicas: int = 1) -> KeyValue:
@@ -167,67 +206,61 @@ async def ensure_lora_bucket(js: JetStreamContext, names: Names, *, replicas: in
 
 async def ensure_streams(js: JetStreamContext, names: Names, policy: QueuePolicy) -> None:
     storage = StorageType.MEMORY if policy.memory else StorageType.FILE
-    await _ensure_stream(
-        js,
-        StreamConfig(
-            name=names.jobs_stream,
-            description="jetllm jobs: one shared durable pull consumer per (role, model)",
-            subjects=[names.jobs_all],
-            retention=RetentionPolicy.WORK_QUEUE,
-            storage=storage,
-            num_replicas=policy.replicas,
-            max_age=policy.max_age,
-            duplicate_window=policy.duplicate_window,
-            discard=DiscardPolicy.OLD,
-        ),
+    jobs = StreamConfig(
+        name=names.jobs_stream,
+        description="jetllm jobs: one shared durable pull consumer per (role, model)",
+        subjects=[names.jobs_all],
+        retention=RetentionPolicy.WORK_QUEUE,
+        storage=storage,
+        num_replicas=policy.replicas,
+        max_age=policy.max_age,
+        duplicate_window=policy.duplicate_window,
+        discard=DiscardPolicy.OLD,
     )
-    await _ensure_stream(
-        js,
-        StreamConfig(
-            name=names.dlq_stream,
-            description="jetllm dead letters: jobs that could not be served, with the reason",
-            subjects=[names.dlq_all],
-            retention=RetentionPolicy.LIMITS,
-            storage=storage,
-            num_replicas=policy.replicas,
-            max_age=policy.dlq_max_age,
-            duplicate_window=policy.duplicate_window,
-        ),
+    dead_letters = StreamConfig(
+        name=names.dlq_stream,
+        description="jetllm dead letters: jobs that could not be served, with the reason",
+        subjects=[names.dlq_all],
+        retention=RetentionPolicy.LIMITS,
+        storage=storage,
+        num_replicas=policy.replicas,
+        max_age=policy.dlq_max_age,
+        duplicate_window=policy.duplicate_window,
     )
-    await _ensure_requests_stream(js, names, policy)
-    await _ensure_stream(
-        js,
-        StreamConfig(
-            name=names.traces_stream,
-            description="jetllm traces: one timing record per worker hop of a request",
-            subjects=[names.trace_all],
-            retention=RetentionPolicy.LIMITS,
-            storage=storage,
-            num_replicas=policy.replicas,
-            max_age=policy.results_max_age,
-            max_msgs_per_subject=64,
-            discard=DiscardPolicy.OLD,
-        ),
+    traces = StreamConfig(
+        name=names.traces_stream,
+        description="jetllm traces: one timing record per worker hop of a request",
+        subjects=[names.trace_all],
+        retention=RetentionPolicy.LIMITS,
+        storage=storage,
+        num_replicas=policy.replicas,
+        max_age=policy.results_max_age,
+        max_msgs_per_subject=64,
+        discard=DiscardPolicy.OLD,
     )
-    await ensure_kv_events_stream(js, names, policy)
+    await _ensure_streams(
+        js,
+        [jobs, dead_letters, _requests_stream(names, policy), traces, _kv_events_stream(names, policy)],
+    )
 
 
 async def ensure_kv_events_stream(js: JetStreamContext, names: Names, policy: QueuePolicy) -> None:
-    await _ensure_stream(
-        js,
-        StreamConfig(
-            name=names.kv_events_stream,
-            description="jetllm KV-cache events: one subject per (model, instance), replayable",
-            subjects=[names.kv_events_all],
-            retention=RetentionPolicy.LIMITS,
-            storage=StorageType.MEMORY if policy.memory else StorageType.FILE,
-            num_replicas=policy.replicas,
-            max_age=policy.kv_events_max_age,
-            max_msgs_per_subject=policy.kv_events_max_msgs_per_subject,
-            duplicate_window=min(policy.duplicate_window, 120.0),
-            discard=DiscardPolicy.OLD,
-            allow_direct=True,
-        ),
+    await _ensure_stream(js, _kv_events_stream(names, policy))
+
+
+def _kv_events_stream(names: Names, policy: QueuePolicy) -> StreamConfig:
+    return StreamConfig(
+        name=names.kv_events_stream,
+        description="jetllm KV-cache events: one subject per (model, instance), replayable",
+        subjects=[names.kv_events_all],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.MEMORY if policy.memory else StorageType.FILE,
+        num_replicas=policy.replicas,
+        max_age=policy.kv_events_max_age,
+        max_msgs_per_subject=policy.kv_events_max_msgs_per_subject,
+        duplicate_window=min(policy.duplicate_window, 120.0),
+        discard=DiscardPolicy.OLD,
+        allow_direct=True,
     )
 
 
@@ -255,21 +288,18 @@ async def ensure_kv_blocks_stream(
     )
 
 
-async def _ensure_requests_stream(js: JetStreamContext, names: Names, policy: QueuePolicy) -> None:
-    await _ensure_stream(
-        js,
-        StreamConfig(
-            name=names.requests_stream,
-            description="jetllm request log: delivered tokens (for migration) and results",
-            subjects=[names.request_log_all],
-            retention=RetentionPolicy.LIMITS,
-            storage=StorageType.MEMORY if policy.memory else StorageType.FILE,
-            num_replicas=policy.replicas,
-            max_age=max(policy.results_max_age, policy.max_age),
-            duplicate_window=min(policy.duplicate_window, 120.0),
-            discard=DiscardPolicy.OLD,
-            allow_direct=True,
-        ),
+def _requests_stream(names: Names, policy: QueuePolicy) -> StreamConfig:
+    return StreamConfig(
+        name=names.requests_stream,
+        description="jetllm request log: delivered tokens (for migration) and results",
+        subjects=[names.request_log_all],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.MEMORY if policy.memory else StorageType.FILE,
+        num_replicas=policy.replicas,
+        max_age=max(policy.results_max_age, policy.max_age),
+        duplicate_window=min(policy.duplicate_window, 120.0),
+        discard=DiscardPolicy.OLD,
+        allow_direct=True,
     )
 
 

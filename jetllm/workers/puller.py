@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-import uuid
 from collections.abc import Callable
 
 import anyio
@@ -118,7 +117,7 @@ class Puller:
                 self.done.set()
 
     async def _open_inbox(self) -> Subscription:
-        inbox = f"_INBOX.{uuid.uuid4().hex}"
+        inbox = self._nc.new_inbox()  # under the identity's inbox prefix
         sub = await subscribe_direct(self._nc, f"{inbox}.*", self._on_msg)
         self._inbox = inbox
         return sub

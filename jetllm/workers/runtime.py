@@ -32,6 +32,7 @@ from nats.aio.msg import Msg
 
 from ..aio import contained, describe, supervised
 from ..schemas import HealthCheck, LoraLoad, LoraUnload, SleepRequest, WorkerStatus
+from ..subjects.denials import checked
 from ..subjects.names import Names
 from ..subjects.setup import ensure_consumer, ensure_streams
 from .adapterqueues import AdapterQueues
@@ -258,10 +259,12 @@ class Worker:
             collector = PlaneCollector(ctx, self.slots, lifecycle, self.kv_events)
             self.reports.metrics_url = serve_metrics(collector, config.metrics_port)
         consumer = await ensure_consumer(ctx.js, ctx.names, self.role.queue, self.model, ctx.policy)
-        subs = [
-            await self.nc.subscribe(subject, cb=functools.partial(contained, f"handler of {subject}", cb))
-            for subject, cb in self._subscriptions().items()
-        ]
+        subscriptions = self._subscriptions()
+        async with checked(self.nc, "subscribe", *subscriptions):  # a refused one fails the start
+            subs = [
+                await self.nc.subscribe(subject, cb=functools.partial(contained, f"handler of {subject}", cb))
+                for subject, cb in subscriptions.items()
+            ]
         log.info(
             "worker %s serving %r (role %s, %d slots) from consumer %s",
             self.instance,
