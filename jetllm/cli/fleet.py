@@ -19,6 +19,7 @@ from ..subjects import codec
 from ..subjects.connection import connect
 from ..subjects.names import Names
 from .common import add_nats, nats_url
+from .probe import probe
 
 
 def _age(ts: float) -> str:
@@ -89,8 +90,15 @@ async def _ask(nc, names: Names, verb: str, body: bytes, timeout: float, **targe
 
 
 async def _health(args: argparse.Namespace) -> int:
-    nc = await connect(nats_url(args))
     names = Names(args.namespace)
+    check = HealthCheck(canary=not args.no_canary, stall_timeout=args.stall_timeout)
+    if args.local:
+        return await probe(
+            nats_url(args), names, check, liveness=args.liveness, timeout=args.timeout, json=args.json
+        )
+    if args.liveness:
+        raise SystemExit("--liveness goes with --local")
+    nc = await connect(nats_url(args))
     try:
         targets = (
             [{"instance": args.instance}]
@@ -101,7 +109,7 @@ async def _health(args: argparse.Namespace) -> int:
                 else [{"model": m} for m in sorted({r.model for r in await instances(nc.jetstream(), names)})]
             )
         )
-        body = codec.encode(HealthCheck(canary=not args.no_canary, stall_timeout=args.stall_timeout))
+        body = codec.encode(check)
         replies = []
         for t in targets:
             replies += await _ask(nc, names, "health", body, args.timeout, **t)
@@ -193,13 +201,25 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("health", help="ask instances for engine liveness and a canary generation")
     add_nats(p)
-    p.add_argument("--instance", default=None)
-    p.add_argument("--model", default=None, help="every instance of this model (default: every model)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--instance", default=None)
+    which.add_argument("--model", default=None, help="every instance of this model (default: every model)")
+    which.add_argument(
+        "--local",
+        action="store_true",
+        help="the workers of this host (a container's exec probe): exit 0 when each is healthy and serving",
+    )
+    p.add_argument(
+        "--liveness",
+        action="store_true",
+        help="with --local: pass while the engine is alive, in any state, and when NATS cannot be asked "
+        "(the probe then knows nothing about the worker)",
+    )
     p.add_argument("--no-canary", action="store_true", help="engine liveness only")
     p.add_argument(
         "--stall-timeout", type=float, default=5.0, help="fail the canary after this long without a token"
     )
-    p.add_argument("--timeout", type=float, default=30.0)
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds each instance gets to answer")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=lambda a: run(_health, a))
 
