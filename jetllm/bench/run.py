@@ -18,10 +18,12 @@ import msgspec
 
 from ..aio import run
 from ..workers.engine import EngineOptions
-from .targets import run_direct, run_jetllm, run_openai
+from .targets import DISAGG_WORKERS, run_direct, run_jetllm, run_openai
 from .workload import Summary, Workload
 
 TARGETS = ("direct", "jetllm", "openai")
+MORE_TARGETS = ("disagg",)
+"""Not run by default: `disagg` starts two engines (a prefill and a decode worker)."""
 
 
 def table(rows: list[Summary]) -> str:
@@ -138,7 +140,12 @@ async def _one(
             return await run_jetllm(opts, work, server.url, log_dir, _vocab(opts))
     if target == "openai":
         return await run_openai(opts, work, log_dir, _vocab(opts))
-    raise SystemExit(f"unknown target {target!r}; choose from {', '.join(TARGETS)}")
+    if target == "disagg":
+        label = "jetllm, prefill + decode workers"
+        with NatsServer(log_dir / f"nats-{uuid.uuid4().hex[:6]}") as server:
+            url = args.nats or server.url
+            return await run_jetllm(opts, work, url, log_dir, _vocab(opts), DISAGG_WORKERS, label)
+    raise SystemExit(f"unknown target {target!r}; choose from {', '.join(TARGETS + MORE_TARGETS)}")
 
 
 def _vocab(opts: EngineOptions) -> int:
@@ -222,7 +229,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "NATS + a worker process), and vLLM's OpenAI server, one after another, with the same "
         "engine arguments; report output tokens/s, TTFT and inter-token latency.",
     )
-    p.add_argument("--targets", default=",".join(TARGETS), help="comma separated: direct,jetllm,openai")
+    p.add_argument(
+        "--targets",
+        default=",".join(TARGETS),
+        help="comma separated: direct,jetllm,openai (default), and disagg (a prefill and a decode worker)",
+    )
     p.add_argument("--requests", type=int, default=256, help="measured requests per target and round")
     p.add_argument("--concurrency", type=int, default=32, help="requests in flight at once (closed loop)")
     p.add_argument(

@@ -87,8 +87,21 @@ def engine_cli_args(opts: EngineOptions) -> list[str]:
     return args
 
 
-async def run_jetllm(opts: EngineOptions, work: Workload, url: str, log_dir: Path, vocab: int) -> Summary:
-    """A `jetllm worker` process; this process is the producer, streaming over NATS."""
+DISAGG_WORKERS = (("--role", "prefill"), ("--role", "decode", "--disagg-threshold", "1"))
+"""The disaggregated target: a prefill and a decode worker, on the same cores as one aggregated."""
+
+
+async def run_jetllm(
+    opts: EngineOptions,
+    work: Workload,
+    url: str,
+    log_dir: Path,
+    vocab: int,
+    workers: tuple[tuple[str, ...], ...] = ((),),
+    label: str = "through jetllm",
+) -> Summary:
+    """`jetllm worker` processes (one aggregated by default; `workers` gives each one's extra
+    arguments); this process is the producer, streaming over NATS."""
     from ..producer import Client
     from ..producer.fleet import wait_for_workers
     from ..producer.traces import trace_records
@@ -119,13 +132,16 @@ async def run_jetllm(opts: EngineOptions, work: Workload, url: str, log_dir: Pat
     ]
     for key, value in opts.extra.items():
         cmd += ["--engine-arg", f"{key}={json.dumps(value)}"]
-    log = open(log_dir / "bench-worker.log", "wb")
-    proc = subprocess.Popen(
-        cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
-    )
+    logs = [open(log_dir / f"bench-worker{i}.log", "wb") for i in range(len(workers))]
+    procs = [
+        subprocess.Popen(
+            [*cmd, *extra], stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
+        for extra, log in zip(workers, logs, strict=True)
+    ]
     try:
         async with Client(url, namespace=namespace, heartbeat_timeout=60) as client:
-            await wait_for_workers(client.nc, client.names, model=opts.name, timeout=600)
+            await wait_for_workers(client.nc, client.names, model=opts.name, count=len(workers), timeout=600)
 
             measured: set[str] = set()
 
@@ -150,13 +166,15 @@ async def run_jetllm(opts: EngineOptions, work: Workload, url: str, log_dir: Pat
             await anyio.sleep(0.5)  # the last trace records are published after the final frames
             hops = [r for r in await trace_records(client.js, client.names) if r.request_id in measured]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
-    summary = summarize("through jetllm", timings, seconds, errors)
+        for proc in procs:
+            proc.terminate()
+        for proc, log in zip(procs, logs, strict=True):
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            log.close()
+    summary = summarize(label, timings, seconds, errors)
     summary.queued_p50_ms = percentile([r.pulled_at - r.queued_at for r in hops], 50) * 1000
     summary.worker_ttft_p50_ms = (
         percentile([r.first_token_at - r.pulled_at for r in hops if r.first_token_at is not None], 50) * 1000
