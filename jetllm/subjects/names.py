@@ -171,6 +171,11 @@ class Names:
         """Where JetStream announces that a job of (role, model) ran out of deliveries."""
         return f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self.jobs_stream}.{self.consumer(role, model)}"
 
+    @property
+    def requests_leader_advisory(self) -> str:
+        """Where JetStream announces a new leader of the request log's stream (a cluster failover)."""
+        return f"$JS.EVENT.ADVISORY.STREAM.LEADER_ELECTED.{self.requests_stream}"
+
     def model_control(self, model: str, verb: str) -> str:
         return f"{self._root}.ctl.m.{encode_token(model)}.{check_name('verb', verb)}"
 
