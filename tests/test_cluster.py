@@ -186,22 +186,23 @@ async def test_every_stream_bucket_and_consumer_has_three_copies(
 async def test_killing_the_jobs_stream_leader_mid_load_loses_nothing(
     nats_cluster: NatsCluster, start_cluster_worker, namespace
 ):
-    """SIGKILL of the server leading the jobs stream while 60 requests stream and wait in the queue:
-    the queued jobs survive on the other two, the running ones go on, each request gets exactly its
-    tokens in order and one final frame, and each ran to completion once."""
+    """SIGKILL of the server leading the jobs stream while requests stream, wait in the queue and
+    are still being submitted: the queued jobs survive on the other two, publishes during the
+    election are retried, the running requests go on, each request gets exactly its tokens in
+    order and one final frame, and each ran to completion once."""
     url = nats_cluster.url
     await start_workers(start_cluster_worker, url, namespace, 3, "--slots", "12", "--step-delay", "0.02")
     async with Client(url, namespace=namespace) as c:
-        load = Load(c, max_tokens=80, concurrency=60)
+        load = Load(c, max_tokens=80, concurrency=40)
         async with anyio.create_task_group() as tg:
-            tg.start_soon(load.run, 60)
+            tg.start_soon(load.run, 90)
             await load.until_streaming(20)
             victim = await stream_leader(c.js, c.names.jobs_stream)
             nats_cluster.kill(victim)
         assert load.problems() == []
         await anyio.to_thread.run_sync(nats_cluster.wait_healthy)
         assert await stream_leader(c.js, c.names.jobs_stream) != victim
-        assert await completions(c, 3) == 60
+        assert await completions(c, 3) == 90
 
 
 def batch_lines(count: int, max_tokens: int) -> list[dict]:
