@@ -7,6 +7,7 @@ import sys
 
 from .. import __version__
 from ..bench import chaos as bench_chaos
+from ..bench import cluster as bench_cluster
 from ..bench import run as bench
 from . import demo, dlq, fleet, kvevents, lora_cmd, produce, reference_cmd, tinymodel_cmd, worker_cmd
 from .common import setup_logging
@@ -31,6 +32,7 @@ def parser() -> argparse.ArgumentParser:
     tinymodel_cmd.register(sub)
     bench.register(sub)
     bench_chaos.register(sub)
+    bench_cluster.register(sub)
     return p
 
 
