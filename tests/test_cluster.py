@@ -18,6 +18,7 @@ import pytest
 from nats.js.api import StreamConfig
 
 from jetllm import tinymodel
+from jetllm.bench.cluster import Outcome, tally
 from jetllm.errors import ReplicasUnavailable
 from jetllm.natsserver import NatsCluster
 from jetllm.producer import Client
@@ -327,3 +328,26 @@ async def test_three_replicas_on_a_single_server_is_refused_naming_the_flag(nats
             await ensure_streams(nc.jetstream(), Names(namespace), QueuePolicy(replicas=3))
     finally:
         await nc.close()
+
+
+@pytest.mark.parametrize(
+    ("outcomes", "runs", "expected"),
+    [
+        # every job accepted and ended once
+        (
+            [Outcome(accepted=True, ended_at=1.0), Outcome(accepted=True, ended_at=2.5)],
+            2,
+            (2, 0, 2, 0, 0, 0, 1.5),
+        ),
+        # a refused job is not lost: its producer was told
+        ([Outcome(accepted=False), Outcome(accepted=True, ended_at=1.0)], 1, (1, 1, 1, 0, 0, 0, 0.0)),
+        # accepted without a result: lost; a run beyond the completed jobs counts as a second run
+        ([Outcome(accepted=True), Outcome(accepted=True, ended_at=3.0)], 2, (2, 0, 1, 0, 1, 1, 0.0)),
+        # an error result ends a job without completing it
+        ([Outcome(accepted=True, ended_at=1.0, error="engine_error")], 0, (1, 0, 0, 1, 0, 0, 0.0)),
+    ],
+)
+def test_bench_cluster_counts_each_job_once(outcomes, runs, expected):
+    row = tally(outcomes, runs, sync_always=False, killed="leader", seconds=1.0)
+    got = (row.accepted, row.refused, row.completed, row.failed, row.lost, row.run_twice, row.longest_pause_s)
+    assert got == expected

@@ -5,8 +5,9 @@ that keeps `--concurrency` jobs in flight. Once a third of the jobs are accepted
 stream's leader (or a majority: it and one more server) is SIGKILLed and started again after
 `--outage` seconds. Every job is then followed to its result in the request log, and counted:
 accepted (the producer got a PubAck), refused (it did not, within `publish_timeout`: the producer
-knows), completed, failed (an error result), lost (accepted, no result), run twice (the workers
-ran more jobs to completion than there were).
+knows), completed, failed (an error result), lost (accepted, no result by `--result-timeout`),
+run twice (runs to completion the workers counted beyond the completed jobs; a lost job that had
+run would count here too).
 """
 
 from __future__ import annotations
