@@ -29,6 +29,7 @@ from jetllm.schemas import AcceptedFrame, EmbedsPrompt, FinalFrame, Frame, Gener
 from jetllm.subjects.connection import connect
 from jetllm.subjects.names import Names
 from jetllm.subjects.setup import QueuePolicy, ensure_streams
+from jetllm.workers.requestlog import RequestLog
 
 from .helpers.cluster import stream_leader
 from .jobs import req
@@ -255,6 +256,50 @@ async def test_killing_the_request_log_leader_mid_batch_loses_nothing(
         if batch.poll() is None:
             batch.kill()
             batch.wait()
+
+
+async def test_records_dropped_while_the_request_log_had_no_leader_are_written_again(
+    nats_cluster: NatsCluster, start_cluster_worker, namespace
+):
+    """The request log's leader dies under a long request, on a server neither its worker nor its
+    producer is connected to: nothing reconnects, yet the checkpoints published during the
+    election were dropped. The worker writes them again once the log has a new leader, so the
+    log holds every frame sent (what a producer that lost frames in the failover reads back),
+    and the request ends with exactly its output."""
+    async with Client(nats_cluster.url, namespace=namespace, policy=QueuePolicy(replicas=3)) as setup:
+        victim = await stream_leader(setup.js, setup.names.requests_stream)
+    worker_url, producer_url = [s.url for m, s in nats_cluster.servers.items() if m != victim]
+    w = start_cluster_worker(namespace, "--step-delay", "0.05", url=worker_url)
+    await w.wait_ready(worker_url, timeout=60)
+    r = req("fake", [7, 1], max_tokens=400)
+    async with Client(producer_url, namespace=namespace) as c:
+        frames: list[Frame] = []
+
+        async def stream() -> None:
+            async for frame in c.generate(r):
+                frames.append(frame)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stream)
+            with anyio.fail_after(30):
+                while sum(isinstance(f, TokensFrame) for f in frames) < 20:
+                    await anyio.sleep(0.05)
+            nats_cluster.kill(victim)
+            await anyio.to_thread.run_sync(nats_cluster.wait_healthy)
+            await anyio.sleep(1.0)  # a checkpoint under the new leader
+            assert not isinstance(frames[-1], FinalFrame), "the request ended before the check"
+            sent = max(f.seq for f in frames if isinstance(f, TokensFrame))
+            log = RequestLog(c.nc, c.names)
+            missing = list(range(1, sent + 1))
+            with anyio.move_on_after(10):
+                while missing:
+                    logged = {f.seq for f in (await log.history(r.request_id)).frames}
+                    missing = [seq for seq in range(1, sent + 1) if seq not in logged]
+                    await anyio.sleep(0.2)
+            assert not missing, f"the request log lacks frames {missing} the producer was sent"
+    tokens = [t for f in frames if isinstance(f, TokensFrame) for t in f.token_ids]
+    assert tokens == expected_tokens([7, 1], 400)
+    assert isinstance(frames[-1], FinalFrame)
 
 
 async def test_a_rolling_restart_of_all_three_servers_under_load_loses_nothing(
