@@ -251,8 +251,9 @@ def report(rows: list[Row], args: argparse.Namespace, command: str) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     )
     body = "".join(
-        f"| {'yes' if r.sync_always else 'no'} | {KILLS[r.killed]} | {r.accepted} | {r.refused} | {r.completed} | "
-        f"{r.failed} | {r.lost} | {r.run_twice} | {r.longest_pause_s:.1f} s | {r.seconds:.1f} |\n"
+        f"| {'yes' if r.sync_always else 'no'} | {KILLS[r.killed]} | {r.accepted} | {r.refused} | "
+        f"{r.completed} | {r.failed} | {r.lost} | {r.run_twice} | {r.longest_pause_s:.1f} s | "
+        f"{r.seconds:.1f} |\n"
         for r in rows
     )
     return head + body
