@@ -27,6 +27,11 @@ class JetStreamUnavailable(JetllmError):
     """The NATS server answers, but JetStream is not enabled on it."""
 
 
+class ReplicasUnavailable(JetllmError):
+    """Streams were asked for more copies than the NATS servers can hold (replicas > 1 on a server
+    that is not in a JetStream cluster)."""
+
+
 class PayloadTooLarge(JetllmError):
     code = ErrorCode.PAYLOAD_TOO_LARGE
 

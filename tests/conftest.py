@@ -26,6 +26,8 @@ from jetllm.workers import Worker, WorkerConfig
 
 from .fake_engine import FakeEngine
 
+pytest_plugins = ["tests.helpers.cluster"]  # nats_cluster, start_cluster_worker
+
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

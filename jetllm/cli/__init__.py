@@ -7,6 +7,7 @@ import sys
 
 from .. import __version__
 from ..bench import chaos as bench_chaos
+from ..bench import cluster as bench_cluster
 from ..bench import kvtransfer as bench_kv
 from ..bench import run as bench
 from ..errors import JetllmError
@@ -46,6 +47,7 @@ def parser() -> argparse.ArgumentParser:
     bench.register(sub)
     bench_chaos.register(sub)
     bench_kv.register(sub)
+    bench_cluster.register(sub)
     return p
 
 

@@ -248,7 +248,25 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
     q.add_argument(
         "--max-age", type=float, default=86400.0, help="seconds a queued job may wait for a worker"
     )
-    q.add_argument("--replicas", type=int, default=1, help="stream replicas (3 on a JetStream cluster)")
+    q.add_argument(
+        "--replicas",
+        type=_replicas,
+        default=None,
+        help="copies of every stream and bucket: 3 on a JetStream cluster (default: as many as the "
+        "namespace's jobs stream has, 1 in a new namespace; without the flag nothing existing is rescaled)",
+    )
+
+
+def _replicas(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= 5:
+        raise argparse.ArgumentTypeError(
+            f"--replicas must be 1 to 5 (JetStream keeps at most 5 copies), got {text!r}"
+        )
+    return n
 
 
 def engine_options(args: argparse.Namespace):

@@ -74,8 +74,10 @@ _PUBLISH_RETRIED = (
     nats.errors.ConnectionClosedError,
     nats.errors.OutboundBufferLimitError,
     nats.js.errors.ServiceUnavailableError,
+    nats.js.errors.NoStreamResponseError,
 )
-"""What a publish meets while the server restarts or a stream's leader moves."""
+"""What a publish meets while the server restarts or a stream's leader moves (while a cluster
+elects a new leader, nothing answers on the stream's subjects: "no response from stream")."""
 
 
 class _Inbox:

@@ -16,7 +16,7 @@ from nats.js.object_store import ObjectStore
 
 from ..schemas import EmbedsPrompt
 from ..subjects.names import Names
-from ..subjects.setup import ensure_bucket
+from ..subjects.setup import ensure_bucket, namespace_replicas
 
 CHUNK_SIZE = 512 * 1024
 """Object chunk size: well under the smallest usual max_payload (1 MB), few round trips."""
@@ -47,15 +47,18 @@ def embeds_prompt(array: Any, *, dtype: str | None = None) -> EmbedsPrompt:
     return EmbedsPrompt(dtype=name, shape=[int(n) for n in arr.shape], data=data)  # type: ignore[arg-type]
 
 
-async def embeds_store(js: JetStreamContext, names: Names, *, ttl: float, replicas: int = 1) -> ObjectStore:
+async def embeds_store(
+    js: JetStreamContext, names: Names, *, ttl: float, replicas: int | None = None
+) -> ObjectStore:
     """The namespace's embeddings object store, created on first use. Objects expire after `ttl`
-    seconds (the job queue's max_age: no job can need one longer)."""
+    seconds (the job queue's max_age: no job can need one longer). `replicas` None follows the
+    namespace (subjects/setup.py)."""
     return await ensure_bucket(
         js,
         ObjectStoreConfig(
             bucket=names.embeds_store,
             ttl=ttl,
-            replicas=replicas,
+            replicas=replicas or await namespace_replicas(js, names),
             storage=StorageType.FILE,
             description="jetllm prompt embeddings too big for a job message",
         ),

@@ -48,7 +48,7 @@ from ..schemas import (
 )
 from ..subjects import codec
 from ..subjects.names import Names
-from ..subjects.setup import ensure_bucket, ensure_lora_bucket
+from ..subjects.setup import ensure_bucket, ensure_lora_bucket, namespace_replicas
 from .fleet import gather
 from .registry import entries_matching, instances
 
@@ -62,14 +62,17 @@ class AdapterError(JetllmError):
     """A LoRA command failed before any worker was asked."""
 
 
-async def ensure_adapters_store(js: JetStreamContext, names: Names, *, replicas: int = 1) -> ObjectStore:
+async def ensure_adapters_store(
+    js: JetStreamContext, names: Names, *, replicas: int | None = None
+) -> ObjectStore:
+    """The adapter files; `replicas` None follows the namespace (subjects/setup.py)."""
     return await ensure_bucket(
         js,
         ObjectStoreConfig(
             bucket=names.adapters_store,
             description="jetllm: LoRA adapter files",
             storage=StorageType.FILE,
-            replicas=replicas,
+            replicas=replicas or await namespace_replicas(js, names),
         ),
     )
 

@@ -17,7 +17,7 @@ import nats.js.errors
 from nats.js import JetStreamContext
 
 from ..schemas import Cancelled, Frame, Record, Result, Step, Steps, TokensFrame
-from ..subjects import codec
+from ..subjects import codec, streamread
 from ..subjects.names import Names
 from .sequencer import rest_of
 
@@ -75,32 +75,40 @@ async def attach(js: JetStreamContext, names: Names, request_id: str) -> AsyncGe
                 return
 
 
+GAP_WAIT = 20.0
+"""Seconds a producer waits for lost frames to appear in the request log: longer than a JetStream
+cluster takes to elect a new leader for the log after its leader died (its raft election timeout
+is 4-9 s), after which workers rewrite the records it dropped meanwhile."""
+
+
 async def fill_gap(
     js: JetStreamContext, names: Names, request_id: str, seen: list[TokensFrame], after: int, before: int
 ) -> list[Frame]:
     """Frames lost on the way (seq in (after, before)), recovered from the request log; if the
-    request has ended, everything after `after` up to its final frame. Waits a few seconds
-    for records a worker is still rewriting after a reconnect."""
+    request has ended, everything after `after` up to its final frame. Waits up to GAP_WAIT
+    for records a worker is still writing or rewriting (after a reconnect or a failover)."""
     steps: dict[int, TokensFrame] = {}
     ended = await result_quietly(js, names, request_id)
-    with anyio.move_on_after(5):
-        while ended is None:
+    subject, cursor = names.request_log(request_id), 1
+    with anyio.move_on_after(GAP_WAIT):
+        while ended is None and len(steps) < before - after - 1:
             try:
-                async with aclosing(_records(js, names, request_id)) as records:
-                    async for record in records:
+                async with aclosing(
+                    streamread.messages(js, names.requests_stream, subject, start=cursor)
+                ) as raws:
+                    async for raw in raws:
+                        cursor = (raw.seq or cursor) + 1
+                        record = _readable(raw.data, request_id)
                         if isinstance(record, Result):
                             ended = record
                             break
-                        for frame in _frames_in(record):
+                        for frame in _frames_in(record) if record is not None else ():
                             if after < frame.seq < before:
                                 steps[frame.seq] = frame
-                        if len(steps) == before - after - 1:
-                            break
             except Exception as exc:  # the server is still recovering its streams
                 log.info("request %s: request log not readable yet: %s", request_id, exc)
-            if len(steps) == before - after - 1:
-                break
-            await anyio.sleep(0.2)
+            if ended is None and len(steps) < before - after - 1:
+                await anyio.sleep(0.2)
     if ended is not None:
         found = rest_of(ended, seen, after)
     else:
@@ -111,6 +119,15 @@ async def fill_gap(
             found.append(steps[seq])
     log.warning("request %s: recovered %d lost frames from the request log", request_id, len(found))
     return found
+
+
+def _readable(data: bytes | None, request_id: str) -> Record | None:
+    """A log record; None for a kind this version does not know (written by a newer worker)."""
+    try:
+        return _record_decoder.decode(data or b"")
+    except codec.UnknownKind as exc:
+        log.debug("request %s: skipping a log record: %s", request_id, exc)
+        return None
 
 
 def _frames_in(record: Record) -> list[TokensFrame]:
@@ -124,20 +141,14 @@ def _frames_in(record: Record) -> list[TokensFrame]:
 async def _result_before(js: JetStreamContext, names: Names, request_id: str) -> Result | None:
     """The last Result in the log, when records came after it (a late cancel)."""
     found = None
-    async with _subscribed(js, names, request_id) as sub:
-        try:
-            while True:
-                msg = await sub.next_msg(timeout=2)
-                try:
-                    record: Record | None = _record_decoder.decode(msg.data)
-                except codec.UnknownKind:
-                    record = None
-                if isinstance(record, Result):
-                    found = record
-                if msg.metadata.num_pending == 0:
-                    return found
-        except Exception:
-            return found
+    try:
+        async for raw in streamread.messages(js, names.requests_stream, names.request_log(request_id)):
+            record = _readable(raw.data, request_id)
+            if isinstance(record, Result):
+                found = record
+    except Exception:  # what was read so far is the best answer there is
+        pass
+    return found
 
 
 async def _records(js: JetStreamContext, names: Names, request_id: str) -> AsyncGenerator[Record, None]:

@@ -205,6 +205,11 @@ class Names:
         """Every subject of the namespace: a pattern, for permissions."""
         return f"{self._root}.>"
 
+    @property
+    def requests_leader_advisory(self) -> str:
+        """Where JetStream announces a new leader of the request log's stream (a cluster failover)."""
+        return f"$JS.EVENT.ADVISORY.STREAM.LEADER_ELECTED.{self.requests_stream}"
+
     def model_control(self, model: str, verb: str) -> str:
         return f"{self._root}.ctl.m.{encode_token(model)}.{check_name('verb', verb)}"
 

@@ -156,6 +156,7 @@ def _worker(n: Names, inbox: str) -> tuple[list[str], list[str]]:
         f"{API}.STREAM.NAMES",  # nats-py finds an object's stream by subject before reading its chunks
         *(f"{API}.STREAM.INFO.{s}" for s in streams(n)),
         *(f"{API}.STREAM.{v}.{s}" for s in streams(n)[:5] for v in ("CREATE", "UPDATE")),
+        *(f"{API}.STREAM.UPDATE.{s}" for s in streams(n)[5:]),  # `--replicas` rescales the buckets
         *_stream(registry, "CREATE"),
         *_stream(lora, "CREATE"),
         f"{API}.CONSUMER.CREATE.{jobs}.>",
@@ -188,6 +189,7 @@ def _worker(n: Names, inbox: str) -> tuple[list[str], list[str]]:
         n.any_instance_control(),
         n.any_model_control(),
         n.max_deliveries_advisories,
+        n.requests_leader_advisory,  # rewrite what a request-log failover dropped
     ]
     return pub, sub
 

@@ -3,12 +3,22 @@
 Every worker and every producer calls these on start, so creation races are normal: creating an
 existing stream or bucket with the same settings succeeds; a stream with differing settings is
 updated in place, a bucket (KV or object store) with differing settings is opened as it is.
+
+Replicas (copies on a JetStream cluster) are the exception, by one rule: a side that names them
+(`--replicas`, `QueuePolicy.replicas`) creates streams and buckets with them and brings every
+existing stream and bucket of the namespace to them (`ensure_streams`); a side that does not (None)
+leaves existing ones as they are and creates new ones with as many as the namespace's jobs stream
+has (1 in a new namespace). So a producer or command started without the flag never scales a
+cluster's R3 streams down, and a bucket it makes first still gets R3. How many copies a deployment
+keeps is its operator's choice, not whoever came first.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import overload
+from collections.abc import Awaitable, Callable
+from typing import TypeVar, overload
 
 import msgspec
 import nats.js.errors
@@ -26,15 +36,18 @@ from nats.js.api import (
     StreamConfig,
 )
 from nats.js.kv import KeyValue
-from nats.js.object_store import ObjectStore
+from nats.js.object_store import OBJ_STREAM_TEMPLATE, ObjectStore
 
-from ..errors import JetStreamUnavailable, NotPermitted, ServerTooOld
+from ..aio import retried
+from ..errors import JetStreamUnavailable, NotPermitted, ReplicasUnavailable, ServerTooOld
 from .names import Names
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MIN_SERVER = (2, 10, 0)
 _STREAM_IN_USE = 10058
+_REPLICAS_NOT_CLUSTERED = 10074
 
 RECORD_TTL = 10.0
 """Seconds a registry record outlives its last heartbeat in the bucket (the bound after a SIGKILL)."""
@@ -54,7 +67,9 @@ class QueuePolicy(msgspec.Struct, kw_only=True, frozen=True):
     """Jobs in flight across all workers of one consumer; keep above the role's total slots."""
     duplicate_window: float = 600.0
     """Seconds within which a re-published request id is dropped as a duplicate."""
-    replicas: int = 1
+    replicas: int | None = None
+    """Copies of each stream and bucket (3 on a JetStream cluster); None: existing ones keep theirs,
+    new ones get the jobs stream's (see the module docstring)."""
     memory: bool = False
     dlq_max_age: float = 14 * 24 * 3600.0
     results_max_age: float = 24 * 3600.0
@@ -102,24 +117,70 @@ async def check_server(nc: NATS) -> None:
         ) from None
 
 
-async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig) -> None:
+API_WAIT = 30.0
+"""Seconds a JetStream API call is retried while the cluster cannot serve it yet: a meta leader
+election after a server died, or the new copies of a stream that was just scaled up (the
+server answers "insufficient resources" until they exist)."""
+
+
+def _api(call: Callable[[], Awaitable[T]], what: str) -> Awaitable[T]:
+    return retried(
+        call,
+        errors=(nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError),
+        within=API_WAIT,
+        what=what,
+        first=0.2,
+        longest=2.0,
+    )
+
+
+async def namespace_replicas(js: JetStreamContext, names: Names) -> int:
+    """The replicas of the namespace's jobs stream, which a side that names none follows; 1 when
+    the namespace has no jobs stream yet."""
     try:
-        await js.add_stream(cfg)
-    except nats.js.errors.BadRequestError as exc:
+        info = await _api(lambda: js.stream_info(names.jobs_stream), "reading the jobs stream")
+    except nats.js.errors.NotFoundError:
+        return 1
+    return info.config.num_replicas or 1
+
+
+def _replicas_error(exc: nats.js.errors.APIError, name: str, replicas: int) -> Exception:
+    if exc.err_code == _REPLICAS_NOT_CLUSTERED:
+        return ReplicasUnavailable(
+            f"cannot store {name} with replicas={replicas}: the NATS server is not part of a JetStream "
+            "cluster; run with --replicas 1 (QueuePolicy(replicas=1)) against a single server, or "
+            "connect to a cluster of at least that many servers",
+            field="replicas",
+        )
+    return exc
+
+
+async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig, *, rescale: bool) -> None:
+    """`rescale` False: an existing stream keeps its replicas whatever `cfg` says."""
+    try:
+        await _api(lambda: js.add_stream(cfg), f"creating stream {cfg.name}")
+        return
+    except nats.js.errors.APIError as exc:
         if exc.err_code != _STREAM_IN_USE:
-            raise
-        log.info("stream %s exists with other settings; updating it", cfg.name)
-        await js.update_stream(cfg)
+            raise _replicas_error(exc, cfg.name or "", cfg.num_replicas or 1) from None
+    if not rescale:
+        current = await _api(lambda: js.stream_info(cfg.name or ""), f"reading stream {cfg.name}")
+        cfg = dataclasses.replace(cfg, num_replicas=current.config.num_replicas)
+    log.info("stream %s exists with other settings; updating it", cfg.name)
+    try:
+        await _api(lambda: js.update_stream(cfg), f"updating stream {cfg.name}")
+    except nats.js.errors.APIError as exc:
+        raise _replicas_error(exc, cfg.name or "", cfg.num_replicas or 1) from None
 
 
-async def _ensure_streams(js: JetStreamContext, configs: list[StreamConfig]) -> None:
+async def _ensure_streams(js: JetStreamContext, configs: list[StreamConfig], *, rescale: bool) -> None:
     """Create or update each stream; an identity that may not (a producer, a router) only checks
     they exist, after one refusal, so it does not collect a refusal per stream."""
     refused: NotPermitted | None = None
     for cfg in configs:
         if refused is None:
             try:
-                await _ensure_stream(js, cfg)
+                await _ensure_stream(js, cfg, rescale=rescale)
                 continue
             except NotPermitted as exc:
                 refused = exc
@@ -147,16 +208,16 @@ async def ensure_bucket(
 ) -> KeyValue | ObjectStore:
     """The KV bucket or object store `cfg` names, created with `cfg` unless it exists. One that
     exists with other settings is opened as it is, not updated: its data outlives any one writer,
-    and whoever made it first chose them."""
+    and whoever made it first chose them (replicas aside: `ensure_streams` rescales them)."""
     name = cfg.bucket or ""  # nats-py refuses an empty name, naming it
     refused: NotPermitted | None = None
     try:
         if isinstance(cfg, KeyValueConfig):
-            return await js.create_key_value(cfg)
-        return await js.create_object_store(name, cfg)
-    except nats.js.errors.BadRequestError as exc:
+            return await _api(lambda: js.create_key_value(cfg), f"creating bucket {name}")
+        return await _api(lambda: js.create_object_store(name, cfg), f"creating object store {name}")
+    except nats.js.errors.APIError as exc:
         if exc.err_code != _STREAM_IN_USE:
-            raise
+            raise _replicas_error(exc, name, cfg.replicas) from None
     except NotPermitted as exc:  # an identity that only reads it: open it as it is
         refused = exc
     try:
@@ -174,7 +235,33 @@ async def ensure_bucket(
         ) from None
 
 
-async def ensure_registry(js: JetStreamContext, names: Names, *, replicas: int = 1) -> KeyValue:
+async def _rescale_buckets(js: JetStreamContext, names: Names, replicas: int) -> None:
+    """Bring the namespace's existing KV buckets and object stores to `replicas` copies."""
+    for stream in (
+        f"KV_{names.registry_bucket}",
+        f"KV_{names.lora_bucket}",
+        OBJ_STREAM_TEMPLATE.format(bucket=names.adapters_store),
+        OBJ_STREAM_TEMPLATE.format(bucket=names.embeds_store),
+    ):
+        await _rescale(js, stream, replicas)
+
+
+async def _rescale(js: JetStreamContext, stream: str, replicas: int) -> None:
+    try:
+        current = (await _api(lambda: js.stream_info(stream), f"reading {stream}")).config
+    except nats.js.errors.NotFoundError:
+        return
+    if (current.num_replicas or 1) == replicas:
+        return
+    log.info("%s has %s replicas; rescaling it to %d", stream, current.num_replicas or 1, replicas)
+    rescaled = dataclasses.replace(current, num_replicas=replicas)
+    try:
+        await _api(lambda: js.update_stream(rescaled), f"rescaling {stream}")
+    except nats.js.errors.APIError as exc:
+        raise _replicas_error(exc, stream, replicas) from None
+
+
+async def ensure_registry(js: JetStreamContext, names: Names, *, replicas: int | None = None) -> KeyValue:
     """The registry bucket: workers write it, producers and operators read it."""
     return await ensure_bucket(
         js,
@@ -184,13 +271,13 @@ async def ensure_registry(js: JetStreamContext, names: Names, *, replicas: int =
             history=1,
             ttl=RECORD_TTL,
             storage=StorageType.FILE,
-            replicas=replicas,
+            replicas=replicas or await namespace_replicas(js, names),
             limit_marker_ttl=RECORD_TTL,
         ),
     )
 
 
-async def ensure_lora_bucket(js: JetStreamContext, names: Names, *, replicas: int = 1) -> KeyValue:
+async def ensure_lora_bucket(js: JetStreamContext, names: Names, *, replicas: int | None = None) -> KeyValue:
     """The desired LoRA adapters of each model: producers write them, workers follow them."""
     return await ensure_bucket(
         js,
@@ -199,12 +286,16 @@ async def ensure_lora_bucket(js: JetStreamContext, names: Names, *, replicas: in
             description="jetllm: LoRA adapters each model should serve",
             history=5,
             storage=StorageType.FILE,
-            replicas=replicas,
+            replicas=replicas or await namespace_replicas(js, names),
         ),
     )
 
 
 async def ensure_streams(js: JetStreamContext, names: Names, policy: QueuePolicy) -> None:
+    """Every stream of the namespace, as `policy` says; with `policy.replicas` None, the jobs
+    stream's replicas decide the others' (module docstring)."""
+    rescale = policy.replicas is not None
+    replicas = policy.replicas or await namespace_replicas(js, names)
     storage = StorageType.MEMORY if policy.memory else StorageType.FILE
     jobs = StreamConfig(
         name=names.jobs_stream,
@@ -212,7 +303,7 @@ async def ensure_streams(js: JetStreamContext, names: Names, policy: QueuePolicy
         subjects=[names.jobs_all],
         retention=RetentionPolicy.WORK_QUEUE,
         storage=storage,
-        num_replicas=policy.replicas,
+        num_replicas=replicas,
         max_age=policy.max_age,
         duplicate_window=policy.duplicate_window,
         discard=DiscardPolicy.OLD,
@@ -223,7 +314,7 @@ async def ensure_streams(js: JetStreamContext, names: Names, policy: QueuePolicy
         subjects=[names.dlq_all],
         retention=RetentionPolicy.LIMITS,
         storage=storage,
-        num_replicas=policy.replicas,
+        num_replicas=replicas,
         max_age=policy.dlq_max_age,
         duplicate_window=policy.duplicate_window,
     )
@@ -233,29 +324,39 @@ async def ensure_streams(js: JetStreamContext, names: Names, policy: QueuePolicy
         subjects=[names.trace_all],
         retention=RetentionPolicy.LIMITS,
         storage=storage,
-        num_replicas=policy.replicas,
+        num_replicas=replicas,
         max_age=policy.results_max_age,
         max_msgs_per_subject=64,
         discard=DiscardPolicy.OLD,
     )
     await _ensure_streams(
         js,
-        [jobs, dead_letters, _requests_stream(names, policy), traces, _kv_events_stream(names, policy)],
+        [
+            jobs,
+            dead_letters,
+            _requests_stream(names, policy, replicas),
+            traces,
+            _kv_events_stream(names, policy, replicas),
+        ],
+        rescale=rescale,
     )
+    if rescale:
+        await _rescale_buckets(js, names, replicas)
 
 
 async def ensure_kv_events_stream(js: JetStreamContext, names: Names, policy: QueuePolicy) -> None:
-    await _ensure_stream(js, _kv_events_stream(names, policy))
+    replicas = policy.replicas or await namespace_replicas(js, names)
+    await _ensure_stream(js, _kv_events_stream(names, policy, replicas), rescale=policy.replicas is not None)
 
 
-def _kv_events_stream(names: Names, policy: QueuePolicy) -> StreamConfig:
+def _kv_events_stream(names: Names, policy: QueuePolicy, replicas: int) -> StreamConfig:
     return StreamConfig(
         name=names.kv_events_stream,
         description="jetllm KV-cache events: one subject per (model, instance), replayable",
         subjects=[names.kv_events_all],
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.MEMORY if policy.memory else StorageType.FILE,
-        num_replicas=policy.replicas,
+        num_replicas=replicas,
         max_age=policy.kv_events_max_age,
         max_msgs_per_subject=policy.kv_events_max_msgs_per_subject,
         duplicate_window=min(policy.duplicate_window, 120.0),
@@ -285,17 +386,18 @@ async def ensure_kv_blocks_stream(
             duplicate_window=min(ttl, 120.0),
             allow_direct=True,
         ),
+        rescale=True,
     )
 
 
-def _requests_stream(names: Names, policy: QueuePolicy) -> StreamConfig:
+def _requests_stream(names: Names, policy: QueuePolicy, replicas: int) -> StreamConfig:
     return StreamConfig(
         name=names.requests_stream,
         description="jetllm request log: delivered tokens (for migration) and results",
         subjects=[names.request_log_all],
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.MEMORY if policy.memory else StorageType.FILE,
-        num_replicas=policy.replicas,
+        num_replicas=replicas,
         max_age=max(policy.results_max_age, policy.max_age),
         duplicate_window=min(policy.duplicate_window, 120.0),
         discard=DiscardPolicy.OLD,
@@ -308,19 +410,19 @@ async def ensure_consumer(
 ) -> str:
     """Create (or update) the durable pull consumer of (role, model); returns its name."""
     durable = names.consumer(role, model)
-    await js.add_consumer(
-        names.jobs_stream,
-        ConsumerConfig(
-            durable_name=durable,
-            description=f"jetllm {role} workers of {model}"[:256],
-            filter_subject=names.jobs(role, model),
-            ack_policy=AckPolicy.EXPLICIT,
-            deliver_policy=DeliverPolicy.ALL,
-            ack_wait=policy.ack_wait,
-            max_deliver=policy.max_deliver,
-            max_ack_pending=policy.max_ack_pending,
-            max_waiting=512,
-            num_replicas=policy.replicas,
-        ),
+    config = ConsumerConfig(
+        durable_name=durable,
+        description=f"jetllm {role} workers of {model}"[:256],
+        filter_subject=names.jobs(role, model),
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        ack_wait=policy.ack_wait,
+        max_deliver=policy.max_deliver,
+        max_ack_pending=policy.max_ack_pending,
+        max_waiting=512,
+        # as many copies as the stream (0): a consumer cannot have more, and one with fewer
+        # would lose its deliveries' state with the server it lives on
+        num_replicas=0,
     )
+    await _api(lambda: js.add_consumer(names.jobs_stream, config), f"creating consumer {durable}")
     return durable

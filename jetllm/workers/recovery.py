@@ -1,8 +1,12 @@
-"""Putting back the request-log records a recovering server may have dropped, after a reconnect.
+"""Putting back the request-log records the servers may have dropped: after a reconnect, and after
+the request log's stream got a new leader.
 
 Token frames are logged with plain publishes for speed; while a restarted server is still loading
-its streams those are dropped, and a later attempt would regenerate tokens the producer already
-has. Each running request keeps its own token frames (`FrameSink.logged`) so they can be rewritten.
+its streams those are dropped, and so are those sent to a cluster while the stream has no leader
+(the seconds of an election after its leader died), with no reconnect of the worker to tell. A
+later attempt would then regenerate tokens the producer already has, and a producer that lost
+frames in the same failover could not read them back. Each running request keeps its own token
+frames (`FrameSink.logged`) so they can be rewritten.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import time
 
 import anyio
 from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
 
 from ..schemas import Claim, Steps
 from .requestlog import LogUnavailable, RequestLog
@@ -24,21 +29,40 @@ async def resync_after_reconnects(
     nc: NATS, request_log: RequestLog, instance: str, running: RunningRequests
 ) -> None:
     seen = nc.stats["reconnects"]
-    while True:
-        await anyio.sleep(0.5)
-        if nc.stats["reconnects"] == seen or not nc.is_connected:
-            continue
-        seen = nc.stats["reconnects"]
-        for rid, run in list(running.items()):
-            for delay in (0.5, 1, 2, 4, 8, None):
-                try:
-                    await resync(request_log, instance, rid, run)
-                    break
-                except LogUnavailable as exc:
-                    if delay is None:
-                        log.warning("request %s: log not resynchronised after a reconnect: %s", rid, exc)
-                    else:
-                        await anyio.sleep(delay)
+    elections = 0
+    handled = 0
+
+    async def on_election(msg: Msg) -> None:
+        nonlocal elections
+        elections += 1
+
+    sub = await nc.subscribe(request_log.names.requests_leader_advisory, cb=on_election)
+    try:
+        while True:
+            await anyio.sleep(0.5)
+            if not nc.is_connected or (nc.stats["reconnects"] == seen and elections == handled):
+                continue
+            seen, handled = nc.stats["reconnects"], elections
+            for rid, run in list(running.items()):
+                await _resync_retried(request_log, instance, rid, run)
+    finally:
+        with anyio.CancelScope(shield=True):
+            try:
+                await sub.unsubscribe()
+            except Exception:  # the connection is closing anyway
+                pass
+
+
+async def _resync_retried(request_log: RequestLog, instance: str, rid: str, run: Running) -> None:
+    for delay in (0.5, 1, 2, 4, 8, None):
+        try:
+            await resync(request_log, instance, rid, run)
+            return
+        except LogUnavailable as exc:
+            if delay is None:
+                log.warning("request %s: log not resynchronised: %s", rid, exc)
+            else:
+                await anyio.sleep(delay)
 
 
 async def resync(request_log: RequestLog, instance: str, rid: str, run: Running) -> None:

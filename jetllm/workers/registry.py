@@ -41,6 +41,7 @@ class RegistryKeeper:
         *,
         interval: float = 2.0,
         load_interval: float = 1.0,
+        replicas: int | None = None,
     ) -> None:
         self.nc = nc
         self.js = nc.jetstream(timeout=5)
@@ -50,6 +51,7 @@ class RegistryKeeper:
         self._load = load
         self.interval = interval
         self.load_interval = load_interval
+        self.replicas = replicas
         self._kv: KeyValue | None = None
         self._card_every = 0.0
         self._wake = anyio.Event()
@@ -78,7 +80,7 @@ class RegistryKeeper:
 
     async def _write(self, record: InstanceRecord, *, with_card: bool) -> None:
         if self._kv is None:
-            self._kv = await ensure_registry(self.js, self.names)
+            self._kv = await ensure_registry(self.js, self.names, replicas=self.replicas)
         await self._kv.put(self.names.instance_key(record.instance), codec.encode(record))
         if with_card:
             card = self._card()
@@ -110,7 +112,7 @@ class RegistryKeeper:
     async def remove(self, instance: str) -> None:
         """Take the record out now (clean stop): routers must not pick a worker that is leaving."""
         try:
-            kv = self._kv or await ensure_registry(self.js, self.names)
+            kv = self._kv or await ensure_registry(self.js, self.names, replicas=self.replicas)
             await kv.delete(self.names.instance_key(instance))
         except Exception as exc:
             log.warning("registry record not removed (it ages out in %.0fs): %s", RECORD_TTL, exc)

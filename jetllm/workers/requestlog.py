@@ -12,7 +12,7 @@ from nats.aio.client import Client as NATS
 
 from ..aio import retried
 from ..schemas import Cancelled, Claim, Handoff, Record, Result, Step, Steps, TokensFrame
-from ..subjects import codec
+from ..subjects import codec, streamread
 from ..subjects.names import Names
 
 log = logging.getLogger(__name__)
@@ -203,7 +203,9 @@ class RequestLog:
             return Unreadable()
 
     async def history(self, request_id: str) -> History:
-        """Every record of the request, up to the last one stored when this is called."""
+        """Every record of the request, up to the last one stored when this is called. Read with
+        direct gets (subjects/streamread.py), which work in the seconds after a cluster member
+        died, when creating a consumer to read it may not."""
         subject = self.names.request_log(request_id)
         try:
             last = await self.js.get_last_msg(self.names.requests_stream, subject, direct=True)
@@ -211,29 +213,21 @@ class RequestLog:
             return History()
         except (nats.errors.Error, nats.js.errors.Error) as exc:
             raise LogUnavailable(f"request log: {type(exc).__name__}") from exc
-        if not last.data:
+        if not last.data or last.seq is None:
             return History()
         records: list[Record] = []
+        read_to = 0
         try:
-            sub = await self.js.subscribe(subject, stream=self.names.requests_stream, ordered_consumer=True)
+            async for raw in streamread.messages(self.js, self.names.requests_stream, subject, upto=last.seq):
+                read_to = raw.seq or read_to
+                try:
+                    records.append(_decoder.decode(raw.data or b""))
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    log.warning("request %s: skipping an unreadable log record: %s", request_id, exc)
         except (nats.errors.Error, nats.js.errors.Error) as exc:
-            raise LogUnavailable(f"request log: {type(exc).__name__}") from exc
-        try:
-            with anyio.fail_after(30):
-                while True:
-                    msg = await sub.next_msg(timeout=30)
-                    try:
-                        records.append(_decoder.decode(msg.data))
-                    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                        log.warning("request %s: skipping an unreadable log record: %s", request_id, exc)
-                    # nats-py types RawStreamMsg.seq Optional; a fetched message has one
-                    if msg.metadata.sequence.stream >= last.seq:  # type: ignore[operator]
-                        break
-        except (nats.errors.Error, TimeoutError) as exc:
             raise LogUnavailable(f"request log: reading it stopped: {type(exc).__name__}") from exc
-        finally:
-            with anyio.CancelScope(shield=True):
-                await sub.unsubscribe()
+        if read_to < last.seq:  # answered by a copy that is behind the one that gave `last`
+            raise LogUnavailable(f"request log: read to seq {read_to} of {last.seq}")
         return analyze(records)
 
     async def compact(self, request_id: str) -> None:

@@ -159,6 +159,7 @@ class Worker:
             self.role.model_card,
             reports.load_reports,
             interval=config.registry_interval,
+            replicas=config.policy.replicas,
         )
         self.batcher = FrameBatcher(nc)
         self.jobs = jobs = JobDeps(

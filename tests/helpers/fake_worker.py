@@ -25,7 +25,7 @@ async def main(args: argparse.Namespace) -> int:
         max_migrations=args.max_migrations,
         heartbeat_interval=0.2,
         checkpoint_interval=args.checkpoint_interval,
-        policy=QueuePolicy(ack_wait=args.ack_wait),
+        policy=QueuePolicy(ack_wait=args.ack_wait, replicas=args.replicas),
     )
     try:
         return await Worker(nc, engine, config).serve()
@@ -44,6 +44,7 @@ if __name__ == "__main__":
     p.add_argument("--max-migrations", type=int, default=3)
     p.add_argument("--ack-wait", type=float, default=10.0)
     p.add_argument("--checkpoint-interval", type=float, default=0.5)
+    p.add_argument("--replicas", type=int, default=None)
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     raise SystemExit(run(main, args))

@@ -130,7 +130,9 @@ class LoraManager:
         async with anyio.create_task_group() as tg:
             while True:
                 try:
-                    kv = await ensure_lora_bucket(self._ctx.js, self._ctx.names)
+                    kv = await ensure_lora_bucket(
+                        self._ctx.js, self._ctx.names, replicas=self._ctx.policy.replicas
+                    )
                     watcher = await kv.watch(self._ctx.names.lora_keys_of(self._ctx.model))
                     try:
                         while True:
@@ -179,7 +181,7 @@ class LoraManager:
 
     async def _refresh(self, name: str) -> None:
         """Read the adapter's key now: a verb must not act on a watch that lags behind its caller."""
-        kv = await ensure_lora_bucket(self._ctx.js, self._ctx.names)
+        kv = await ensure_lora_bucket(self._ctx.js, self._ctx.names, replicas=self._ctx.policy.replicas)
         key = self._ctx.names.lora_key(self._ctx.model, name)
         try:
             entry = await kv.get(key)
