@@ -178,6 +178,13 @@ class NatsServer:
         self.stop()
         raise TimeoutError(f"nats-server did not listen on {self.url} within {timeout}s")
 
+    def port_taken(self) -> bool:
+        """Whether this server last failed to start because one of its ports was in use."""
+        try:
+            return "address already in use" in self.log_file.read_text(errors="replace")[-2000:]
+        except OSError:
+            return False
+
     def stop(self, timeout: float = 10.0) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
@@ -224,10 +231,15 @@ class NatsCluster:
             raise ValueError(f"a cluster needs at least one server, got size={size}")
         if configs and len(configs) != size:
             raise ValueError(f"configs names {len(configs)} files for {size} members; give one per member")
-        data = Path(data_dir)
+        self._members = (Path(data_dir), size, host, binary, sync_always, name, tuple(configs))
+        self.servers: dict[str, NatsServer] = {}
+        self._assign_ports()
+
+    def _assign_ports(self) -> None:
+        data, size, host, binary, sync_always, name, configs = self._members
         route_ports = [free_port(host) for _ in range(size)]
         routes = tuple(f"nats://{host}:{p}" for p in route_ports)
-        self.servers: dict[str, NatsServer] = {}
+        self.servers = {}
         for i, route_port in enumerate(route_ports, 1):
             member = f"n{i}"
             self.servers[member] = NatsServer(
@@ -256,14 +268,23 @@ class NatsCluster:
         return [m for m, s in self.servers.items() if s.running]
 
     def start(self, timeout: float = 30.0) -> NatsCluster:
-        try:
-            for server in self.servers.values():
-                server.start(timeout)
-            self.wait_healthy(timeout)
-        except BaseException:
-            self.stop()
-            raise
-        return self
+        """Start every member; a port another process took between choosing and binding it (free
+        ports are only free when looked at) means new ports and another try, twice at most."""
+        for attempt in range(3):
+            try:
+                for server in self.servers.values():
+                    server.start(timeout)
+                self.wait_healthy(timeout)
+                return self
+            except RuntimeError as exc:
+                self.stop()
+                if attempt == 2 or not any(s.port_taken() for s in self.servers.values()):
+                    raise exc from None
+                self._assign_ports()
+            except BaseException:
+                self.stop()
+                raise
+        raise AssertionError("unreachable")
 
     def meta_leader(self) -> str | None:
         """The member JetStream's meta group follows (it places streams), as the running members

@@ -91,6 +91,7 @@ STRICT = {
     "AdapterSpec",
     "AdapterManifest",
     "BatchLine",
+    "PrefillRequest",
 }
 """What a producer, operator or tool tells a worker (or `jetllm batch`): everything else is a report."""
 
