@@ -29,6 +29,7 @@ from jetllm.subjects.setup import QueuePolicy
 from jetllm.workers.context import Counters, WorkerContext
 from jetllm.workers.kvevents import KvEventRelay
 from jetllm.workers.metrics import PlaneCollector
+from jetllm.workers.roles import ROLES
 from jetllm.workers.running import RunningRequests
 from jetllm.workers.runtime import STOP_LEFTOVERS_TIMEOUT
 from jetllm.workers.slots import Slots
@@ -216,7 +217,8 @@ def test_keda_reads_the_stream_and_consumer_jetllm_creates_for_the_pool(pool, mo
     meta = trigger["metadata"]
     assert trigger["type"] == "nats-jetstream"
     assert meta["stream"] == names.jobs_stream
-    assert meta["consumer"] == names.consumer(args.role, args.served_model_name or args.model)
+    queue = ROLES[args.role].queue  # a decode pool reads the generate queue
+    assert meta["consumer"] == names.consumer(queue, args.served_model_name or args.model)
     assert meta["lagThreshold"] == str(args.slots)  # one worker per --slots jobs waiting or held
     host, port = meta["natsServerMonitoringEndpoint"].rsplit(":", 1)
     assert host.startswith("nats-headless.") and int(port) == nats_values()["config"]["monitor"]["port"]

@@ -429,13 +429,54 @@ def cmd_worker(args: argparse.Namespace) -> int:
         return EXIT_STARTUP_FAILED
 
 
+NOT_PASSED_ON = frozenset({"--role", "--instance-id", "--metrics-port"})
+"""Worker flags `up --disagg` keeps for its own worker: the prefill worker gets its own identity
+and a metrics port of its own."""
+
+
+def worker_argv(args: argparse.Namespace, role: str) -> list[str]:
+    """The `jetllm worker` flags that repeat `args` for another worker of `role`: every worker
+    option set to something other than its default, except those `role` does not take."""
+    from ..workers.roles import ROLES
+    from ..workers.roles.flags import misplaced
+
+    ref = argparse.ArgumentParser(add_help=False)
+    add_worker_options(ref)
+    out: list[str] = []
+    for action in ref._actions:
+        if not action.option_strings:
+            continue
+        flag = action.option_strings[0]
+        value = getattr(args, action.dest, action.default)
+        if value == action.default or flag in NOT_PASSED_ON or misplaced(role, [flag], ROLES):
+            continue
+        if isinstance(action, argparse.BooleanOptionalAction):
+            out.append(flag if value else f"--no-{flag[2:]}")
+        elif isinstance(action, argparse._StoreTrueAction):
+            out.append(flag)
+        elif isinstance(action, argparse._AppendAction):
+            for item in value:
+                out += [flag, str(item)]
+        else:
+            out += [flag, str(value)]
+    return ["--role", role, *out]
+
+
 def cmd_up(args: argparse.Namespace) -> int:
-    """Embedded NATS (unless --nats) plus one worker, until Ctrl-C."""
+    """Embedded NATS (unless --nats) plus one worker (or, with --disagg, a decode worker here and
+    a prefill worker beside it), until Ctrl-C."""
     _engine_env()
     from ..aio import describe, run
     from ..natsserver import NatsServer
     from ..workers.main import EXIT_STARTUP_FAILED, run_worker
 
+    if args.disagg:
+        if args.role != "generate":
+            print(
+                "jetllm up: --disagg starts a prefill and a decode worker; leave --role out", file=sys.stderr
+            )
+            return EXIT_STARTUP_FAILED
+        args.role = "decode"
     refused = check_role(args) or (check_connection(args.nats) if args.nats else None)
     if refused is not None:
         print(f"jetllm up: {refused}", file=sys.stderr)
@@ -457,7 +498,10 @@ def cmd_up(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-        with block_dir(args.role, opts, worker_config(args)) as (opts, config):
+        with contextlib.ExitStack() as stack:
+            if args.disagg:
+                stack.enter_context(_prefill_worker(url, args))
+            opts, config = stack.enter_context(block_dir(args.role, opts, worker_config(args)))
             return run(lambda: run_worker(url, opts, config, nats_wait=args.nats_wait))
     except KeyboardInterrupt:
         return 0
@@ -467,6 +511,25 @@ def cmd_up(args: argparse.Namespace) -> int:
     finally:
         if server is not None:
             server.stop()
+
+
+@contextlib.contextmanager
+def _prefill_worker(url: str, args: argparse.Namespace) -> Iterator[None]:
+    """`jetllm worker --role prefill` beside this process's decode worker, stopped with it."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "jetllm", "worker", "--nats", url, *worker_argv(args, "prefill")]
+    shown = [redact(url) if part == url else part for part in cmd[3:]]
+    print(f"jetllm up: prefill worker: jetllm {' '.join(shown)}", file=sys.stderr, flush=True)
+    proc = subprocess.Popen(cmd)
+    try:
+        yield
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(args.grace_period + 30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -493,6 +556,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="embedded server fsyncs every write before acknowledging it: a crash (not only a "
         "restart) then loses nothing acknowledged, at a cost in throughput",
+    )
+    p.add_argument(
+        "--disagg",
+        action="store_true",
+        help="a decode worker here and a prefill worker beside it (two engines): long prompts are "
+        "prefilled by the prefill worker and their KV blocks come through NATS",
     )
     add_worker_options(p)
     p.set_defaults(func=cmd_up)

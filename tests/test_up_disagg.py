@@ -1,0 +1,31 @@
+"""`jetllm up --disagg`: the prefill worker it starts beside its decode worker gets the same
+settings, minus those only a decode worker takes."""
+
+from __future__ import annotations
+
+import pytest
+
+from jetllm.cli import parser
+from jetllm.cli.worker_cmd import check_role, worker_argv
+
+
+@pytest.mark.parametrize(
+    ("up", "prefill"),
+    [
+        ([], ["--role", "prefill"]),
+        (
+            ["--slots", "4", "--kv-ttl", "30", "--disagg-threshold", "64", "--no-kv-events"],
+            ["--role", "prefill", "--no-kv-events", "--slots", "4", "--kv-ttl", "30.0"],
+        ),
+        (
+            ["--engine-arg", "a=1", "--engine-arg", "b=2", "--max-migrations", "5", "--instance-id", "x"],
+            ["--role", "prefill", "--engine-arg", "a=1", "--engine-arg", "b=2"],
+        ),
+    ],
+)
+def test_the_prefill_worker_repeats_what_it_takes_of_ups_flags(up, prefill):
+    args = parser().parse_args(["up", "--disagg", *up])
+    argv = worker_argv(args, "prefill")
+    assert argv == prefill
+    worker = parser().parse_args(["worker", *argv])
+    assert check_role(worker) is None  # nothing a prefill worker would refuse
