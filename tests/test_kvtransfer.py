@@ -85,6 +85,11 @@ async def _stream(nc, names, **kw):
     )
 
 
+async def _drop(nc, names):
+    """The server reserves a memory stream's max_bytes: give it back to the session's other tests."""
+    await nc.jetstream().delete_stream(names.kv_blocks_stream)
+
+
 def done_of(pub, transfer: str, **over) -> Prefilled:
     fields = dict(
         request_id="r:prefill:1",
@@ -119,6 +124,7 @@ async def test_blocks_cross_nats_intact_in_chunks_and_are_removed_after(nats_url
         info = await nc.jetstream().stream_info(names.kv_blocks_stream)
         assert info.state.messages == 0
     finally:
+        await _drop(nc, names)
         await nc.close()
 
 
@@ -152,6 +158,7 @@ async def test_wrong_missing_late_or_refused_blocks_fail_with_a_reason(nats_url,
         with pytest.raises(TransferFailed, match="refused"):
             await publish_blocks(nc, names, uuid.uuid4().hex, big)
     finally:
+        await _drop(nc, names)
         await nc.close()
 
 
@@ -181,5 +188,6 @@ async def test_blocks_received_as_published_are_used_and_a_damaged_copy_is_read_
             _, offset = blockfile.read_header(dest)
             assert got == source and dest.read_bytes()[offset:] == b"".join(blocks)
     finally:
+        await _drop(prefill, names)
         await prefill.close()
         await decode.close()

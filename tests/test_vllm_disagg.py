@@ -65,6 +65,8 @@ def disagg(nats_url, tiny_model, tmp_path_factory) -> Iterator[dict[str, WorkerP
         logs / "prefill.log",
         "--role",
         "prefill",
+        "--kv-store-bytes",
+        str(64 << 20),
         module="tests.helpers.faulty_prefill",
     )
     decode = WorkerProcess(

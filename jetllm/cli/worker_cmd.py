@@ -226,10 +226,11 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
     d.add_argument(
         "--kv-store-bytes",
         type=int,
-        default=1 << 30,
+        default=256 << 20,
         metavar="N",
         help="bytes of KV blocks the store holds at once; beyond it new ones are refused and decode "
-        "workers prefill themselves (the store is created by the first prefill worker)",
+        "workers prefill themselves (the store is created by the first prefill worker, and the "
+        "server reserves these bytes from its max_memory_store)",
     )
     q = p.add_argument_group("queue policy (applied when creating or updating streams and consumers)")
     q.add_argument(

@@ -24,8 +24,9 @@ class DisaggSettings(msgspec.Struct, kw_only=True, frozen=True):
     """Seconds a decode worker gives the blocks to arrive once they are announced."""
     kv_ttl: float = 120.0
     """Seconds the block store keeps blocks nobody removed (a decode worker died, say)."""
-    kv_store_bytes: int = 1 << 30
-    """Bytes the block store holds at once; beyond it new blocks are refused (decode prefills)."""
+    kv_store_bytes: int = 256 << 20
+    """Bytes the block store holds at once; beyond it new blocks are refused (decode prefills).
+    The server reserves them from its max_memory_store (1 GB in jetllm's embedded config)."""
 
 
 class WorkerConfig(msgspec.Struct, kw_only=True):

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar
 
+import nats.js.errors
+
 from ...errors import EngineRequestError, RequestRejected
 from ...kvtransfer.params import SAVE, full_block_tokens
 from ...kvtransfer.transport import TransferFailed, publish_blocks
@@ -88,10 +90,18 @@ class PrefillRole(Role):
                 field="$.prompt.token_ids",
             )
         if not self._store_ready:
+            job.stage = "preparing the KV block store"
             s = self._settings
-            await ensure_kv_blocks_stream(
-                self._ctx.js, self._ctx.names, ttl=s.kv_ttl, max_bytes=s.kv_store_bytes
-            )
+            try:
+                await ensure_kv_blocks_stream(
+                    self._ctx.js, self._ctx.names, ttl=s.kv_ttl, max_bytes=s.kv_store_bytes
+                )
+            except nats.js.errors.APIError as exc:
+                raise RequestRejected(
+                    ErrorCode.KV_TRANSFER_FAILED,
+                    f"the KV block store ({s.kv_store_bytes:,} bytes in memory) cannot be created: "
+                    f"{exc.description}; lower --kv-store-bytes or raise the server's max_memory_store",
+                ) from None
             self._store_ready = True
         await job.accept()
         name = f"{req.transfer_id}.kv"
