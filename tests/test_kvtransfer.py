@@ -19,10 +19,12 @@ from jetllm.kvtransfer.transport import (
     publish_blocks,
     remove_blocks,
 )
-from jetllm.schemas.disagg import KvBlocksHeader, KvLayer, Prefilled
-from jetllm.subjects import Names
+from jetllm.schemas import ErrorCode, TokensPrompt
+from jetllm.schemas.disagg import KvBlocksHeader, KvLayer, Prefilled, PrefillRequest
+from jetllm.subjects import Names, codec
 from jetllm.subjects.connection import connect
 from jetllm.subjects.setup import ensure_kv_blocks_stream
+from jetllm.workers.jobs import RejectedJob, decode_request
 
 pytestmark = pytest.mark.anyio
 
@@ -173,7 +175,7 @@ async def test_blocks_received_as_published_are_used_and_a_damaged_copy_is_read_
         blocks = make_file(src, 6)
         for damaged, source in ((False, "live"), (True, "stored")):
             transfer = uuid.uuid4().hex
-            incoming = await Incoming.open(decode, names, transfer)
+            incoming = await Incoming.open(decode, names, transfer, max_bytes=64 << 20)
             await decode.flush()
             pub = await publish_blocks(prefill, names, transfer, src)
             await prefill.flush()
@@ -191,3 +193,35 @@ async def test_blocks_received_as_published_are_used_and_a_damaged_copy_is_read_
         await _drop(prefill, names)
         await prefill.close()
         await decode.close()
+
+
+@pytest.mark.parametrize("transfer", ["../../etc/passwd", "ABCDEF0123456789", "0123", "0" * 65, "a.b"])
+def test_a_prefill_job_names_its_transfer_in_lowercase_hex_or_is_refused(transfer):
+    """The transfer id becomes a subject token and a file name on the prefill worker."""
+    job = PrefillRequest(
+        request_id="r:prefill:1",
+        reply_to="_INBOX.x",
+        model="tiny",
+        prompt=TokensPrompt(token_ids=[1, 2, 3]),
+        transfer_id=transfer,
+        expires_at=time.time() + 60,
+    )
+    with pytest.raises(RejectedJob) as e:
+        decode_request(codec.encode(job), None, codec.prefill_decoder)
+    assert e.value.code == ErrorCode.INVALID_REQUEST and e.value.field == "$.transfer_id"
+
+
+async def test_a_flood_on_a_transfers_subject_is_not_kept(nats_url, namespace):
+    names = Names(namespace)
+    nc = await connect(nats_url)
+    try:
+        transfer = uuid.uuid4().hex
+        incoming = await Incoming.open(nc, names, transfer, max_bytes=10_000)
+        for _ in range(50):
+            await nc.publish(names.kv_blocks(transfer), b"x" * 1000)
+        await nc.flush()
+        assert not await incoming.wait_for(50, quiet=0.1)
+        assert sum(len(m) for m in incoming.messages) <= 10_000
+        await incoming.close()
+    finally:
+        await nc.close()

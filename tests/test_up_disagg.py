@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from jetllm.cli import parser
-from jetllm.cli.worker_cmd import check_role, worker_argv
+from jetllm.cli.disagg import worker_argv
+from jetllm.cli.worker_cmd import check_role
 
 
 @pytest.mark.parametrize(

@@ -76,7 +76,7 @@ async def through_jetllm(url: str, names: Names, src: Path, work: Path) -> float
     prefill, decode = await connect(url, name="bench-prefill"), await connect(url, name="bench-decode")
     try:
         transfer = uuid.uuid4().hex
-        incoming = await Incoming.open(decode, names, transfer)
+        incoming = await Incoming.open(decode, names, transfer, max_bytes=1 << 40)
         answers = await decode.subscribe(f"bench.answer.{transfer}", max_msgs=1)
         await decode.flush()
         started = time.perf_counter()

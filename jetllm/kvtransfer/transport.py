@@ -99,16 +99,22 @@ class Incoming:
     before it sends the prefill job. Usually every block is here when the answer comes, and nothing
     is read back from the store; the store is there for what this copy missed or got wrong."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_bytes: int) -> None:
         self.messages: list[bytes] = []
+        self.max_bytes = max_bytes
+        """More than the store itself holds is not a transfer: the rest is not kept (anyone who
+        may publish on the subject could otherwise fill this worker's memory)."""
+        self._bytes = 0
         self._sub: Any = None
 
     @classmethod
-    async def open(cls, nc: NATS, names: Names, transfer_id: str) -> Incoming:
-        incoming = cls()
+    async def open(cls, nc: NATS, names: Names, transfer_id: str, *, max_bytes: int) -> Incoming:
+        incoming = cls(max_bytes)
 
         async def on_msg(msg: Msg) -> None:
-            incoming.messages.append(msg.data)
+            incoming._bytes += len(msg.data)
+            if incoming._bytes <= incoming.max_bytes:
+                incoming.messages.append(msg.data)
 
         incoming._sub = await nc.subscribe(
             names.kv_blocks(transfer_id), cb=on_msg, pending_msgs_limit=-1, pending_bytes_limit=-1

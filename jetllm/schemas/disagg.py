@@ -10,22 +10,29 @@ digest that came by another path.
 
 from __future__ import annotations
 
+from typing import Annotated
+
+from msgspec import Meta
+
 from .common import Command, Report, Tolerant
-from .generate import TokensPrompt
+from .generate import RequestId, TokensPrompt
+
+TransferId = Annotated[str, Meta(pattern="^[0-9a-f]{16,64}$")]
+"""A subject token and a file name: nothing else may pass (a decode worker makes it, uuid4 hex)."""
 
 
 class PrefillRequest(Command, kw_only=True):
     """A job on `jobs.prefill.<model>`: compute the prompt's KV cache and publish its full blocks."""
 
-    request_id: str
+    request_id: RequestId
     """`<generate request id>:prefill:<n>`: the request it serves, and which try."""
     reply_to: str
     model: str
     prompt: TokensPrompt
     """Rendered by the decode worker, so both engines see exactly the same tokens."""
-    transfer_id: str
+    transfer_id: TransferId
     """Where the blocks go: hex, 16-64 characters (the subject token of `kv_blocks`)."""
-    expires_at: float
+    expires_at: Annotated[float, Meta(ge=0)]
     """Unix time after which nobody waits for the blocks: an older job is refused, and the block
     stream forgets blocks once they are this old anyway."""
     adapter: str | None = None

@@ -99,7 +99,7 @@ class RemotePrefill:
             expires_at=time.time() + s.prefill_timeout,
         )
         sub = await ctx.nc.subscribe(job.reply_to)
-        incoming = await Incoming.open(ctx.nc, ctx.names, transfer)
+        incoming = await Incoming.open(ctx.nc, ctx.names, transfer, max_bytes=s.kv_store_bytes)
         answered = False
         try:
             try:
@@ -145,6 +145,7 @@ class RemotePrefill:
         as soon as the worker that accepted the job stops answering pings (it died)."""
         got: list[Prefilled] = []
         failed: list[HandoffFailed] = []
+        watched: set[str] = set()
         try:
             with anyio.fail_after(self._s.prefill_timeout):
                 async with anyio.create_task_group() as tg:
@@ -156,7 +157,9 @@ class RemotePrefill:
                             except (msgspec.DecodeError, msgspec.ValidationError):
                                 continue  # a newer prefill worker's frame kind, or garbage
                             if isinstance(answer, AcceptedFrame):
-                                tg.start_soon(self._watch, answer.worker, failed, tg.cancel_scope)
+                                if answer.worker not in watched:  # one watch per worker, however many frames
+                                    watched.add(answer.worker)
+                                    tg.start_soon(self._watch, answer.worker, failed, tg.cancel_scope)
                             elif isinstance(answer, ErrorFrame):
                                 failed.append(
                                     HandoffFailed(
