@@ -32,6 +32,11 @@ SECTIONS: list[tuple[str, list[type]]] = [
             s.SamplingOptions,
             s.StopConditions,
             s.OutputOptions,
+            s.JsonSchemaOutput,
+            s.JsonObjectOutput,
+            s.RegexOutput,
+            s.ChoiceOutput,
+            s.GrammarOutput,
         ],
     ),
     (

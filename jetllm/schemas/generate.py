@@ -113,6 +113,42 @@ class OutputOptions(Strict, kw_only=True, omit_defaults=True):
     """Leave special tokens (BOS, EOS, ...) out of the text."""
 
 
+JsonValue = Any
+
+
+class JsonSchemaOutput(Strict, tag="json_schema", tag_field="type"):
+    """Output is one JSON document that validates against `json_schema` (OpenAI's
+    `response_format: {"type": "json_schema"}`)."""
+
+    json_schema: dict[str, JsonValue]
+
+
+class JsonObjectOutput(Strict, tag="json_object", tag_field="type"):
+    """Output is one JSON object, of any shape (OpenAI's `response_format: {"type": "json_object"}`)."""
+
+
+class RegexOutput(Strict, tag="regex", tag_field="type"):
+    """Output matches the regular expression `pattern` from its start to its end."""
+
+    pattern: Annotated[str, Meta(min_length=1, max_length=16384)]
+
+
+class ChoiceOutput(Strict, tag="choice", tag_field="type"):
+    """Output is exactly one of `choices`."""
+
+    choices: Annotated[list[Annotated[str, Meta(min_length=1)]], Meta(min_length=1, max_length=1024)]
+
+
+class GrammarOutput(Strict, tag="grammar", tag_field="type"):
+    """Output is a sentence of the context-free `grammar` (EBNF/GBNF or Lark, as vLLM's
+    structured-output backends read it)."""
+
+    grammar: Annotated[str, Meta(min_length=1, max_length=65536)]
+
+
+StructuredOutput = JsonSchemaOutput | JsonObjectOutput | RegexOutput | ChoiceOutput | GrammarOutput
+
+
 class GenerateRequest(Command):
     """Published to `jetllm.<ns>.jobs.generate.<model>`; frames go to `reply_to`."""
 
@@ -126,6 +162,10 @@ class GenerateRequest(Command):
     sampling: SamplingOptions = msgspec.field(default_factory=SamplingOptions)
     stop: StopConditions = msgspec.field(default_factory=StopConditions)
     output: OutputOptions = msgspec.field(default_factory=OutputOptions)
+    structured: StructuredOutput | None = None
+    """Constrain every choice's tokens to a JSON schema, any JSON object, a regex, a fixed set of
+    choices or a grammar. A constraint that does not compile is `invalid_request` naming this
+    field; a migrated request continues under the same constraint."""
     reply_to: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
     """Subject for the reply frames; None for a detached job (its result is still stored)."""
     max_migrations: Annotated[int, Meta(ge=0, le=100)] | None = None

@@ -138,6 +138,14 @@ class Names:
     def consumer(self, role: str, model: str) -> str:
         return f"{check_name('role', role)}_{encode_token(model)}"
 
+    def directed_jobs(self, role: str, model: str, instance: str) -> str:
+        """Jobs addressed to one instance: below its shared queue's subject, so the shared
+        consumer (filtered on the exact queue subject) never sees them."""
+        return f"{self.jobs(role, model)}.i.{encode_token(instance)}"
+
+    def directed_consumer(self, role: str, model: str, instance: str) -> str:
+        return f"{self.consumer(role, model)}_i_{encode_token(instance)}"
+
     def parse_jobs(self, subject: str) -> tuple[str, str]:
         """(role, model) of a job subject."""
         parts = subject.split(".")
