@@ -918,7 +918,7 @@ class Generator:
     # the request log and JetStream's advisories
 
     def log_record(self) -> Shot:
-        """A forged record in a request's log (producers can publish there: cancel records go there)."""
+        """A forged record in a request's log (workers write it; without auth, anyone can)."""
         rng = self.rng
         upcoming = f"fz{self.seed}-{self.n_jobs + rng.randint(0, 40)}"
         rid = rng.choice(self.rids) if self.rids and rng.random() < 0.3 else upcoming

@@ -163,6 +163,7 @@ async def test_every_stream_bucket_and_consumer_has_three_copies(
         names.jobs_stream,
         names.dlq_stream,
         names.requests_stream,
+        names.cancels_stream,
         names.traces_stream,
         names.kv_events_stream,
         f"KV_{names.registry_bucket}",

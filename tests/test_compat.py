@@ -503,3 +503,28 @@ async def test_a_worker_continues_a_request_whose_log_ends_in_a_record_kind_it_d
     async with inproc_worker(nats_url, FakeEngine(), namespace=client.names.namespace):
         done = await client.complete(job)
     assert done.token_ids[0] == 7 and len(done.token_ids) == 5  # continued after the delivered token
+
+
+@pytest.mark.anyio
+async def test_a_cancel_an_older_producer_stored_in_the_request_log_still_drops_the_job(nats_url, client):
+    """Producers of the previous version stored their durable cancel in the request log; where the
+    server still lets them (no auth), a worker of this version honours it while queued."""
+    from jetllm.schemas import Cancelled, ErrorCode
+
+    from .conftest import inproc_worker
+    from .fake_engine import FakeEngine
+    from .jobs import req
+
+    job = req("fake", max_tokens=5)
+    await client.submit(job)
+    await client.js.publish(
+        client.names.request_log(job.request_id), codec.encode(Cancelled(attempt=0, reason="older"))
+    )
+    async with inproc_worker(nats_url, FakeEngine(), namespace=client.names.namespace) as w:
+        result = await client.wait_result(job.request_id, timeout=20)
+        assert (w.counters.cancelled, w.counters.completed) == (1, 0)
+    assert (
+        result.error is not None
+        and result.error.code == ErrorCode.CANCELLED
+        and "older" in result.error.message
+    )

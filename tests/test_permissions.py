@@ -60,6 +60,15 @@ MAY = [
     # (what, op, subject, the roles that may)
     ("submit a job", "publish", N.jobs("generate", "tiny"), ["producer", "router", "admin"]),
     ("cancel a request", "publish", N.cancel("r1"), ["producer", "router", "worker", "admin"]),
+    ("cancel a queued request", "publish", N.cancelled("r1"), ["producer", "router", "admin"]),
+    ("write a request's log (forge its result)", "publish", N.request_log("r1"), ["worker", "admin"]),
+    (
+        "read a durable cancel",
+        "publish",
+        f"{JS}.DIRECT.GET.{N.cancels_stream}.{N.cancelled('r1')}",
+        ["worker", "admin"],
+    ),
+    ("create the cancels' stream", "publish", f"{JS}.STREAM.CREATE.{N.cancels_stream}", ["worker", "admin"]),
     ("ping a worker", "publish", N.instance_control("w1", "ping"), ["producer", "router", "worker", "admin"]),
     (
         "nak a job",

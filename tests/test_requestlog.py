@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from jetllm.schemas import Cancelled, Claim, ErrorCode, ErrorFrame, Handoff, Result, Step, TokensFrame
-from jetllm.workers.requestlog import analyze
+from jetllm.subjects import codec
+from jetllm.workers.requestlog import analyze, read_cancel, with_cancel
 
 
 def step(attempt: int, seq: int, *tokens: int, index: int = 0) -> Step:
@@ -62,6 +65,44 @@ def test_a_result_ends_the_story_even_if_a_cancel_came_later():
     done = Result(attempt=1, error=err)
     assert analyze([Claim(attempt=1, worker="a", at=0), done, Cancelled(attempt=0)]).result == done
     assert analyze([Cancelled(attempt=0)]).cancelled is not None
+
+
+_DONE = Result(attempt=1, error=ErrorFrame(seq=1, request_id="r", code=ErrorCode.INTERNAL, message="x"))
+_CLAIMED = [Claim(attempt=1, worker="a", at=0), step(1, 1, 5)]
+
+
+@pytest.mark.parametrize(
+    "records, cancel, cancelled, owner",
+    [
+        ([], None, False, None),
+        ([], Cancelled(attempt=0, reason="r"), True, None),
+        (_CLAIMED, Cancelled(attempt=0), True, None),  # its worker died: the next one does not resume it
+        (_CLAIMED, None, False, "a"),
+        ([*_CLAIMED, _DONE], Cancelled(attempt=0), False, None),  # ended before the cancel: the end stands
+    ],
+)
+def test_a_durable_cancel_counts_until_the_request_ended(records, cancel, cancelled, owner):
+    h = with_cancel(analyze(records), cancel)
+    assert (h.cancelled is not None, h.owner) == (cancelled, owner)
+    assert h.result == (_DONE if _DONE in records else None)
+    assert not h.fresh or (not records and cancel is None)
+
+
+@pytest.mark.parametrize(
+    "stored, reason",
+    [
+        (codec.encode(Cancelled(attempt=0, reason="changed my mind")), "changed my mind"),
+        (codec.encode(_DONE), None),  # a result forged where cancels go is still only a cancel
+        (codec.encode(Claim(attempt=9, worker="ghost", at=0)), None),
+        (codec.encode(step(1, 1, 5)), None),
+        (b"\xff\x00garbage", None),
+        (b"", None),
+    ],
+)
+def test_whatever_is_stored_as_a_durable_cancel_only_cancels(stored, reason):
+    cancel = read_cancel(stored)
+    assert isinstance(cancel, Cancelled) and cancel.reason == reason
+    assert with_cancel(analyze([]), cancel).cancelled == cancel
 
 
 def test_choices_are_kept_apart():

@@ -5,6 +5,7 @@ server refuses nothing on them), and every refusal becomes one clear error, at o
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -155,6 +156,61 @@ async def test_a_producer_generates_cancels_runs_a_batch_and_sends_embeddings_th
     assert only_expected(secured.refusals_since(start)) == []
 
 
+async def first_tokens(c: Client, request_id: str) -> None:
+    """Until the request's log holds tokens: it is claimed and running."""
+    with anyio.fail_after(20):
+        async for frame in c.attach(request_id):
+            if isinstance(frame, TokensFrame):
+                return
+
+
+async def test_a_producer_cancels_queued_running_and_orphaned_requests_without_writing_the_log(
+    secured, ns, tmp_path
+):
+    """A producer may not write the request log, yet each kind of cancel still holds: a job
+    cancelled before any worker pulled it never runs, a running one stops, and one whose worker
+    died is not resumed by the worker that gets it next. The server refuses nothing on the way."""
+    start = secured.log_offset()
+    policy = QueuePolicy(ack_wait=2.0)
+    admin = await connect(secured.url("admin"))
+    await ensure_streams(admin.jetstream(), Names(ns), policy)
+    await admin.close()
+    first = FakeWorkerProcess(
+        secured.url("worker"), ns, tmp_path / "a.log", "--step-delay", "0.05", "--checkpoint-interval", "0.1",
+        "--ack-wait", "2",
+    )  # fmt: skip
+    try:
+        async with Client(secured.url("alice"), namespace=ns) as c:
+            queued, running, orphan = (req("fake", max_tokens=5000) for _ in range(3))
+            await c.submit(queued)
+            await c.cancel(queued.request_id, reason="changed my mind")
+            await first.wait_ready(secured.url("admin"), timeout=30)
+            dropped = await c.wait_result(queued.request_id, timeout=20)
+            assert dropped.error is not None and dropped.error.code == ErrorCode.CANCELLED
+            assert "changed my mind" in dropped.error.message and dropped.token_ids in ([], [[]])
+
+            await c.submit(running)
+            await first_tokens(c, running.request_id)
+            await c.cancel(running.request_id)
+            stopped = await c.wait_result(running.request_id, timeout=20)
+            assert stopped.error is not None and stopped.error.code == ErrorCode.CANCELLED
+            assert stopped.attempt == 1
+
+            await c.submit(orphan)
+            await first_tokens(c, orphan.request_id)
+            first.signal(signal.SIGKILL)
+            assert first.wait(timeout=10) != 0
+            await c.cancel(orphan.request_id, reason="its worker died")  # only the durable record is heard
+            async with inproc_worker(secured.url("worker"), FakeEngine(), namespace=ns, policy=policy) as w:
+                ended = await c.wait_result(orphan.request_id, timeout=30)
+                assert ended.error is not None and ended.error.code == ErrorCode.CANCELLED
+                assert "its worker died" in ended.error.message and ended.attempt == 2
+                assert (w.counters.cancelled, w.counters.completed) == (1, 0)
+    finally:
+        first.stop()
+    assert only_expected(secured.refusals_since(start)) == []
+
+
 async def test_a_router_reads_the_fleet_and_only_admin_sleeps_and_wakes_it(secured, ns):
     start = secured.log_offset()
     async with inproc_worker(secured.url("worker"), FakeEngine(), namespace=ns, registry_interval=0.5) as w:
@@ -256,6 +312,7 @@ async def test_every_refusal_is_one_clear_error_at_once_and_the_connection_lives
     registry = await js.key_value(names.registry_bucket)
     lora = await js.key_value(names.lora_bucket)
     advisory = names.max_deliveries_advisory("generate", "fake")
+    forged = names.request_log("someone-elses-request")  # a result written there would be believed
 
     async def publish(subject: str) -> None:
         async with checked(nc, "publish", subject):
@@ -273,6 +330,7 @@ async def test_every_refusal_is_one_clear_error_at_once_and_the_connection_lives
         (lambda: registry.put("i.w1", b"{}"), "that needs worker or admin credentials"),
         (lambda: publish(advisory), f"publish to {advisory}: no jetllm role may"),
         (lambda: publish(names.dlq("generate", "fake")), "that needs worker or admin"),
+        (lambda: js.publish(forged, b"{}"), f"publish to {forged}: that needs worker or admin"),
         (lambda: subscribe("_INBOX.bob.>"), "receives only under its own inbox prefix"),
         (lambda: subscribe(names.cancel_all), f"subscribe to {names.cancel_all}: that needs worker or admin"),
         (lambda: js.delete_stream(names.jobs_stream), f"STREAM.DELETE.{names.jobs_stream}: that needs admin"),

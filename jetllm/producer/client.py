@@ -32,7 +32,7 @@ from nats.js.api import PubAck
 
 from .. import tracecontext
 from ..aio import retried
-from ..errors import PayloadTooLarge, RequestFailed
+from ..errors import JetStreamUnavailable, PayloadTooLarge, RequestFailed
 from ..schemas import (
     Cancelled,
     CancelRequest,
@@ -324,14 +324,18 @@ class Client:
     ) -> None:
         """Stop a request wherever it is: running (live notice) or still queued (durable record).
 
-        The record is stored first: a worker that pulls the job between the two finds it in the
-        request's history, and one that is already running it gets the notice."""
+        The record is stored first: a worker that pulls the job between the two finds it, and one
+        that is already running it gets the notice. It goes to the request's own cancel subject,
+        not its log: producers may not write the log, where a record could pass for a result."""
+        subject = self.names.cancelled(request_id)
         try:
-            await self.js.publish(
-                self.names.request_log(request_id),
-                codec.encode(Cancelled(attempt=0, reason=reason)),
-                timeout=2.0,
-            )
+            await self.js.publish(subject, codec.encode(Cancelled(attempt=0, reason=reason)), timeout=2.0)
+        except nats.errors.NoRespondersError:
+            raise JetStreamUnavailable(
+                f"cancel of {request_id}: no stream stores {subject}: the workers predate durable "
+                f"cancels (stream {self.names.cancels_stream}); start a worker of this version, which "
+                "creates it. A running request was still told to stop; a queued one will run"
+            ) from None
         finally:  # a running request stops even when the record could not be stored
             await self.nc.publish(
                 self.names.cancel(request_id),

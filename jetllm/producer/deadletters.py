@@ -49,13 +49,18 @@ async def get(nc: NATS, names: Names, seq: int) -> Entry:
 async def replay(nc: NATS, names: Names, entry: Entry, *, keep: bool = False) -> str:
     """Publish the job again as it was, so it runs afresh; returns the job subject.
 
-    The request's stored result (its error) is cleared first, or the worker would answer the
-    replay from it; a new message id keeps JetStream's duplicate window from dropping it.
+    The request's stored result (its error) and any durable cancel are cleared first, or the
+    worker would answer the replay from them; a new message id keeps JetStream's duplicate window
+    from dropping it.
     """
     js = nc.jetstream()
     rec = entry.record
     if rec.request_id:
         await js.purge_stream(names.requests_stream, subject=names.request_log(rec.request_id))
+        try:
+            await js.purge_stream(names.cancels_stream, subject=names.cancelled(rec.request_id))
+        except nats.js.errors.NotFoundError:  # a namespace whose workers predate durable cancels
+            pass
     headers = dict(rec.headers)
     headers["Nats-Msg-Id"] = f"{headers.get('Nats-Msg-Id', rec.request_id or 'job')}~replay{entry.seq}"
     await js.publish(rec.subject, rec.payload, headers=headers)

@@ -5,7 +5,8 @@ the token frames it sent every `--checkpoint-interval` (one `Steps` record for a
 newest frames live only at the producer, which hands them to the worker that takes the request
 over (docs/durability.md, "Who holds the delivered tokens"). When the request ends, everything but the Result is
 purged: the Result stays for producers that were not listening (batch jobs) and for
-redeliveries of a finished job.
+redeliveries of a finished job. Only workers write the log; a producer's durable cancel has a
+subject of its own (`Cancelled`).
 """
 
 from __future__ import annotations
@@ -46,7 +47,10 @@ class Handoff(_Record, tag="handoff"):
 
 
 class Cancelled(_Record, tag="cancelled"):
-    """The producer cancelled the request: whoever pulls the job later drops it unrun."""
+    """The producer cancelled the request: whoever pulls the job later drops it unrun. Stored on
+    `jetllm.<ns>.cancelled.<request>`, apart from the log, which producers may not write (producers
+    before that stored it in the log, where workers still read it). Anything stored on that
+    subject is read as a cancel, whatever it holds."""
 
     reason: str | None = None
 

@@ -6,6 +6,7 @@ Subject tree (one namespace `<ns>` per deployment):
     jetllm.<ns>.jobs.<role>.<model>.<more>   reserved: directed jobs and lanes (do not overlap the above)
     jetllm.<ns>.dlq.<role>.<model>           dead letters (limits stream)
     jetllm.<ns>.req.<request>                the request log: progress and result (limits stream)
+    jetllm.<ns>.cancelled.<request>          a producer's durable cancel (limits stream of its own)
     jetllm.<ns>.cancel.<request>             cancel a request, wherever it runs (core NATS)
     jetllm.<ns>.ctl.<verb>                   fleet-wide control, every worker answers (core NATS)
     jetllm.<ns>.ctl.i.<instance>.<verb>      one instance's control subjects (core NATS)
@@ -114,6 +115,7 @@ class Names:
         self.jobs_stream = f"JETLLM_{upper}_JOBS"
         self.dlq_stream = f"JETLLM_{upper}_DLQ"
         self.requests_stream = f"JETLLM_{upper}_REQUESTS"
+        self.cancels_stream = f"JETLLM_{upper}_CANCELS"
         self.kv_events_stream = f"JETLLM_{upper}_KV"
         self.traces_stream = f"JETLLM_{upper}_TRACES"
         self.registry_bucket = f"JETLLM_{upper}_REGISTRY"
@@ -178,6 +180,14 @@ class Names:
     @property
     def request_log_all(self) -> str:
         return f"{self._root}.req.*"
+
+    # durable cancels: written by producers, apart from the request log only workers write
+    def cancelled(self, request_id: str) -> str:
+        return f"{self._root}.cancelled.{encode_token(request_id)}"
+
+    @property
+    def cancelled_all(self) -> str:
+        return f"{self._root}.cancelled.*"
 
     # control
     def cancel(self, request_id: str) -> str:

@@ -4,7 +4,8 @@ The server's configuration (`jetllm nats-config`, infra/nats/secured.conf) and t
 shows when the server refuses something both come from `permissions()`, so the two cannot drift
 from the subjects the code uses. Four access roles, each allowed only what its paths need:
 
-- **producer**: submit jobs and cancel them, read its own frames and the request log, ping a
+- **producer**: submit jobs and cancel them (live and durably: `cancelled.<request>`, not the
+  request log, which only workers write), read its own frames and the request log, ping a
   worker it waits for, nak the job of a worker that died, put large embeddings in their store;
 - **router**: a producer that also reads the fleet (registry, status, load reports, KV-cache
   events, traces) and asks instances for KV-cache snapshots;
@@ -85,14 +86,22 @@ def _obj(store: str) -> str:
     return f"OBJ_{store}"
 
 
-def streams(names: Names) -> list[str]:
-    """Every stream of the namespace, buckets and object stores included."""
+def plain_streams(names: Names) -> list[str]:
+    """The namespace's streams that are neither KV buckets nor object stores (workers create them)."""
     return [
         names.jobs_stream,
         names.dlq_stream,
         names.requests_stream,
+        names.cancels_stream,
         names.kv_events_stream,
         names.traces_stream,
+    ]
+
+
+def streams(names: Names) -> list[str]:
+    """Every stream of the namespace, buckets and object stores included."""
+    return [
+        *plain_streams(names),
         _kv(names.registry_bucket),
         _kv(names.lora_bucket),
         _obj(names.adapters_store),
@@ -105,7 +114,7 @@ def _producer(n: Names, inbox: str) -> tuple[list[str], list[str]]:
     pub = [
         n.jobs_all,
         n.cancel_all,
-        n.request_log_all,  # the durable `cancelled` record (docs/security.md: what it allows)
+        n.cancelled_all,  # durable cancels; the request log itself is the workers' (docs/security.md)
         n.any_instance_control("ping"),
         f"$JS.ACK.{n.jobs_stream}.>",  # -NAK the job of a worker that died
         f"$O.{n.embeds_store}.>",
@@ -141,6 +150,7 @@ def _worker(n: Names, inbox: str) -> tuple[list[str], list[str]]:
     jobs, requests = n.jobs_stream, n.requests_stream
     registry, lora = _kv(n.registry_bucket), _kv(n.lora_bucket)
     adapters, embeds = _obj(n.adapters_store), _obj(n.embeds_store)
+    buckets = [s for s in streams(n) if s not in plain_streams(n)]
     pub = [
         f"{INBOX}.>",  # frames and resume questions go to the producers' inboxes
         n.request_log_all,
@@ -155,8 +165,8 @@ def _worker(n: Names, inbox: str) -> tuple[list[str], list[str]]:
         f"{API}.INFO",
         f"{API}.STREAM.NAMES",  # nats-py finds an object's stream by subject before reading its chunks
         *(f"{API}.STREAM.INFO.{s}" for s in streams(n)),
-        *(f"{API}.STREAM.{v}.{s}" for s in streams(n)[:5] for v in ("CREATE", "UPDATE")),
-        *(f"{API}.STREAM.UPDATE.{s}" for s in streams(n)[5:]),  # `--replicas` rescales the buckets
+        *(f"{API}.STREAM.{v}.{s}" for s in plain_streams(n) for v in ("CREATE", "UPDATE")),
+        *(f"{API}.STREAM.UPDATE.{s}" for s in buckets),  # `--replicas` rescales the buckets
         *_stream(registry, "CREATE"),
         *_stream(lora, "CREATE"),
         f"{API}.CONSUMER.CREATE.{jobs}.>",
@@ -167,6 +177,7 @@ def _worker(n: Names, inbox: str) -> tuple[list[str], list[str]]:
         *_direct(requests),
         *_reader(requests),
         *_stream(requests, "PURGE"),
+        *_direct(n.cancels_stream),  # a job cancelled while queued is dropped unrun
         *_stream(n.kv_events_stream, "MSG.GET"),
         *_direct(registry),
         *_kv_reader(n.lora_bucket),

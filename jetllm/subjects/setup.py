@@ -335,6 +335,7 @@ async def ensure_streams(js: JetStreamContext, names: Names, policy: QueuePolicy
             jobs,
             dead_letters,
             _requests_stream(names, policy, replicas),
+            _cancels_stream(names, policy, replicas),
             traces,
             _kv_events_stream(names, policy, replicas),
         ],
@@ -399,6 +400,24 @@ def _requests_stream(names: Names, policy: QueuePolicy, replicas: int) -> Stream
         storage=StorageType.MEMORY if policy.memory else StorageType.FILE,
         num_replicas=replicas,
         max_age=max(policy.results_max_age, policy.max_age),
+        duplicate_window=min(policy.duplicate_window, 120.0),
+        discard=DiscardPolicy.OLD,
+        allow_direct=True,
+    )
+
+
+def _cancels_stream(names: Names, policy: QueuePolicy, replicas: int) -> StreamConfig:
+    """Producers' durable cancels, apart from the request log so that producers need not write it.
+    One record per request suffices; it matters only while the job can still be pulled (max_age)."""
+    return StreamConfig(
+        name=names.cancels_stream,
+        description="jetllm durable cancels: a job cancelled while queued is dropped unrun",
+        subjects=[names.cancelled_all],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.MEMORY if policy.memory else StorageType.FILE,
+        num_replicas=replicas,
+        max_age=policy.max_age,
+        max_msgs_per_subject=1,
         duplicate_window=min(policy.duplicate_window, 120.0),
         discard=DiscardPolicy.OLD,
         allow_direct=True,

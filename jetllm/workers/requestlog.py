@@ -17,6 +17,7 @@ from ..subjects.names import Names
 
 log = logging.getLogger(__name__)
 _decoder = codec.KindDecoder(Record)
+_cancel_decoder = codec.Decoder(Cancelled)
 
 
 class Unreadable:
@@ -113,6 +114,23 @@ def analyze(records: list[Record]) -> History:
     return h
 
 
+def with_cancel(history: History, cancel: Cancelled | None) -> History:
+    """`history` with the producer's durable cancel (stored apart from the log): it counts unless
+    the request has already ended, as a cancel in the log does."""
+    if cancel is None or history.result is not None:
+        return history
+    return msgspec.structs.replace(history, cancelled=cancel, owner=None)
+
+
+def read_cancel(data: bytes | None) -> Cancelled:
+    """A durable cancel as stored. Producers write that subject, so its content is not trusted to
+    be anything but a cancel: whatever is there cancels, and only a readable reason is kept."""
+    try:
+        return _cancel_decoder.decode(data or b"")
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return Cancelled(attempt=0)
+
+
 def contiguous_after(after: int, frames: list[TokensFrame]) -> list[TokensFrame]:
     """The frames that continue seq `after` with no gap (a producer's answer is not trusted blindly)."""
     out: list[TokensFrame] = []
@@ -202,8 +220,30 @@ class RequestLog:
             log.info("request %s: last log record unreadable here (%s); reading its history", request_id, exc)
             return Unreadable()
 
+    async def cancel(self, request_id: str) -> Cancelled | None:
+        """The producer's durable cancel of the request, if it stored one (not in the log: see
+        Client.cancel). Read with one direct get, like the log."""
+        try:
+            raw = await self.js.get_last_msg(
+                self.names.cancels_stream, self.names.cancelled(request_id), direct=True
+            )
+        except nats.js.errors.NotFoundError:
+            return None
+        except nats.js.errors.APIError as exc:
+            if getattr(exc, "code", None) == 404:
+                return None
+            raise LogUnavailable(f"durable cancels: {exc}") from exc
+        except (
+            nats.errors.NoRespondersError,
+            nats.errors.TimeoutError,
+            nats.errors.ConnectionClosedError,
+        ) as exc:
+            raise LogUnavailable(f"durable cancels: {type(exc).__name__}") from exc
+        return read_cancel(raw.data) if raw.data else None
+
     async def history(self, request_id: str) -> History:
-        """Every record of the request, up to the last one stored when this is called. Read with
+        """Every record of the request, up to the last one stored when this is called (the log
+        alone: `with_cancel` adds the producer's durable cancel). Read with
         direct gets (subjects/streamread.py), which work in the seconds after a cluster member
         died, when creating a consumer to read it may not."""
         subject = self.names.request_log(request_id)

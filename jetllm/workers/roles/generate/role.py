@@ -29,7 +29,7 @@ from ....schemas import (
 from ....subjects import codec
 from ...engine import EnginePrompt
 from ...jobs import decode_request
-from ...requestlog import History, analyze, with_delivered
+from ...requestlog import History, analyze, with_cancel, with_delivered
 from ...running import runs_it
 from ..base import Canary, JobHandle, Role, RoleDeps
 from .continuation import check_budget
@@ -152,7 +152,8 @@ class GenerateRole(Role):
     async def _prepare(
         self, req: GenerateRequest, early: EarlyStart[Outcome]
     ) -> tuple[History, EnginePrompt]:
-        """The request's history and its rendered prompt, looked up side by side.
+        """The request's history (its log and any durable cancel) and its rendered prompt, looked
+        up side by side.
 
         The engine starts on the prompt at once (see earlystart.py) unless the log already
         showed the request is not fresh.
@@ -166,27 +167,30 @@ class GenerateRole(Role):
             except Exception as exc:  # re-raised below, unwrapped
                 got[name] = exc
                 return
-            if name == "prompt" and got.get("last") is None:  # the log is not read yet, or empty
-                early.start(got["prompt"])
+            if name == "prompt" and got.get("last") is None and got.get("cancel") is None:
+                early.start(got["prompt"])  # the log and cancels are not read yet, or empty
 
         prompt = req.prompt
         async with anyio.create_task_group() as tg:
             tg.start_soon(fetch, "last", lambda: self._log.last(req.request_id))
+            tg.start_soon(fetch, "cancel", lambda: self._log.cancel(req.request_id))
             if isinstance(prompt, EmbedsPrompt):
                 tg.start_soon(fetch, "prompt", lambda: self._embeds.load(prompt))
             else:
                 tg.start_soon(fetch, "prompt", lambda: self._engine.render(prompt))
-        last = got["last"]
-        if last is not None:
+        last, cancel = got["last"], got["cancel"]
+        if last is not None or cancel is not None:
             await early.close()
-        if isinstance(last, Exception):
-            raise last
+        for failed in (last, cancel):
+            if isinstance(failed, Exception):
+                raise failed
         if last is None:
             history = History()
         elif isinstance(last, Result):
             history = analyze([last])
         else:
             history = await self._log.history(req.request_id)
+        history = with_cancel(history, cancel)
         if isinstance(got["prompt"], Exception):
             if history.result is not None or history.cancelled is not None:
                 return history, []  # it ended: its prompt (an expired embeddings object, say) is not needed
