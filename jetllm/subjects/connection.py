@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlparse
 
+import anyio
 from nats.aio.client import Client as NATS
 
 from ..errors import ConnectRefused, InsecureConnection, JetllmError, NatsSettingsError
@@ -243,9 +244,17 @@ def _fatal(exc: Exception, url: str, who: str) -> ConnectRefused | None:
 
 
 async def connect(
-    url: str | None = None, *, name: str = "jetllm", security: Security | None = None, **options: Any
+    url: str | None = None,
+    *,
+    name: str = "jetllm",
+    security: Security | None = None,
+    wait: float | None = None,
+    **options: Any,
 ) -> Connection:
-    """Connect with reconnects forever; wrong credentials or TLS settings fail at once."""
+    """Connect with reconnects forever; wrong credentials or TLS settings fail at once.
+
+    `wait`: seconds the first connection may take (None: no limit). nats-py alone retries a first
+    connection to an unreachable server as long as it would reconnect: here, forever."""
     url = url or default_url()
     servers = servers_of(url)
     sec = security or Security.from_env()
@@ -256,15 +265,17 @@ async def connect(
     nc.denials.who = who
     nc.tls_expected = sec.wants_tls(servers)
     connected = False
+    last_error: Exception | None = None
 
     refused_at = -60.0
 
     async def on_error(exc: Exception) -> None:
-        nonlocal refused_at
+        nonlocal refused_at, last_error
         if nc.denials.handle(exc):
             return
         fatal = _fatal(exc, url, who)
         if fatal is None:
+            last_error = exc
             log.warning("nats: %s", exc)
         elif not connected:
             raise _GiveUp(fatal)
@@ -294,18 +305,34 @@ async def connect(
     )
     opts.update(options)
     try:
-        await nc.connect(**opts)
+        with anyio.fail_after(wait):
+            await nc.connect(**opts)
         connected = True
         if ident is not None or sec.creds or sec.inbox_prefix:
             await _check_inbox(nc)
         return nc
     except BaseException as exc:
         await _abandon(nc)
-        if isinstance(exc, _GiveUp):
-            raise exc.error from None
-        if isinstance(exc, (JetllmError, ConnectionError)) or not isinstance(exc, Exception):
+        failed = _connect_error(exc, url, None if connected else wait, last_error)
+        if failed is exc:
             raise
-        raise ConnectionError(f"cannot connect to NATS at {redact(url)}: {exc}") from None
+        raise failed from None
+
+
+def _connect_error(exc: BaseException, url: str, wait: float | None, last: Exception | None) -> BaseException:
+    """What a failed connect raises; `wait`: the first connection's limit, which ran out on a
+    TimeoutError."""
+    if isinstance(exc, TimeoutError) and wait is not None:
+        return ConnectionError(
+            f"cannot connect to NATS at {redact(url)}: no server answered within {wait:g}s"
+            f"{f' (last: {last})' if last else ''}; start it, check the URL, or wait longer "
+            "(a worker's --nats-wait)"
+        )
+    if isinstance(exc, _GiveUp):
+        return exc.error
+    if isinstance(exc, (JetllmError, ConnectionError)) or not isinstance(exc, Exception):
+        return exc
+    return ConnectionError(f"cannot connect to NATS at {redact(url)}: {exc}")
 
 
 def _auth_options(sec: Security, servers: list[str], ident: str | None) -> dict[str, Any]:

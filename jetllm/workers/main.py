@@ -8,8 +8,7 @@ import time
 import anyio
 from nats.aio.client import Client as NATS
 
-from ..aio import retried
-from ..subjects.connection import connect, redact
+from ..subjects.connection import connect
 from ..subjects.setup import check_server
 from .engine.options import EngineOptions
 from .runtime import Worker, WorkerConfig
@@ -20,15 +19,8 @@ EXIT_STARTUP_FAILED = 2
 
 
 async def connect_waiting(url: str, wait: float, name: str) -> NATS:
-    """Connect, retrying for up to `wait` seconds: workers often start before NATS is up."""
-    return await retried(
-        lambda: connect(url, name=name),
-        errors=(ConnectionError,),
-        within=wait,
-        what=f"connecting to NATS at {redact(url)}",
-        first=0.25,
-        longest=5.0,
-    )
+    """Connect, trying for up to `wait` seconds: workers often start before NATS is up."""
+    return await connect(url, name=name, wait=wait)
 
 
 async def run_worker(
