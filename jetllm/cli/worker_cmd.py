@@ -245,7 +245,11 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
         "behind the migration budget)",
     )
     q.add_argument(
-        "--max-age", type=float, default=86400.0, help="seconds a queued job may wait for a worker"
+        "--max-age",
+        type=float,
+        default=None,
+        help="seconds a queued job may wait for a worker (default: as the namespace's jobs stream has "
+        "it, 86400 in a new namespace; without the flag nothing existing is changed)",
     )
     q.add_argument(
         "--replicas",

@@ -306,7 +306,7 @@ class Client:
             except PayloadTooLarge:
                 pass
         store = await embeds_store(
-            self.js, self.names, ttl=self._policy.max_age, replicas=self._policy.replicas
+            self.js, self.names, ttl=self._policy.setting("max_age"), replicas=self._policy.replicas
         )
         name = f"{req.request_id}/{uuid.uuid4().hex[:12]}"
         ref = await upload(store, name, prompt)

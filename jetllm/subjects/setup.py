@@ -1,10 +1,12 @@
 """Server checks and idempotent creation of jetllm's streams, consumers and buckets.
 
-Every worker and every producer calls these on start, so creation races are normal: creating an
-existing stream or bucket with the same settings succeeds; a stream with differing settings is
-updated in place, a bucket (KV or object store) with differing settings is opened as it is.
+Every worker and every producer calls these on start, so creation races are normal. A missing
+stream is created with the side's settings (its defaults for what it does not name); an existing
+one is changed only in what that side owns or needs (streamupdate.py), so whoever connects last
+does not decide the others' settings. A bucket (KV or object store) that exists is opened as it
+is.
 
-Replicas (copies on a JetStream cluster) are the exception, by one rule: a side that names them
+Replicas (copies on a JetStream cluster) follow the same rule: a side that names them
 (`--replicas`, `QueuePolicy.replicas`) creates streams and buckets with them and brings every
 existing stream and bucket of the namespace to them (`ensure_streams`); a side that does not (None)
 leaves existing ones as they are and creates new ones with as many as the namespace's jobs stream
@@ -18,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
-from typing import TypeVar, overload
+from typing import Any, TypeVar, overload
 
 import msgspec
 import nats.js.errors
@@ -41,6 +43,7 @@ from nats.js.object_store import OBJ_STREAM_TEMPLATE, ObjectStore
 from ..aio import retried
 from ..errors import JetStreamUnavailable, NotPermitted, ReplicasUnavailable, ServerTooOld
 from .names import Names
+from .streamupdate import Wanted, changed, update_for
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -54,32 +57,60 @@ RECORD_TTL = 10.0
 
 
 class QueuePolicy(msgspec.Struct, kw_only=True, frozen=True):
-    """Delivery settings of the job queues; the defaults are argued in docs/operations.md."""
+    """Delivery settings of the job queues; the defaults are argued in docs/operations.md.
+
+    The stream settings (`max_age` and below) are None unless a side chooses them: None leaves an
+    existing stream's setting as it is and gives a new stream the default (`DEFAULTS`)."""
 
     ack_wait: float = 10.0
     """Seconds before an un-acked job is redelivered; workers heartbeat every ack_wait/3."""
     max_deliver: int = 10
     """Deliveries of one job before JetStream gives up on it (then it is dead-lettered). A backstop:
     workers enforce each request's migration budget first, and planned hand-backs are free."""
-    max_age: float = 24 * 3600.0
-    """A job nobody serves within this time is dropped by the server."""
     max_ack_pending: int = 10_000
     """Jobs in flight across all workers of one consumer; keep above the role's total slots."""
-    duplicate_window: float = 600.0
-    """Seconds within which a re-published request id is dropped as a duplicate."""
     replicas: int | None = None
     """Copies of each stream and bucket (3 on a JetStream cluster); None: existing ones keep theirs,
     new ones get the jobs stream's (see the module docstring)."""
     memory: bool = False
-    dlq_max_age: float = 14 * 24 * 3600.0
-    results_max_age: float = 24 * 3600.0
-    """How long a finished request's result stays readable (batch resume, late producers)."""
-    kv_events_max_age: float = 3600.0
-    """How long KV-cache events stay replayable. A router needs history only to bridge its own
-    restart; anything older is covered by asking the instances for a resync (docs/fleet.md)."""
-    kv_events_max_msgs_per_subject: int = 100_000
-    """Batches kept per instance: about half an hour of a busy GPU engine (~50 batches/s), so an
-    unread stream stays bounded even within max_age."""
+    """Streams a side creates are kept in memory (an existing stream keeps its storage)."""
+    max_age: float | None = None
+    """A job nobody serves within this time is dropped by the server (default 24 h)."""
+    duplicate_window: float | None = None
+    """Seconds within which a re-published request id is dropped as a duplicate (default 600)."""
+    dlq_max_age: float | None = None
+    """How long dead letters are kept (default 14 days)."""
+    results_max_age: float | None = None
+    """How long a finished request's result stays readable: batch resume, late producers
+    (default 24 h)."""
+    kv_events_max_age: float | None = None
+    """How long KV-cache events stay replayable (default 1 h). A router needs history only to
+    bridge its own restart; anything older is covered by asking the instances for a resync
+    (docs/fleet.md)."""
+    kv_events_max_msgs_per_subject: int | None = None
+    """Batches kept per instance (default 100,000): about half an hour of a busy GPU engine (~50
+    batches/s), so an unread stream stays bounded even within max_age."""
+
+    def setting(self, name: str) -> Any:
+        """A stream setting: as chosen, or its default."""
+        value = getattr(self, name)
+        return DEFAULTS[name] if value is None else value
+
+
+DEFAULTS: dict[str, float] = {
+    "max_age": 24 * 3600.0,
+    "duplicate_window": 600.0,
+    "dlq_max_age": 14 * 24 * 3600.0,
+    "results_max_age": 24 * 3600.0,
+    "kv_events_max_age": 3600.0,
+    "kv_events_max_msgs_per_subject": 100_000,
+}
+"""What a new stream gets for a setting no side chose."""
+
+
+def _named(policy: QueuePolicy, **fields: str) -> tuple[str, ...]:
+    """The stream config fields (keys) whose policy setting (value) this side chose."""
+    return tuple(cfg for cfg, setting in fields.items() if getattr(policy, setting) is not None)
 
 
 def parse_version(text: str) -> tuple[int, int, int]:
@@ -155,36 +186,42 @@ def _replicas_error(exc: nats.js.errors.APIError, name: str, replicas: int) -> E
     return exc
 
 
-async def _ensure_stream(js: JetStreamContext, cfg: StreamConfig, *, rescale: bool) -> None:
-    """`rescale` False: an existing stream keeps its replicas whatever `cfg` says."""
+async def _ensure_stream(js: JetStreamContext, wanted: Wanted, *, rescale: bool) -> None:
+    """Create the stream, or change an existing one as `wanted` says (streamupdate.py)."""
+    cfg = wanted.config
+    name = cfg.name or ""
     try:
-        await _api(lambda: js.add_stream(cfg), f"creating stream {cfg.name}")
+        current = (await _api(lambda: js.stream_info(name), f"reading stream {name}")).config
+    except nats.js.errors.NotFoundError:
+        try:
+            await _api(lambda: js.add_stream(cfg), f"creating stream {name}")
+            return
+        except nats.js.errors.APIError as exc:
+            if exc.err_code != _STREAM_IN_USE:
+                raise _replicas_error(exc, name, cfg.num_replicas or 1) from None
+        current = (await _api(lambda: js.stream_info(name), f"reading stream {name}")).config
+    update = update_for(current, wanted, rescale=rescale)
+    if update is None:
         return
-    except nats.js.errors.APIError as exc:
-        if exc.err_code != _STREAM_IN_USE:
-            raise _replicas_error(exc, cfg.name or "", cfg.num_replicas or 1) from None
-    if not rescale:
-        current = await _api(lambda: js.stream_info(cfg.name or ""), f"reading stream {cfg.name}")
-        cfg = dataclasses.replace(cfg, num_replicas=current.config.num_replicas)
-    log.info("stream %s exists with other settings; updating it", cfg.name)
+    log.info("stream %s: updating %s", name, ", ".join(changed(current, update)))
     try:
-        await _api(lambda: js.update_stream(cfg), f"updating stream {cfg.name}")
+        await _api(lambda: js.update_stream(update), f"updating stream {name}")
     except nats.js.errors.APIError as exc:
-        raise _replicas_error(exc, cfg.name or "", cfg.num_replicas or 1) from None
+        raise _replicas_error(exc, name, update.num_replicas or 1) from None
 
 
-async def _ensure_streams(js: JetStreamContext, configs: list[StreamConfig], *, rescale: bool) -> None:
+async def _ensure_streams(js: JetStreamContext, streams: list[Wanted], *, rescale: bool) -> None:
     """Create or update each stream; an identity that may not (a producer, a router) only checks
     they exist, after one refusal, so it does not collect a refusal per stream."""
     refused: NotPermitted | None = None
-    for cfg in configs:
+    for wanted in streams:
         if refused is None:
             try:
-                await _ensure_stream(js, cfg, rescale=rescale)
+                await _ensure_stream(js, wanted, rescale=rescale)
                 continue
             except NotPermitted as exc:
                 refused = exc
-        await _existing(js, cfg.name or "", refused)
+        await _existing(js, wanted.config.name or "", refused)
 
 
 async def _existing(js: JetStreamContext, stream: str, refused: NotPermitted) -> None:
@@ -304,8 +341,8 @@ async def ensure_streams(js: JetStreamContext, names: Names, policy: QueuePolicy
         retention=RetentionPolicy.WORK_QUEUE,
         storage=storage,
         num_replicas=replicas,
-        max_age=policy.max_age,
-        duplicate_window=policy.duplicate_window,
+        max_age=policy.setting("max_age"),
+        duplicate_window=policy.setting("duplicate_window"),
         discard=DiscardPolicy.OLD,
     )
     dead_letters = StreamConfig(
@@ -315,8 +352,8 @@ async def ensure_streams(js: JetStreamContext, names: Names, policy: QueuePolicy
         retention=RetentionPolicy.LIMITS,
         storage=storage,
         num_replicas=replicas,
-        max_age=policy.dlq_max_age,
-        duplicate_window=policy.duplicate_window,
+        max_age=policy.setting("dlq_max_age"),
+        duplicate_window=policy.setting("duplicate_window"),
     )
     traces = StreamConfig(
         name=names.traces_stream,
@@ -325,18 +362,18 @@ async def ensure_streams(js: JetStreamContext, names: Names, policy: QueuePolicy
         retention=RetentionPolicy.LIMITS,
         storage=storage,
         num_replicas=replicas,
-        max_age=policy.results_max_age,
+        max_age=policy.setting("results_max_age"),
         max_msgs_per_subject=64,
         discard=DiscardPolicy.OLD,
     )
     await _ensure_streams(
         js,
         [
-            jobs,
-            dead_letters,
+            Wanted(jobs, _named(policy, max_age="max_age", duplicate_window="duplicate_window")),
+            Wanted(dead_letters, _named(policy, max_age="dlq_max_age", duplicate_window="duplicate_window")),
             _requests_stream(names, policy, replicas),
             _cancels_stream(names, policy, replicas),
-            traces,
+            Wanted(traces, _named(policy, max_age="results_max_age")),
             _kv_events_stream(names, policy, replicas),
         ],
         rescale=rescale,
@@ -350,20 +387,27 @@ async def ensure_kv_events_stream(js: JetStreamContext, names: Names, policy: Qu
     await _ensure_stream(js, _kv_events_stream(names, policy, replicas), rescale=policy.replicas is not None)
 
 
-def _kv_events_stream(names: Names, policy: QueuePolicy, replicas: int) -> StreamConfig:
-    return StreamConfig(
+def _kv_events_stream(names: Names, policy: QueuePolicy, replicas: int) -> Wanted:
+    config = StreamConfig(
         name=names.kv_events_stream,
         description="jetllm KV-cache events: one subject per (model, instance), replayable",
         subjects=[names.kv_events_all],
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.MEMORY if policy.memory else StorageType.FILE,
         num_replicas=replicas,
-        max_age=policy.kv_events_max_age,
-        max_msgs_per_subject=policy.kv_events_max_msgs_per_subject,
-        duplicate_window=min(policy.duplicate_window, 120.0),
+        max_age=policy.setting("kv_events_max_age"),
+        max_msgs_per_subject=policy.setting("kv_events_max_msgs_per_subject"),
+        duplicate_window=min(policy.setting("duplicate_window"), 120.0),
         discard=DiscardPolicy.OLD,
         allow_direct=True,
     )
+    owned = _named(
+        policy,
+        max_age="kv_events_max_age",
+        max_msgs_per_subject="kv_events_max_msgs_per_subject",
+        duplicate_window="duplicate_window",
+    )
+    return Wanted(config, owned)
 
 
 async def ensure_kv_blocks_stream(
@@ -372,56 +416,58 @@ async def ensure_kv_blocks_stream(
     """Where prefill workers leave KV blocks for decode workers: in memory, forgotten after `ttl`,
     and refusing new blocks when `max_bytes` are held (a full store makes decode workers prefill
     locally; it never pushes out blocks someone is about to load)."""
-    await _ensure_stream(
-        js,
-        StreamConfig(
-            name=names.kv_blocks_stream,
-            description="jetllm KV blocks: one subject per prefill-to-decode transfer",
-            subjects=[names.kv_blocks_all],
-            retention=RetentionPolicy.LIMITS,
-            storage=StorageType.MEMORY,
-            num_replicas=replicas,
-            max_age=ttl,
-            max_bytes=max_bytes,
-            discard=DiscardPolicy.NEW,
-            duplicate_window=min(ttl, 120.0),
-            allow_direct=True,
-        ),
-        rescale=True,
+    config = StreamConfig(
+        name=names.kv_blocks_stream,
+        description="jetllm KV blocks: one subject per prefill-to-decode transfer",
+        subjects=[names.kv_blocks_all],
+        retention=RetentionPolicy.LIMITS,
+        storage=StorageType.MEMORY,
+        num_replicas=replicas,
+        max_age=ttl,
+        max_bytes=max_bytes,
+        discard=DiscardPolicy.NEW,
+        duplicate_window=min(ttl, 120.0),
+        allow_direct=True,
     )
+    await _ensure_stream(js, Wanted(config, ("max_age", "max_bytes", "duplicate_window")), rescale=True)
 
 
-def _requests_stream(names: Names, policy: QueuePolicy, replicas: int) -> StreamConfig:
-    return StreamConfig(
+def _requests_stream(names: Names, policy: QueuePolicy, replicas: int) -> Wanted:
+    """Results are kept `results_max_age`, and never less than a job may wait (`max_age`): a
+    worker that pulls an old job must still find what became of it."""
+    config = StreamConfig(
         name=names.requests_stream,
         description="jetllm request log: delivered tokens (for migration) and results",
         subjects=[names.request_log_all],
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.MEMORY if policy.memory else StorageType.FILE,
         num_replicas=replicas,
-        max_age=max(policy.results_max_age, policy.max_age),
-        duplicate_window=min(policy.duplicate_window, 120.0),
+        max_age=max(policy.setting("results_max_age"), policy.setting("max_age")),
+        duplicate_window=min(policy.setting("duplicate_window"), 120.0),
         discard=DiscardPolicy.OLD,
         allow_direct=True,
     )
+    owned = _named(policy, max_age="results_max_age", duplicate_window="duplicate_window")
+    return Wanted(config, owned, raised=_named(policy, max_age="max_age"))
 
 
-def _cancels_stream(names: Names, policy: QueuePolicy, replicas: int) -> StreamConfig:
+def _cancels_stream(names: Names, policy: QueuePolicy, replicas: int) -> Wanted:
     """Producers' durable cancels, apart from the request log so that producers need not write it.
     One record per request suffices; it matters only while the job can still be pulled (max_age)."""
-    return StreamConfig(
+    config = StreamConfig(
         name=names.cancels_stream,
         description="jetllm durable cancels: a job cancelled while queued is dropped unrun",
         subjects=[names.cancelled_all],
         retention=RetentionPolicy.LIMITS,
         storage=StorageType.MEMORY if policy.memory else StorageType.FILE,
         num_replicas=replicas,
-        max_age=policy.max_age,
+        max_age=policy.setting("max_age"),
         max_msgs_per_subject=1,
-        duplicate_window=min(policy.duplicate_window, 120.0),
+        duplicate_window=min(policy.setting("duplicate_window"), 120.0),
         discard=DiscardPolicy.OLD,
         allow_direct=True,
     )
+    return Wanted(config, _named(policy, max_age="max_age", duplicate_window="duplicate_window"))
 
 
 async def ensure_consumer(
