@@ -918,7 +918,8 @@ class Generator:
     # the request log and JetStream's advisories
 
     def log_record(self) -> Shot:
-        """A forged record in a request's log (workers write it; without auth, anyone can)."""
+        """A forged record in a request's log (workers write it; without auth, anyone can) or where
+        durable cancels go (producers may write that)."""
         rng = self.rng
         upcoming = f"fz{self.seed}-{self.n_jobs + rng.randint(0, 40)}"
         rid = rng.choice(self.rids) if self.rids and rng.random() < 0.3 else upcoming
@@ -972,13 +973,15 @@ class Generator:
         data = _encode_loose(record, "msgpack")
         if rng.random() < 0.3:
             data = rng.choice(BYTE_MUTATIONS + [lambda r, d: bad_utf8_in_string(r, d, "msgpack")])(rng, data)
-        self.count("request log record")
+        # producers may write only the durable cancel's subject: whatever is stored there must only cancel
+        as_cancel = rng.random() < 0.3
+        where = "durable cancel" if as_cancel else "log"
+        subject = self.t.names.cancelled(rid) if as_cancel else self.t.names.request_log(rid)
+        self.count(f"{where} record")
         self.touched.setdefault(rid, []).append(
-            f"log {record['kind']}{'' if 'final' in record or 'error' in record else '-'}"
+            f"{where} {record['kind']}{'' if 'final' in record or 'error' in record else '-'}"
         )
-        return Shot(
-            "pub", self.t.names.request_log(rid), data, what=f"log record for {rid}: {record['kind']}"
-        )
+        return Shot("pub", subject, data, what=f"{where} record for {rid}: {record['kind']}")
 
     def advisory(self) -> Shot:
         rng = self.rng
