@@ -174,6 +174,7 @@ def _worker(n: Names, inbox: str) -> tuple[list[str], list[str]]:
         *_reader(requests),
         *_stream(requests, "PURGE"),
         *_stream(n.kv_events_stream, "MSG.GET"),
+        *_stream(registry, "MSG.GET"),  # the sweep reads an instance's record
         *_direct(registry),
         *_kv_reader(n.lora_bucket),
         *_stream(adapters, "MSG.GET"),
