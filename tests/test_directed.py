@@ -13,8 +13,10 @@ import anyio
 import pytest
 
 from jetllm.producer import Client
+from jetllm.producer.registry import instance
 from jetllm.producer.traces import trace_records
-from jetllm.schemas import AcceptedFrame, FinalFrame, InstanceRecord, TraceRecord
+from jetllm.schemas import AcceptedFrame, FinalFrame, InstanceRecord, SleepRequest, TraceRecord
+from jetllm.subjects import codec
 from jetllm.subjects.directed import (
     DIRECTED_TO,
     MSG_ID,
@@ -345,3 +347,32 @@ async def test_a_killed_workers_directed_jobs_complete_elsewhere_exactly_once(
             assert hops[-1].queue == f"moved from {a.instance}"  # directed to a, moved by a sweeper
         assert time.monotonic() - killed_at < 30
         assert await directed_backlog(client.js, client.names) == {}
+
+
+async def test_a_sleeping_worker_hands_its_directed_jobs_on_and_new_ones_go_shared(
+    nats_url, namespace, client
+):
+    async with (
+        inproc_worker(nats_url, FakeEngine(), namespace=namespace, instance="wa", registry_interval=0.3) as a,
+        inproc_worker(nats_url, FakeEngine(), namespace=namespace, instance="wb"),
+    ):
+        await a.engine_control.sleep(SleepRequest(level=1))
+        with anyio.fail_after(5):  # the registry says so: new jobs for wa go to the shared queue
+            while (
+                await instance(await client.js.key_value(client.names.registry_bucket), client.names, "wa")
+            ).state != "sleeping":
+                await anyio.sleep(0.05)
+        frames = await run(client, req("fake"), instance="wa")
+        assert accepted_by(frames) == ["wb"]
+        # one published for wa just before it slept (a router's stale view) is handed on
+        late = req("fake")
+        await client.js.publish(
+            client.names.directed_jobs("generate", "fake", "wa"),
+            codec.encode(late),
+            headers={MSG_ID: late.request_id},
+        )
+        result = await client.wait_result(late.request_id, timeout=10)
+        assert result.error is None
+        assert [(t.instance, t.queue) for t in await traces_of(client, late.request_id)] == [
+            ("wb", "moved from wa")
+        ]

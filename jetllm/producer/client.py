@@ -29,6 +29,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import PubAck
+from nats.js.kv import KeyValue
 
 from .. import tracecontext
 from ..aio import retried
@@ -162,6 +163,7 @@ class Client:
         self._inboxes: dict[str, _Inbox] = {}
         self._probes: dict[str, _Probe] = {}
         self._tg: TaskGroup | None = None
+        self._registry: KeyValue | None = None
 
     @property
     def nc(self) -> NATS:
@@ -299,7 +301,15 @@ class Client:
         """The directed queue of `instance` if it can take the job now, else the shared queue."""
         if instance is None:
             return self.names.jobs(role, model)
-        why = placement(await registry.instance(self.js, self.names, instance), model, time.time())
+        if self._registry is None:
+            try:
+                self._registry = await self.js.key_value(self.names.registry_bucket)
+            except nats.js.errors.BucketNotFoundError:
+                pass  # no worker ever started: no instance to address
+        record = (
+            None if self._registry is None else await registry.instance(self._registry, self.names, instance)
+        )
+        why = placement(record, model, time.time())
         if why is None:
             return self.names.directed_jobs(role, model, instance)
         log.info("request %s goes to the shared queue, not to %s: %s", request_id, instance, why)

@@ -45,12 +45,11 @@ async def entries_matching(kv: KeyValue, pattern: str, *, meta_only: bool = Fals
 alive = record_alive
 
 
-async def instance(js: JetStreamContext, names: Names, instance_id: str) -> InstanceRecord | None:
+async def instance(kv: KeyValue, names: Names, instance_id: str) -> InstanceRecord | None:
     """The registry record of one instance as it is now (alive or not); None without one."""
     try:
-        kv = await js.key_value(names.registry_bucket)
         entry = await kv.get(names.instance_key(instance_id))
-    except (nats.js.errors.BucketNotFoundError, nats.js.errors.KeyNotFoundError):
+    except nats.js.errors.KeyNotFoundError:
         return None
     return _readable(_instance, entry.key, entry.value)
 

@@ -87,6 +87,15 @@ class DirectedQueue:
             self.waiting.reported(pending)
             self._pulls.wake()
 
+    async def move_waiting(self) -> int:
+        """Hand on what waits here while this worker takes no jobs (asleep): a directed job must
+        not wait for a wake nobody may send."""
+        moved = await move_to_shared(self._ctx.js, self._ctx.names, self.subject)
+        self.waiting.empty()
+        if moved:
+            log.info("asleep: handed %d directed jobs on to the shared queue", moved)
+        return moved
+
     async def hand_on(self) -> None:
         """After pulling stopped and every job here was settled: move what waits in the directed
         queue (handed-back jobs included) to the shared queue, then retire the consumer (the server

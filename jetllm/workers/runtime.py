@@ -121,7 +121,7 @@ class Worker:
         self.directed = directed = DirectedQueue(
             ctx, role_cls.queue, pulls, running, on_exhausted=exhausted.on_advisory
         )
-        self.sweeper = Sweeper(ctx, directed, interval=config.registry_interval)
+        self.sweeper = Sweeper(ctx, directed, interval=config.registry_interval, paused=lambda: slots.paused)
         self.kv_events = kv_events = KvEventRelay(ctx, facts.kv_events, lifecycle.public)
         self.reports = reports = Reports(
             ctx,

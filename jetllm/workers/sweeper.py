@@ -6,7 +6,8 @@ directed subjects that hold jobs (one stream-info request), and for each instanc
 itself decides from its registry record (`directed.sweep_verdict`), pinging it when the record
 still looks alive. Two sweepers moving the same jobs at once publish each job once: the moved
 copy's message id comes from the original's stream sequence (`directed.moved_msg_id`).
-The same pass keeps this worker's own directed queue in order (`DirectedQueue.check`).
+The same pass keeps this worker's own directed queue in order (`DirectedQueue.check`), and while
+the worker is paused (asleep) hands on whatever waits there.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections.abc import Callable
 
 import anyio
 import msgspec
@@ -36,9 +38,12 @@ PING_TIMEOUT = 0.5
 
 
 class Sweeper:
-    def __init__(self, ctx: WorkerContext, own: DirectedQueue, *, interval: float) -> None:
+    def __init__(
+        self, ctx: WorkerContext, own: DirectedQueue, *, interval: float, paused: Callable[[], bool]
+    ) -> None:
         self._ctx = ctx
         self._own = own
+        self._paused = paused
         self._interval = interval
         self._kv: KeyValue | None = None
         self.moved = 0
@@ -47,7 +52,10 @@ class Sweeper:
     async def run(self) -> None:
         while True:
             await anyio.sleep(self._interval * random.uniform(0.75, 1.25))
-            await self._own.check()
+            if self._paused():
+                await self._own.move_waiting()
+            else:
+                await self._own.check()
             await self.sweep()
 
     async def sweep(self) -> int:
