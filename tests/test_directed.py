@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import signal
 import time
+import uuid
 
 import anyio
 import pytest
 
+from jetllm.cli import main
 from jetllm.producer import Client
 from jetllm.producer.registry import instance
 from jetllm.producer.traces import trace_records
@@ -376,3 +378,22 @@ async def test_a_sleeping_worker_hands_its_directed_jobs_on_and_new_ones_go_shar
         assert [(t.instance, t.queue) for t in await traces_of(client, late.request_id)] == [
             ("wb", "moved from wa")
         ]
+
+
+async def test_jetllm_generate_addresses_an_instance_and_jetllm_trace_says_so(
+    nats_url, namespace, start_fake_worker, capsys
+):
+    """The trace, not the worker (there is one), shows that the job went directed."""
+    worker = start_fake_worker(namespace)
+    target = await worker.wait_ready(nats_url, timeout=30)
+    rid = f"r-{uuid.uuid4().hex}"
+
+    def cli(*args: str) -> int:  # the commands in a thread: each runs its own event loop
+        return main([args[0], "--nats", nats_url, "--namespace", namespace, *args[1:]])
+
+    generate = ("generate", "--model", "fake", "--tokens", "1,2,3", "--max-tokens", "3", "--request-id", rid)
+    assert await anyio.to_thread.run_sync(lambda: cli(*generate, "--instance", target)) == 0
+    assert f"[accepted by {target}]" in capsys.readouterr().err
+    assert await anyio.to_thread.run_sync(lambda: cli("trace", rid)) == 0
+    shown = capsys.readouterr().out
+    assert f"pulled by {target}" in shown and "from the directed queue" in shown, shown
