@@ -43,7 +43,13 @@ NOW = 1000.0
 
 def record(**kw) -> InstanceRecord:
     fields = dict(
-        instance="w1", role="generate", model="fake", state="serving", heartbeat_at=NOW - 1, expires_after=6.0
+        instance="w1",
+        role="generate",
+        model="fake",
+        state="serving",
+        heartbeat_at=NOW - 1,
+        expires_after=6.0,
+        directed_queue="generate",
     )
     return InstanceRecord(**{**fields, **kw})
 
@@ -110,18 +116,31 @@ def test_waiting_counts_heard_and_delivered_jobs_and_trusts_an_empty_pull():
 
 
 @pytest.mark.parametrize(
-    "rec, model, why",
+    "rec, queue, model, why",
     [
-        (record(), "fake", None),
-        (None, "fake", "not in the registry"),
-        (record(heartbeat_at=NOW - 7), "fake", "its registry record expired"),
-        (record(), "other", "it serves 'fake', not 'other'"),
-        (record(state="draining"), "fake", "it is draining"),
-        (record(state="sleeping"), "fake", "it is sleeping"),
+        (record(), "generate", "fake", None),
+        (record(role="decode"), "generate", "fake", None),  # decode workers pull the generate queue
+        (None, "generate", "fake", "not in the registry"),
+        (record(heartbeat_at=NOW - 7), "generate", "fake", "its registry record expired"),
+        (record(), "generate", "other", "it serves 'fake', not 'other'"),
+        (record(state="draining"), "generate", "fake", "it is draining"),
+        (record(state="sleeping"), "generate", "fake", "it is sleeping"),
+        (
+            record(role="prefill", directed_queue="prefill"),
+            "generate",
+            "fake",
+            "it pulls no directed generate jobs",
+        ),
+        (
+            record(directed_queue=None),
+            "generate",
+            "fake",
+            "it pulls no directed generate jobs",
+        ),  # an older worker
     ],
 )
-def test_placement(rec, model, why):
-    assert placement(rec, model, NOW) == why
+def test_placement(rec, queue, model, why):
+    assert placement(rec, queue, model, NOW) == why
 
 
 @pytest.mark.parametrize(

@@ -309,7 +309,7 @@ class Client:
         record = (
             None if self._registry is None else await registry.instance(self._registry, self.names, instance)
         )
-        why = placement(record, model, time.time())
+        why = placement(record, role, model, time.time())
         if why is None:
             return self.names.directed_jobs(role, model, instance)
         log.info("request %s goes to the shared queue, not to %s: %s", request_id, instance, why)

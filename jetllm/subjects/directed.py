@@ -32,13 +32,15 @@ def record_alive(record: InstanceRecord, now: float | None = None) -> bool:
     return record.expires_after <= 0 or now - record.heartbeat_at <= record.expires_after
 
 
-def placement(record: InstanceRecord | None, model: str, now: float) -> str | None:
-    """Why a job for `model` addressed to the instance of `record` goes to the shared queue
-    instead; None: publish it directed."""
+def placement(record: InstanceRecord | None, queue: str, model: str, now: float) -> str | None:
+    """Why a job of `queue` for `model` addressed to the instance of `record` goes to the shared
+    queue instead; None: publish it directed."""
     if record is None:
         return "not in the registry"
     if not record_alive(record, now):
         return "its registry record expired"
+    if record.directed_queue != queue:
+        return f"it pulls no directed {queue} jobs"
     if record.model != model:
         return f"it serves {record.model!r}, not {model!r}"
     if record.state != "serving":

@@ -126,6 +126,7 @@ class Worker:
         self.reports = reports = Reports(
             ctx,
             role=role_cls.name,
+            queue=role_cls.queue,
             engine=engine,
             lifecycle=lifecycle,
             slots=slots,
