@@ -33,7 +33,7 @@ from nats.js.kv import KeyValue
 
 from .. import tracecontext
 from ..aio import retried
-from ..errors import PayloadTooLarge, RequestFailed
+from ..errors import NotPermitted, PayloadTooLarge, RequestFailed
 from ..schemas import (
     Cancelled,
     CancelRequest,
@@ -301,14 +301,18 @@ class Client:
         """The directed queue of `instance` if it can take the job now, else the shared queue."""
         if instance is None:
             return self.names.jobs(role, model)
-        if self._registry is None:
-            try:
+        try:
+            if self._registry is None:
                 self._registry = await self.js.key_value(self.names.registry_bucket)
-            except nats.js.errors.BucketNotFoundError:
-                pass  # no worker ever started: no instance to address
-        record = (
-            None if self._registry is None else await registry.instance(self._registry, self.names, instance)
-        )
+            record = await registry.instance(self._registry, self.names, instance)
+        except nats.js.errors.BucketNotFoundError:
+            record = None  # no worker ever started: no instance to address
+        except (nats.errors.Error, NotPermitted) as exc:
+            # A placement is a preference: the job is not held up by a registry it cannot read.
+            log.warning(
+                "request %s goes to the shared queue: the registry is not readable: %s", request_id, exc
+            )
+            return self.names.jobs(role, model)
         why = placement(record, role, model, time.time())
         if why is None:
             return self.names.directed_jobs(role, model, instance)

@@ -52,11 +52,14 @@ class Sweeper:
     async def run(self) -> None:
         while True:
             await anyio.sleep(self._interval * random.uniform(0.75, 1.25))
-            if self._paused():
-                await self._own.move_waiting()
-            else:
-                await self._own.check()
-            await self.sweep()
+            try:
+                if self._paused():
+                    await self._own.move_waiting()
+                else:
+                    await self._own.check()
+                await self.sweep()
+            except (nats.errors.Error, OSError) as exc:  # an outage: the next pass tries again
+                log.warning("directed jobs not swept this time: %s", exc)
 
     async def sweep(self) -> int:
         """One pass; returns how many jobs it moved."""
