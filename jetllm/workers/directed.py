@@ -20,6 +20,7 @@ import nats.js.errors
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from ..subjects.denials import checked
 from ..subjects.direct import subscribe_direct
 from ..subjects.handon import move_to_shared
 from ..subjects.setup import ensure_directed_consumer
@@ -54,15 +55,16 @@ class DirectedQueue:
         self._subs: list[Subscription] = []
 
     async def open(self) -> None:
-        """Make the consumer and listen for jobs; before the worker pulls or says it serves."""
+        """Make the consumer and listen for jobs; before the worker pulls or says it serves. A
+        subscription the server refuses fails the start, like the worker's others."""
         ctx = self._ctx
         await ensure_directed_consumer(ctx.js, ctx.names, self.queue, ctx.model, ctx.instance, ctx.policy)
-        self._subs = [
-            await subscribe_direct(ctx.nc, self.subject, self._heard),
-            await ctx.nc.subscribe(
-                ctx.names.consumer_max_deliveries_advisory(self.consumer), cb=self._on_exhausted
-            ),
-        ]
+        advisory = ctx.names.consumer_max_deliveries_advisory(self.consumer)
+        async with checked(ctx.nc, "subscribe", self.subject, advisory):
+            self._subs = [
+                await subscribe_direct(ctx.nc, self.subject, self._heard),
+                await ctx.nc.subscribe(advisory, cb=self._on_exhausted),
+            ]
 
     def start(self) -> None:
         self._pulls.start_directed(self.consumer, self.waiting)
