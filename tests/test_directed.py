@@ -175,6 +175,7 @@ def test_a_moved_job_has_a_new_id_every_mover_agrees_on_and_names_its_instance()
         (N.jobs("generate", "Qwen/Qwen3-0.6B"), None, "shared"),
         (N.directed_jobs("generate", "Qwen/Qwen3-0.6B", "host-1.a"), None, "directed"),
         (N.jobs("generate", "m"), {DIRECTED_TO: "w1"}, "moved from w1"),
+        (N.jobs("generate", "m"), {DIRECTED_TO: "w" * 5000}, "moved from " + "w" * 128),
     ],
 )
 def test_queue_of(subject, headers, queue):

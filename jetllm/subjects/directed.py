@@ -80,5 +80,5 @@ def queue_of(names: Names, subject: str, headers: Mapping[str, str] | None) -> s
     job handed on to the shared queue) or `shared`."""
     if names.parse_directed(subject) is not None:
         return "directed"
-    origin = (headers or {}).get(DIRECTED_TO)
-    return f"moved from {origin}" if origin else "shared"
+    origin = (headers or {}).get(DIRECTED_TO)  # any producer can set it: kept short
+    return f"moved from {origin[:128]}" if origin else "shared"
