@@ -15,6 +15,7 @@ import pytest
 
 from jetllm.cli import main
 from jetllm.producer import Client
+from jetllm.producer.fleet import worker_statuses
 from jetllm.producer.registry import instance
 from jetllm.producer.traces import trace_records
 from jetllm.schemas import AcceptedFrame, FinalFrame, InstanceRecord, SleepRequest, TraceRecord
@@ -241,6 +242,7 @@ async def test_a_directed_job_runs_on_its_instance_and_the_trace_says_so(nats_ur
         assert accepted_by(frames)[0] in ("wa", "wb")
         assert [t.queue for t in await traces_of(client, lost.request_id)] == ["shared"]
         assert a.directed.waiting.count == 0
+        assert a.counters.directed == 2
 
 
 async def test_directed_jobs_wait_for_their_busy_instance_and_go_first(nats_url, namespace, client):
@@ -302,7 +304,7 @@ async def test_a_stopping_worker_hands_its_directed_jobs_on(nats_url, namespace,
             frames = results[r.request_id]
             assert isinstance(frames[-1], FinalFrame) and accepted_by(frames)[-1] == "wb"
             assert [f for f in frames if isinstance(f, FinalFrame)] == [frames[-1]]
-        assert a.directed.moved_out == 3  # the started one (handed back after the grace) and two waiting
+        assert a.directed.moved_out == a.counters.moved == 3  # the started one (handed back) and two waiting
         hops = {r.request_id: await traces_of(client, r.request_id) for r in jobs}
         assert sorted(h[-1].queue for h in hops.values()) == ["moved from wa"] * 3
         assert await directed_backlog(client.js, client.names) == {}
@@ -369,6 +371,8 @@ async def test_a_killed_workers_directed_jobs_complete_elsewhere_exactly_once(
             assert hops[-1].queue == f"moved from {a.instance}"  # directed to a, moved by a sweeper
         assert time.monotonic() - killed_at < 30
         assert await directed_backlog(client.js, client.names) == {}
+        statuses = await worker_statuses(client.nc, client.names, 0.5)
+        assert sum(int(s.extra["moved"]) for s in statuses) == len(jobs)  # two sweepers, each job moved once
 
 
 async def test_a_sleeping_worker_hands_its_directed_jobs_on_and_new_ones_go_shared(

@@ -67,7 +67,10 @@ class DirectedQueue:
             ]
 
     def start(self) -> None:
-        self._pulls.start_directed(self.consumer, self.waiting)
+        self._pulls.start_directed(self.consumer, self.waiting, counted=self._pulled)
+
+    def _pulled(self) -> None:
+        self._ctx.counters.directed += 1
 
     def _heard(self, msg: Msg) -> None:
         self.waiting.heard()
@@ -93,6 +96,7 @@ class DirectedQueue:
         """Hand on what waits here while this worker takes no jobs (asleep): a directed job must
         not wait for a wake nobody may send."""
         moved = await move_to_shared(self._ctx.js, self._ctx.names, self.subject)
+        self._ctx.counters.moved += moved
         self.waiting.empty()
         if moved:
             log.info("asleep: handed %d directed jobs on to the shared queue", moved)
@@ -112,6 +116,7 @@ class DirectedQueue:
                     log.debug("directed subscription not closed: %s", exc)
             try:
                 self.moved_out = await move_to_shared(ctx.js, ctx.names, self.subject)
+                ctx.counters.moved += self.moved_out
                 await ensure_directed_consumer(
                     ctx.js, ctx.names, self.queue, ctx.model, ctx.instance, ctx.policy, retire=True
                 )

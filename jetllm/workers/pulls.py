@@ -76,13 +76,17 @@ class Pulls:
         )
         return self._run(consumer, puller)
 
-    def start_directed(self, consumer: str, waiting: Waiting) -> Puller | None:
-        """Pull this instance's directed queue, first whenever `waiting` says jobs wait there."""
+    def start_directed(
+        self, consumer: str, waiting: Waiting, *, counted: Callable[[], None] = lambda: None
+    ) -> Puller | None:
+        """Pull this instance's directed queue, first whenever `waiting` says jobs wait there;
+        `counted` is told of each job it brings."""
         if not self.accepting:
             return None
 
         def delivered(msg: Msg) -> None:
             waiting.delivered()
+            counted()
             self._on_job(msg)
 
         def ended(status: str) -> None:

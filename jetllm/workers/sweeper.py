@@ -79,6 +79,7 @@ class Sweeper:
                 log.warning("moved %d directed jobs of %s (gone) to the shared queue", n, instance)
             moved += n
         self.moved += moved
+        ctx.counters.moved += moved
         return moved
 
     async def _record(self, instance: str) -> InstanceRecord | None:
