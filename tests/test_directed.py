@@ -11,6 +11,7 @@ import time
 import uuid
 
 import anyio
+import nats.js.errors
 import pytest
 
 from jetllm.cli import main
@@ -31,7 +32,7 @@ from jetllm.subjects.directed import (
 )
 from jetllm.subjects.handon import directed_backlog, move_to_shared
 from jetllm.subjects.names import Names
-from jetllm.subjects.setup import QueuePolicy, ensure_streams
+from jetllm.subjects.setup import RETIRED_IDLE, QueuePolicy, ensure_streams
 from jetllm.workers.pullshare import Waiting, directed_allowance, must_cancel, shared_allowance
 
 from .conftest import inproc_worker
@@ -300,6 +301,11 @@ async def test_a_stopping_worker_hands_its_directed_jobs_on(nats_url, namespace,
                         await anyio.sleep(0.01)
                 await anyio.sleep(0.2)
                 a.stop()
+        try:  # its consumer is retired: the server removes it once idle this long
+            consumer = await client.js.consumer_info(client.names.jobs_stream, a.directed.consumer)
+            assert consumer.config.inactive_threshold == RETIRED_IDLE
+        except nats.js.errors.NotFoundError:
+            pass  # removed already
         for r in jobs:
             frames = results[r.request_id]
             assert isinstance(frames[-1], FinalFrame) and accepted_by(frames)[-1] == "wb"
