@@ -174,7 +174,8 @@ async def _trace(args: argparse.Namespace) -> int:
     for r in records:
         ms = lambda t: f"+{(t - t0) * 1000:8.1f} ms"  # noqa: E731
         print(
-            f"{ms(r.pulled_at)}  attempt {r.attempt} pulled by {r.instance} (span {r.span_id}) from the {_queue(r.queue)}"
+            f"{ms(r.pulled_at)}  attempt {r.attempt} pulled by {r.instance} (span {r.span_id})"
+            f" from the {_queue(r.queue)}"
         )
         if r.accepted_at:
             resumed = f", resuming after {r.resumed_tokens} tokens" if r.resumed_tokens else ""

@@ -92,7 +92,8 @@ class TracePublisher:
 
     async def publish(self, rec: TraceRecord) -> None:
         log.info(
-            "trace %s request %s attempt %d on %s (%s): %s, queued %.0f ms, first token %s, %d tokens in %d frames, %.0f ms",
+            "trace %s request %s attempt %d on %s (%s): %s, queued %.0f ms, first token %s, "
+            "%d tokens in %d frames, %.0f ms",
             rec.trace_id,
             rec.request_id,
             rec.attempt,
