@@ -58,7 +58,33 @@ def test_the_namespace_of_a_subject_is_read_back_from_it(subject, namespace):
 
 MAY = [
     # (what, op, subject, the roles that may)
-    ("submit a job", "publish", N.jobs("generate", "tiny"), ["producer", "router", "admin"]),
+    # workers publish to the shared queues too: they move directed jobs there (their own when they
+    # stop, a dead instance's when they sweep)
+    ("submit a job", "publish", N.jobs("generate", "tiny"), ["producer", "router", "worker", "admin"]),
+    (
+        "address a job to an instance",
+        "publish",
+        N.directed_jobs("generate", "tiny", "w1"),
+        ["producer", "router", "admin"],
+    ),
+    (
+        "check the instance a job is addressed to",
+        "publish",
+        f"{JS}.DIRECT.GET.KV_{N.registry_bucket}.$KV.{N.registry_bucket}.i.w1",
+        ["producer", "router", "worker", "admin"],
+    ),
+    (
+        "hear jobs addressed to it",
+        "subscribe",
+        N.directed_jobs("generate", "tiny", "w1"),
+        ["worker", "admin"],
+    ),
+    (
+        "take a moved directed job out of the stream",
+        "publish",
+        f"{JS}.STREAM.MSG.DELETE.{N.jobs_stream}",
+        ["worker", "admin"],
+    ),
     ("cancel a request", "publish", N.cancel("r1"), ["producer", "router", "worker", "admin"]),
     ("cancel a queued request", "publish", N.cancelled("r1"), ["producer", "router", "admin"]),
     ("write a request's log (forge its result)", "publish", N.request_log("r1"), ["worker", "admin"]),

@@ -54,7 +54,7 @@ from .test_migration import collect_until_kill, expected_tokens
 
 pytestmark = pytest.mark.anyio
 
-NAMESPACES = [f"sec{i}" for i in range(10)]
+NAMESPACES = [f"sec{i}" for i in range(16)]
 USERS = [
     User("producer", name="alice"),
     User("producer", name="bob"),
@@ -208,6 +208,30 @@ async def test_a_producer_cancels_queued_running_and_orphaned_requests_without_w
                 assert (w.counters.cancelled, w.counters.completed) == (1, 0)
     finally:
         first.stop()
+    assert only_expected(secured.refusals_since(start)) == []
+
+
+async def test_directed_jobs_are_placed_run_and_swept_under_restricted_identities(secured, ns):
+    """A producer addresses a job to a worker (reading its registry record first); a job left for
+    an instance that is gone is moved by a worker's sweep; the server refuses nothing on the way."""
+    start = secured.log_offset()
+    url = secured.url("worker")
+    async with (
+        inproc_worker(url, FakeEngine(), namespace=ns, instance="wa", registry_interval=0.3),
+        inproc_worker(url, FakeEngine(), namespace=ns, instance="wb", registry_interval=0.3),
+    ):
+        async with Client(secured.url("alice"), namespace=ns) as c:
+            for target in ("wa", "wb"):
+                frames = [f async for f in c.generate(req("fake", max_tokens=2), instance=target)]
+                assert [f.worker for f in frames if isinstance(f, AcceptedFrame)] == [target]
+            stranded = req("fake", max_tokens=2)
+            await c.js.publish(
+                Names(ns).directed_jobs("generate", "fake", "gone"),
+                codec.encode(stranded),
+                headers={"Nats-Msg-Id": stranded.request_id},
+            )
+            result = await c.wait_result(stranded.request_id, timeout=15)
+            assert result.error is None
     assert only_expected(secured.refusals_since(start)) == []
 
 

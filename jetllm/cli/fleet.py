@@ -173,7 +173,10 @@ async def _trace(args: argparse.Namespace) -> int:
     print(f"  +{0:8.1f} ms  queued (JetStream stored the job)")
     for r in records:
         ms = lambda t: f"+{(t - t0) * 1000:8.1f} ms"  # noqa: E731
-        print(f"{ms(r.pulled_at)}  attempt {r.attempt} pulled by {r.instance} (span {r.span_id})")
+        print(
+            f"{ms(r.pulled_at)}  attempt {r.attempt} pulled by {r.instance} (span {r.span_id})"
+            f" from the {_queue(r.queue)}"
+        )
         if r.accepted_at:
             resumed = f", resuming after {r.resumed_tokens} tokens" if r.resumed_tokens else ""
             print(f"{ms(r.accepted_at)}  accepted{resumed}")
@@ -183,6 +186,14 @@ async def _trace(args: argparse.Namespace) -> int:
             print(f"{ms(r.first_token_at)}  first token")
         print(f"{ms(r.ended_at)}  {r.outcome}: {r.completion_tokens} tokens in {r.frames} frames")
     return 0
+
+
+def _queue(queue: str) -> str:
+    if queue == "directed":
+        return "directed queue (addressed to it)"
+    if queue.startswith("moved from "):
+        return f"shared queue (directed to {queue[len('moved from ') :]}, moved)"
+    return "shared queue"
 
 
 def register(sub: argparse._SubParsersAction) -> None:

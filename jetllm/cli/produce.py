@@ -84,7 +84,7 @@ async def _generate(args: argparse.Namespace) -> int:
         nats_url(args), namespace=args.namespace, heartbeat_timeout=args.heartbeat_timeout
     ) as c:
         first = None
-        async for frame in c.generate(req, accept_timeout=args.accept_timeout):
+        async for frame in c.generate(req, accept_timeout=args.accept_timeout, instance=args.instance):
             if args.json:
                 sys.stdout.write(msgspec.json.encode(frame).decode() + "\n")
                 sys.stdout.flush()
@@ -189,6 +189,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--text-out", action="store_true", help="with --tokens: also stream text")
     p.add_argument("--request-id", default=None, help="default: a random one (a request id runs once)")
     p.add_argument("--json", action="store_true", help="print every frame as a JSON line")
+    p.add_argument(
+        "--instance",
+        default=None,
+        help="address the job to this worker instance (see `jetllm status`); it goes to the shared "
+        "queue instead when that instance is not serving the model",
+    )
     p.add_argument(
         "--accept-timeout",
         type=float,

@@ -29,10 +29,11 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import PubAck
+from nats.js.kv import KeyValue
 
 from .. import tracecontext
 from ..aio import retried
-from ..errors import JetStreamUnavailable, PayloadTooLarge, RequestFailed
+from ..errors import JetStreamUnavailable, NotPermitted, PayloadTooLarge, RequestFailed
 from ..schemas import (
     Cancelled,
     CancelRequest,
@@ -50,9 +51,10 @@ from ..subjects import codec
 from ..subjects.codec import HEADER_MARGIN
 from ..subjects.connection import connect
 from ..subjects.direct import subscribe_direct
+from ..subjects.directed import placement
 from ..subjects.names import FRAME_BATCH_TOKEN, Names, check_role, frame_batch_subject
 from ..subjects.setup import QueuePolicy, check_server, ensure_streams
-from . import results
+from . import registry, results
 from .completion import Completion, assemble
 from .embeds import embeds_store, upload
 from .sequencer import Decision, Sequencer
@@ -161,6 +163,7 @@ class Client:
         self._inboxes: dict[str, _Inbox] = {}
         self._probes: dict[str, _Probe] = {}
         self._tg: TaskGroup | None = None
+        self._registry: KeyValue | None = None
 
     @property
     def nc(self) -> NATS:
@@ -262,6 +265,7 @@ class Client:
         role: str = "generate",
         traceparent: str | None = None,
         batch_frames: bool = False,
+        instance: str | None = None,
     ) -> PubAck:
         """Publish a job durably; the PubAck says it is stored (or was a duplicate).
 
@@ -271,7 +275,9 @@ class Client:
         `role` names the job queue, one of `names.ROLES` (the queues workers consume); any other
         raises ValueError rather than publish a job nobody would take. `batch_frames`: the reader of
         `req.reply_to` also reads its `.batch` sibling (as `generate` does), so the worker may send
-        frames of several requests together.
+        frames of several requests together. `instance`: address the job to that worker instance
+        (a router's choice); it goes to the shared queue instead when the instance is not alive
+        and serving `req.model` now, and is moved there if the instance dies before taking it.
         """
         check_role(role)
         req, _ = await self.offload_embeds(req)
@@ -283,13 +289,35 @@ class Client:
         }
         if batch_frames and req.reply_to is not None and self.encoding == "msgpack":
             headers[codec.FRAME_BATCH_HEADER] = frame_batch_subject(req.reply_to)
-        subject = self.names.jobs(role, req.model)
+        subject = await self._subject(role, req.model, req.request_id, instance)
         return await retried(
             lambda: self.js.publish(subject, data, headers=headers, timeout=2.0),
             errors=_PUBLISH_RETRIED,
             within=self.publish_timeout,
             what=f"publishing {req.request_id}",
         )
+
+    async def _subject(self, role: str, model: str, request_id: str, instance: str | None) -> str:
+        """The directed queue of `instance` if it can take the job now, else the shared queue."""
+        if instance is None:
+            return self.names.jobs(role, model)
+        try:
+            if self._registry is None:
+                self._registry = await self.js.key_value(self.names.registry_bucket)
+            record = await registry.instance(self._registry, self.names, instance)
+        except nats.js.errors.BucketNotFoundError:
+            record = None  # no worker ever started: no instance to address
+        except (nats.errors.Error, NotPermitted) as exc:
+            # A placement is a preference: the job is not held up by a registry it cannot read.
+            log.warning(
+                "request %s goes to the shared queue: the registry is not readable: %s", request_id, exc
+            )
+            return self.names.jobs(role, model)
+        why = placement(record, role, model, time.time())
+        if why is None:
+            return self.names.directed_jobs(role, model, instance)
+        log.info("request %s goes to the shared queue, not to %s: %s", request_id, instance, why)
+        return self.names.jobs(role, model)
 
     async def offload_embeds(self, req: GenerateRequest) -> tuple[GenerateRequest, str | None]:
         """`req` with inline prompt embeddings moved to the object store when they are too big for
@@ -374,6 +402,7 @@ class Client:
         role: str = "generate",
         accept_timeout: float | None = None,
         traceparent: str | None = None,
+        instance: str | None = None,
     ) -> AsyncGenerator[Frame, None]:
         """Submit `req` and yield its frames up to and including the final or error frame.
 
@@ -381,7 +410,8 @@ class Client:
         the next frame (an AcceptedFrame with a higher attempt marks the move). Leaving the loop
         early cancels the request. Errors from the worker arrive as an ErrorFrame. Raises
         AcceptTimeout when no worker takes the job (again) within `accept_timeout` (None: wait),
-        and WorkerSilent when the worker goes silent and `migrate` is off.
+        and WorkerSilent when the worker goes silent and `migrate` is off. `instance`: address the
+        job to one worker instance (see `submit`).
         """
         check_role(role)
         token = uuid.uuid4().hex
@@ -393,7 +423,9 @@ class Client:
         uploaded = None
         try:
             req, uploaded = await self.offload_embeds(req)
-            ack = await self.submit(req, role=role, traceparent=traceparent, batch_frames=True)
+            ack = await self.submit(
+                req, role=role, traceparent=traceparent, batch_frames=True, instance=instance
+            )
             if ack.duplicate:
                 # The job exists already (submitted before, maybe by a run that died): follow it.
                 ours = False  # nothing of ours to cancel: the request belongs to its first submitter

@@ -8,7 +8,6 @@ than `expires_after`, so a dead worker stops counting at the first of the two.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -19,6 +18,7 @@ from nats.js.kv import KeyValue
 
 from ..schemas import InstanceRecord, ModelCard
 from ..subjects import codec
+from ..subjects.directed import record_alive
 from ..subjects.names import Names
 from ..subjects.setup import ensure_registry
 
@@ -42,9 +42,16 @@ async def entries_matching(kv: KeyValue, pattern: str, *, meta_only: bool = Fals
     return found
 
 
-def alive(record: InstanceRecord, now: float | None = None) -> bool:
-    now = time.time() if now is None else now
-    return record.expires_after <= 0 or now - record.heartbeat_at <= record.expires_after
+alive = record_alive
+
+
+async def instance(kv: KeyValue, names: Names, instance_id: str) -> InstanceRecord | None:
+    """The registry record of one instance as it is now (alive or not); None without one."""
+    try:
+        entry = await kv.get(names.instance_key(instance_id))
+    except nats.js.errors.KeyNotFoundError:
+        return None
+    return _readable(_instance, entry.key, entry.value)
 
 
 async def _latest(js: JetStreamContext, names: Names, pattern: str, decoder: codec.Decoder) -> list[Any]:

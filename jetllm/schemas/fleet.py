@@ -51,6 +51,9 @@ class InstanceRecord(Report, kw_only=True):
     metrics_url: str | None = None
     ready: bool = False
     """Consumer bound and engine answered: the worker can take jobs (false while sleeping)."""
+    directed_queue: str | None = None
+    """The job queue (a role name) whose jobs may be addressed to this instance: producers publish
+    them to `jetllm.<ns>.jobs.<queue>.<model>.i.<instance>`. None: it pulls no directed jobs."""
 
 
 class ModelCard(Report, kw_only=True):

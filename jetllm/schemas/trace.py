@@ -32,3 +32,7 @@ class TraceRecord(Report, kw_only=True):
     prefill: str | None = None
     """Where the prompt was prefilled, for roles that choose: `remote on <instance> (...)`, or
     `local: <why>` (a short prompt, no prefill worker, a full prefill queue, a failed handoff)."""
+    queue: str = "shared"
+    """How the job reached this worker: `shared` (the model's queue), `directed` (addressed to this
+    instance), or `moved from <instance>` (addressed to an instance that stopped or died, then
+    handed on to the shared queue)."""

@@ -3,7 +3,8 @@
 Subject tree (one namespace `<ns>` per deployment):
 
     jetllm.<ns>.jobs.<role>.<model>          work-queue stream, one shared consumer per (role, model)
-    jetllm.<ns>.jobs.<role>.<model>.<more>   reserved: directed jobs and lanes (do not overlap the above)
+    jetllm.<ns>.jobs.<role>.<model>.i.<inst> directed jobs: one instance's own queue (its own consumer)
+    jetllm.<ns>.jobs.<role>.<model>.<more>   reserved: lanes (do not overlap the above)
     jetllm.<ns>.dlq.<role>.<model>           dead letters (limits stream)
     jetllm.<ns>.req.<request>                the request log: progress and result (limits stream)
     jetllm.<ns>.cancelled.<request>          a producer's durable cancel (limits stream of its own)
@@ -148,6 +149,26 @@ class Names:
     def directed_consumer(self, role: str, model: str, instance: str) -> str:
         return f"{self.consumer(role, model)}_i_{encode_token(instance)}"
 
+    @property
+    def shared_jobs_all(self) -> str:
+        """Every shared queue (never a directed one): a pattern, for permissions."""
+        return f"{self._root}.jobs.*.*"
+
+    @property
+    def directed_jobs_all(self) -> str:
+        """Every instance's directed queue: a pattern, for the sweep and permissions."""
+        return f"{self._root}.jobs.*.*.i.*"
+
+    def parse_directed(self, subject: str) -> tuple[str, str, str] | None:
+        """(role, model, instance) of a directed job subject; None for any other subject."""
+        parts = subject.split(".")
+        if len(parts) != 7 or ".".join(parts[:3]) != f"{self._root}.jobs" or parts[5] != "i":
+            return None
+        try:
+            return parts[3], decode_token(parts[4]), decode_token(parts[6])
+        except ValueError:
+            return None
+
     def parse_jobs(self, subject: str) -> tuple[str, str]:
         """(role, model) of a job subject."""
         parts = subject.split(".")
@@ -206,6 +227,10 @@ class Names:
     def max_deliveries_advisory(self, role: str, model: str) -> str:
         """Where JetStream announces that a job of (role, model) ran out of deliveries."""
         return f"{self._advisories}.{self.consumer(role, model)}"
+
+    def consumer_max_deliveries_advisory(self, consumer: str) -> str:
+        """The same, for a consumer named by `consumer` or `directed_consumer`."""
+        return f"{self._advisories}.{consumer}"
 
     @property
     def max_deliveries_advisories(self) -> str:

@@ -4,14 +4,17 @@ The server's configuration (`jetllm nats-config`, infra/nats/secured.conf) and t
 shows when the server refuses something both come from `permissions()`, so the two cannot drift
 from the subjects the code uses. Four access roles, each allowed only what its paths need:
 
-- **producer**: submit jobs and cancel them (live and durably: `cancelled.<request>`, not the
-  request log, which only workers write), read its own frames and the request log, ping a
-  worker it waits for, nak the job of a worker that died, put large embeddings in their store;
+- **producer**: submit jobs (shared or directed to one instance, whose registry record it reads
+  first) and cancel them (live and durably: `cancelled.<request>`, not the request log, which only
+  workers write), read its own frames and the request log, ping a worker it waits for, nak the job
+  of a worker that died, put large embeddings in their store;
 - **router**: a producer that also reads the fleet (registry, status, load reports, KV-cache
   events, traces) and asks instances for KV-cache snapshots;
 - **worker**: pull and settle jobs, write the request log, dead letters, traces, its registry
   record, load reports and KV-cache events; read adapters and embeddings; answer control verbs;
-  publish prefill jobs and KV blocks, and read them (prefill and decode workers);
+  publish prefill jobs and KV blocks, and read them (prefill and decode workers); hear jobs
+  directed to it, and move directed jobs to the shared queues (its own when it stops, those of a
+  dead instance when it sweeps);
 - **admin**: everything in the namespace (control verbs, LoRA desired state and files, dead
   letters, stream management).
 
@@ -111,6 +114,7 @@ def streams(names: Names) -> list[str]:
 
 def _producer(n: Names, inbox: str) -> tuple[list[str], list[str]]:
     embeds = _obj(n.embeds_store)
+    registry = _kv(n.registry_bucket)
     pub = [
         n.jobs_all,
         n.cancel_all,
@@ -125,6 +129,8 @@ def _producer(n: Names, inbox: str) -> tuple[list[str], list[str]]:
         *_stream(embeds, "CREATE", "PURGE", "MSG.GET"),
         *_direct(embeds),
         *_reader(embeds),
+        *_stream(registry, "MSG.GET"),  # is the instance a directed job names alive?
+        *_direct(registry),
     ]
     return pub, [f"{inbox}.>"]
 
@@ -179,6 +185,7 @@ def _worker(n: Names, inbox: str) -> tuple[list[str], list[str]]:
         *_stream(requests, "PURGE"),
         *_direct(n.cancels_stream),  # a job cancelled while queued is dropped unrun
         *_stream(n.kv_events_stream, "MSG.GET"),
+        *_stream(registry, "MSG.GET"),  # the sweep reads an instance's record
         *_direct(registry),
         *_kv_reader(n.lora_bucket),
         *_stream(adapters, "MSG.GET"),
@@ -188,6 +195,7 @@ def _worker(n: Names, inbox: str) -> tuple[list[str], list[str]]:
         *_direct(embeds),
         # prefill/decode: prefill jobs, and the KV blocks' stream (created by prefill workers)
         n.jobs_of_role("prefill"),
+        n.shared_jobs_all,  # directed jobs moved to the shared queues
         n.kv_blocks_all,
         *_stream(n.kv_blocks_stream, "CREATE", "UPDATE", "INFO", "PURGE"),
         *_direct(n.kv_blocks_stream),
@@ -195,6 +203,7 @@ def _worker(n: Names, inbox: str) -> tuple[list[str], list[str]]:
     sub = [
         f"{inbox}.>",
         n.kv_blocks_all,  # a decode worker receives the blocks as they are published
+        n.directed_jobs_all,  # a directed job's publish tells its instance to pull it
         n.cancel_all,
         n.control("status"),
         n.any_instance_control(),

@@ -35,6 +35,8 @@ class Counters:
         "duplicates",
         "frames_sent",
         "lora_loads",
+        "directed",
+        "moved",
     )
 
     def __init__(self) -> None:
@@ -51,6 +53,11 @@ class Counters:
         self.frames_sent = 0
         self.lora_loads = 0
         """Adapters loaded into the engine (idempotent loads do not count)."""
+        self.directed = 0
+        """Jobs pulled from this instance's directed queue (also counted in `pulled`)."""
+        self.moved = 0
+        """Directed jobs this worker moved to the shared queue: its own when it stopped or slept,
+        a gone instance's when it swept."""
 
     def items(self) -> Iterator[tuple[str, int]]:
         for name in self.__slots__:

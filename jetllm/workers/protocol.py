@@ -41,6 +41,7 @@ from ..schemas import (
     Usage,
 )
 from ..subjects import codec
+from ..subjects.directed import queue_of
 from .context import WorkerContext
 from .deadletters import DeadLetters
 from .framebatch import FrameBatcher, batch_subject
@@ -146,6 +147,7 @@ class JobRun:
                     frames=frames,
                     outcome=outcome_of(frames, job.settled_how),
                     prefill=self.prefill,
+                    queue=queue_of(d.ctx.names, msg.subject, msg.headers),
                 ),
             )
         except Exception as exc:

@@ -21,6 +21,7 @@ from nats.aio.subscription import Subscription
 
 from ..subjects.direct import subscribe_direct
 from .pullcredit import PullCredit, Refusals
+from .pullshare import must_cancel
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +57,20 @@ class Puller:
         on_job: Callable[[Msg], None],
         expires: float = 3.0,
         api_prefix: str = "$JS.API",
+        room: Callable[[], int] | None = None,
+        yielding: Callable[[], bool] = lambda: False,
+        on_ended: Callable[[str], None] = lambda status: None,
     ) -> None:
+        """`free_slots`: the credit this puller may hold; `room`: the slots free for a job that
+        arrives (default: `free_slots`); `yielding`: whether another queue waits for the slots
+        this one holds credit for; `on_ended`: a status closed a pull request ("404", "408", ...)
+        or the credit was dropped ("cancelled")."""
         self._nc = nc
         self._next_subject = f"{api_prefix}.CONSUMER.MSG.NEXT.{stream}.{consumer}"
         self._free_slots = free_slots
+        self._room = room or free_slots
+        self._yielding = yielding
+        self._on_ended = on_ended
         self._on_job = on_job
         self._expires = expires
         self._inbox = ""
@@ -95,10 +106,15 @@ class Puller:
         try:
             while not self._stopping:
                 self._credit.expire(time.monotonic())
-                if self.outstanding and self._free_slots() <= 0 and self._nc.is_connected:
+                if (
+                    must_cancel(self.outstanding, self._free_slots(), self._yielding())
+                    and self._nc.is_connected
+                ):
                     # Credit we cannot honour (paused, or another queue of this worker took the
-                    # slots): cancel it, so no job waits here for a slot until its ack_wait runs out.
+                    # slots, or directed jobs wait for them): cancel it, so no job waits here for
+                    # a slot until its ack_wait runs out.
                     sub = await self._reopen_inbox(sub)
+                    self._on_ended("cancelled")
                 await self._hand_back_strays()
                 if self._stopping:
                     break
@@ -175,11 +191,12 @@ class Puller:
                 self._refusals.answered()
             self._credit.ended(msg.subject.rsplit(".", 1)[-1], _pending(msg))
             self._wake.set()
+            self._on_ended(status)
             return
         self.bound = True
         self._refusals.answered()
         self._credit.delivered()
-        if self._stopping or self._free_slots() <= 0:
+        if self._stopping or self._room() <= 0:
             # Not ours to run: a stray delivery after stop, or a forgotten pull that was honoured.
             self._strays.append(msg)
             self._wake.set()

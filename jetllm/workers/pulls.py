@@ -1,9 +1,11 @@
-"""Every queue a worker pulls from, as one: its role's queue and one queue per loaded adapter.
+"""Every queue a worker pulls from, as one: its role's queue, one queue per loaded adapter, and
+its own directed queue.
 
 The pullers share the worker's slots (whichever delivers first takes a slot), so they are woken
 together when a slot frees, stopped together when the worker stops, and asked together whether
 any still holds pull credit (a sleep must wait until none does) or can still receive a job (a
-hand-back must wait until none can, or the job could come straight back here).
+hand-back must wait until none can, or the job could come straight back here). The directed
+queue goes first when both have jobs waiting (`pullshare.py` has the rules).
 """
 
 from __future__ import annotations
@@ -16,7 +18,12 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from .puller import Puller
+from .pullshare import Waiting, directed_allowance, shared_allowance
 from .tasks import JobTasks
+
+DIRECTED_EXPIRES = 1.0
+"""Seconds a directed pull waits: it is sent when a directed job was heard, which can be just
+before JetStream stored it; it asks only for the jobs heard, so it seldom waits at all."""
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +47,7 @@ class Pulls:
         self._tasks = tasks
         self._pullers: dict[str, Puller] = {}
         self._stopping = False
+        self._directed: tuple[str, Waiting] | None = None
 
     @property
     def accepting(self) -> bool:
@@ -59,13 +67,69 @@ class Pulls:
             self._nc,
             self._stream,
             consumer,
-            free_slots=self._free_slots,
+            free_slots=lambda: shared_allowance(self._free_slots(), self._waiting(), self._directed_credit()),
+            room=self._free_slots,
+            yielding=lambda: self._waiting() > 0,
+            on_ended=lambda status: self._wake_directed(),
             on_job=self._on_job,
             expires=self._expires,
         )
+        return self._run(consumer, puller)
+
+    def start_directed(
+        self, consumer: str, waiting: Waiting, *, counted: Callable[[], None] = lambda: None
+    ) -> Puller | None:
+        """Pull this instance's directed queue, first whenever `waiting` says jobs wait there;
+        `counted` is told of each job it brings."""
+        if not self.accepting:
+            return None
+
+        def delivered(msg: Msg) -> None:
+            waiting.delivered()
+            counted()
+            self._on_job(msg)
+
+        def ended(status: str) -> None:
+            if status in ("404", "408"):  # the pull found no more: the queue is empty
+                waiting.empty()
+                self.wake()
+
+        self._directed = (consumer, waiting)
+        puller = Puller(
+            self._nc,
+            self._stream,
+            consumer,
+            free_slots=lambda: directed_allowance(self._free_slots(), waiting.count, self._others_credit()),
+            room=self._free_slots,
+            on_ended=ended,
+            on_job=delivered,
+            expires=min(DIRECTED_EXPIRES, self._expires),
+        )
+        return self._run(consumer, puller)
+
+    def _run(self, consumer: str, puller: Puller) -> Puller:
         self._pullers[consumer] = puller
         self._tasks.start_soon(puller.run)
         return puller
+
+    def _waiting(self) -> int:
+        return 0 if self._directed is None else self._directed[1].count
+
+    def _directed_credit(self) -> int:
+        puller = None if self._directed is None else self._pullers.get(self._directed[0])
+        return 0 if puller is None else puller.outstanding
+
+    def _others_credit(self) -> int:
+        """The most credit any other puller holds (adapters' pullers may each hold all free slots)."""
+        directed = None if self._directed is None else self._directed[0]
+        return max((p.outstanding for c, p in self._pullers.items() if c != directed), default=0)
+
+    def _wake_directed(self) -> None:
+        """Another queue gave credit back: the directed puller may now have room."""
+        if self._directed is not None and self._directed[1].count > 0:
+            puller = self._pullers.get(self._directed[0])
+            if puller is not None:
+                puller.wake()
 
     def drop(self, consumer: str) -> None:
         """Stop pulling from one queue (an adapter was unloaded)."""

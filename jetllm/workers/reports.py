@@ -31,6 +31,7 @@ class Reports:
         ctx: WorkerContext,
         *,
         role: str,
+        queue: str,
         engine: Engine,
         lifecycle: Lifecycle,
         slots: Slots,
@@ -40,6 +41,7 @@ class Reports:
     ) -> None:
         self._ctx = ctx
         self._role = role
+        self._queue = queue
         self._engine = engine
         self._lifecycle = lifecycle
         self._slots = slots
@@ -79,6 +81,7 @@ class Reports:
             expires_after=self._expires_after,
             metrics_url=self.metrics_url,
             ready=self._lifecycle.ready,
+            directed_queue=self._queue,
         )
 
     def load_reports(self) -> list[LoadReport]:

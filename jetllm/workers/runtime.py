@@ -40,6 +40,7 @@ from .config import WorkerConfig
 from .context import Counters, WorkerContext
 from .control import ControlServer
 from .deadletters import DeadLetters
+from .directed import DirectedQueue
 from .embeds import EmbedsLoader
 from .engine import Engine
 from .enginecontrol import EngineControl
@@ -56,6 +57,7 @@ from .roles import ROLES, Role, RoleDeps, role_named
 from .running import RunningRequests
 from .slots import Slots
 from .state import EXIT_CRASHED, EXIT_ENGINE_DEAD, EXIT_OK, Lifecycle, WorkerState
+from .sweeper import Sweeper
 from .tasks import JobTasks
 from .tracing import TracePublisher
 
@@ -116,10 +118,15 @@ class Worker:
         self.adapter_queues = adapter_queues = AdapterQueues(
             ctx, role_cls.queue, pulls, on_exhausted=exhausted.on_advisory
         )
+        self.directed = directed = DirectedQueue(
+            ctx, role_cls.queue, pulls, running, on_exhausted=exhausted.on_advisory
+        )
+        self.sweeper = Sweeper(ctx, directed, interval=config.registry_interval, paused=lambda: slots.paused)
         self.kv_events = kv_events = KvEventRelay(ctx, facts.kv_events, lifecycle.public)
         self.reports = reports = Reports(
             ctx,
             role=role_cls.name,
+            queue=role_cls.queue,
             engine=engine,
             lifecycle=lifecycle,
             slots=slots,
@@ -229,6 +236,7 @@ class Worker:
             ("heartbeats", self.running.tick, (config.heartbeat_interval, config.policy.ack_wait)),
             ("log resync", resync_after_reconnects, (self.nc, self.log, self.instance, self.running)),
             ("frame batches", self.batcher.run, ()),
+            ("directed jobs", self.sweeper.run, ()),
         ]
         if self.lora.enabled:
             services.append(("LoraManager.watch", self.lora.watch, ()))
@@ -260,6 +268,7 @@ class Worker:
             collector = PlaneCollector(ctx, self.slots, lifecycle, self.kv_events)
             self.reports.metrics_url = serve_metrics(collector, config.metrics_port)
         consumer = await ensure_consumer(ctx.js, ctx.names, self.role.queue, self.model, ctx.policy)
+        await self.directed.open()
         subscriptions = self._subscriptions()
         async with checked(self.nc, "subscribe", *subscriptions):  # a refused one fails the start
             subs = [
@@ -285,6 +294,7 @@ class Worker:
                 await self.control.start(tg)
                 async with anyio.create_task_group() as jobs:
                     self.tasks.open(jobs)
+                    self.directed.start()
                     self.pulls.start(consumer)
                     jobs.start_soon(
                         contained, "adapter queues", self.adapter_queues.sync, list(self.reports.adapters)
@@ -316,6 +326,7 @@ class Worker:
         finally:
             with anyio.CancelScope(shield=True):
                 await self.control.stop()
+                await self.directed.hand_on()  # pulling stopped, jobs settled: none can come back here
                 await self.registry.remove(self.instance)
                 for sub in subs:
                     with contextlib.suppress(Exception):

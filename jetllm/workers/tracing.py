@@ -51,6 +51,7 @@ class Hop:
         frames: Any,
         outcome: str,
         prefill: str | None = None,
+        queue: str = "shared",
     ) -> TraceRecord:
         return TraceRecord(
             trace_id=self.trace_id,
@@ -70,6 +71,7 @@ class Hop:
             completion_tokens=frames.tokens_sent,
             frames=frames.frames_sent,
             prefill=prefill,
+            queue=queue,
         )
 
 
@@ -90,11 +92,13 @@ class TracePublisher:
 
     async def publish(self, rec: TraceRecord) -> None:
         log.info(
-            "trace %s request %s attempt %d on %s: %s, queued %.0f ms, first token %s, %d tokens in %d frames, %.0f ms",
+            "trace %s request %s attempt %d on %s (%s): %s, queued %.0f ms, first token %s, "
+            "%d tokens in %d frames, %.0f ms",
             rec.trace_id,
             rec.request_id,
             rec.attempt,
             rec.instance,
+            rec.queue,
             rec.outcome,
             (rec.pulled_at - rec.queued_at) * 1000,
             f"{(rec.first_token_at - rec.pulled_at) * 1000:.0f} ms" if rec.first_token_at else "-",

@@ -1,0 +1,54 @@
+"""How a worker's slots are shared between its directed queue and its other queues: pure rules.
+
+Directed jobs go first: while some are known to wait, the other queues hold no credit for the
+slots they need (a puller holding such credit gives it up at once), and the directed puller asks
+for no more than wait. Nothing is pulled that the worker cannot start: the directed puller's
+credit and the others' never add up to more than the free slots.
+
+Whether directed jobs wait is counted (`Waiting`) rather than asked, so that an idle worker's
+shared queue keeps its long pulls: every directed publish is heard on the directed subject (one
+more), every delivery takes one, a directed pull that ends unfilled says there are none, and the
+consumer's own count (read every sweep) corrects a publish that was not heard.
+"""
+
+from __future__ import annotations
+
+
+class Waiting:
+    """Directed jobs believed to wait in this worker's directed queue."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def heard(self) -> None:
+        self.count += 1
+
+    def delivered(self) -> None:
+        self.count = max(self.count - 1, 0)
+
+    def empty(self) -> None:
+        self.count = 0
+
+    def reported(self, pending: int) -> None:
+        """The consumer says `pending` jobs wait (or wait for redelivery)."""
+        self.count = max(self.count, pending)
+
+
+def directed_allowance(free: int, waiting: int, others: int) -> int:
+    """Credit the directed puller may hold: as many jobs as wait, in free slots no other queue
+    holds credit for (`others`: the most any one other puller holds)."""
+    return max(min(waiting, free - others), 0)
+
+
+def shared_allowance(free: int, waiting: int, directed: int) -> int:
+    """Credit another queue's puller may hold: the free slots that neither the directed queue's
+    credit nor its waiting jobs claim."""
+    return max(free - max(waiting, directed), 0)
+
+
+def must_cancel(outstanding: int, allowance: int, directed_waiting: bool) -> bool:
+    """Whether a puller drops its credit now: it holds some but may hold none (paused, or the
+    slots went to another queue), or directed jobs wait for slots it holds."""
+    return outstanding > 0 and (allowance <= 0 or (directed_waiting and outstanding > allowance))
