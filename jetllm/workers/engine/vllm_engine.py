@@ -22,6 +22,7 @@ from ...schemas import (
     TextPrompt,
     TokensPrompt,
 )
+from . import structured
 from .args import engine_args
 from .base import (
     ChoiceDelta,
@@ -35,7 +36,7 @@ from .base import (
     PromptEmbeds,
 )
 from .options import EngineOptions
-from .sampling import build_sampling_params, field_of
+from .sampling import build_sampling_params, field_of_error
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +141,19 @@ def _embeds_input(p: PromptEmbeds) -> Any:
     tensor = torch.cat([tensor, torch.zeros(k, p.hidden, dtype=tensor.dtype)])
     return embeds_input(
         tensor, prompt_token_ids=[0] * p.rows + p.continuation, is_token_ids=[False] * p.rows + [True] * k
+    )
+
+
+def _uncompiled(req: GenerateRequest) -> RequestRejected:
+    """vLLM checks a constraint when the request is added, without the tokenizer, and compiles it
+    in the engine later; a compilation that fails there ends the request with an error and no
+    reason (e.g. a grammar naming a special token this tokenizer lacks)."""
+    assert req.structured is not None
+    return RequestRejected(
+        ErrorCode.INVALID_REQUEST,
+        "the engine could not compile the constraint for this model's tokenizer (a grammar naming "
+        "a token it does not have, say); the worker's log has the compiler's message",
+        field=structured.field_of(req.structured),
     )
 
 
@@ -284,14 +298,22 @@ class VllmEngine:
             from vllm.lora.request import LoRARequest
 
             lora = LoRARequest(adapter.name, adapter.id, adapter.path)
+        constrained, produced = req.structured is not None, False
         try:
             async for out in self.llm.generate(engine_input, params, rid, lora_request=lora):
-                yield self._step(out, want_text)
+                step = self._step(out, want_text)
+                if constrained and not produced:
+                    produced = any(c.token_ids for c in step.choices)
+                    if not produced and any(c.finish_reason == "error" for c in step.choices):
+                        raise _uncompiled(req)
+                yield step
         except EngineDeadError:
             raise EngineDead("the vLLM engine died") from None
         except VLLMValidationError as exc:
             raise RequestRejected(
-                ErrorCode.INVALID_REQUEST, str(exc), field=field_of(getattr(exc, "parameter", None), str(exc))
+                ErrorCode.INVALID_REQUEST,
+                str(exc),
+                field=field_of_error(req, getattr(exc, "parameter", None), str(exc)),
             ) from None
         except EngineGenerateError as exc:
             cause = exc.__cause__
