@@ -146,7 +146,9 @@ def test_an_unseeded_structured_request_samples_with_a_seed_of_its_request_id():
     from jetllm.workers.engine.sampling import build_sampling_params
 
     sampled = SamplingOptions(temperature=1.0)
-    a = build_sampling_params(req("m", request_id="r1", sampling=sampled, structured=JsonObjectOutput()), 8, {})
+    a = build_sampling_params(
+        req("m", request_id="r1", sampling=sampled, structured=JsonObjectOutput()), 8, {}
+    )
     again = build_sampling_params(
         req("m", request_id="r1", sampling=sampled, structured=JsonObjectOutput()), 8, {}
     )
@@ -170,7 +172,12 @@ def test_a_constraint_over_the_bounds_is_refused_before_vllm_sees_it():
 @pytest.mark.parametrize(
     ("constraint", "parameter", "message", "field"),
     [
-        (RegexOutput(pattern="a(b"), None, "Failed to transform regex into a grammar: ...", "$.structured.pattern"),
+        (
+            RegexOutput(pattern="a(b"),
+            None,
+            "Failed to transform regex into a grammar: ...",
+            "$.structured.pattern",
+        ),
         (GrammarOutput(grammar="root ::= x"), None, "Invalid grammar specification.", "$.structured.grammar"),
         (
             JsonSchemaOutput(json_schema={"type": "nope"}),
@@ -178,8 +185,18 @@ def test_a_constraint_over_the_bounds_is_refused_before_vllm_sees_it():
             "Failed to transform json schema into a grammar: Unsupported type",
             "$.structured.json_schema",
         ),
-        (ChoiceOutput(choices=["a"]), None, "Failed to transform choices into a grammar", "$.structured.choices"),
-        (RegexOutput(pattern="a"), "temperature", "temperature must be non-negative", "$.sampling.temperature"),
+        (
+            ChoiceOutput(choices=["a"]),
+            None,
+            "Failed to transform choices into a grammar",
+            "$.structured.choices",
+        ),
+        (
+            RegexOutput(pattern="a"),
+            "temperature",
+            "temperature must be non-negative",
+            "$.sampling.temperature",
+        ),
         (RegexOutput(pattern="a"), None, "top_p must be in (0, 1]", "$.sampling.top_p"),
         (RegexOutput(pattern="a"), None, "This model does not support generation", None),
         (None, None, "Invalid grammar specification.", None),  # no constraint: nothing to blame
@@ -299,7 +316,9 @@ async def test_a_moved_structured_request_whose_replay_differs_ends_with_not_mig
 def test_derived_seeds_are_stable_and_fit_a_64_bit_generator():
     assert structured.derived_seed("abc") == structured.derived_seed("abc") != structured.derived_seed("abd")
     assert 0 <= structured.derived_seed("abc") < 2**63
-    assert msgspec.json.decode(msgspec.json.encode(structured.derived_seed("x"))) == structured.derived_seed("x")
+    assert msgspec.json.decode(msgspec.json.encode(structured.derived_seed("x"))) == structured.derived_seed(
+        "x"
+    )
 
 
 @pytest.mark.parametrize(
@@ -315,3 +334,67 @@ def test_the_engine_runs_one_structured_output_backend_unless_told_otherwise(ext
 
     args = engine_args(EngineOptions(model=str(tiny_model), extra=extra))
     assert args.structured_outputs_config.backend == backend
+
+
+def parse(*argv: str):
+    import argparse
+
+    from jetllm.cli import produce
+
+    parser = argparse.ArgumentParser()
+    produce.register(parser.add_subparsers())
+    return parser.parse_args(list(argv))
+
+
+def test_cli_flags_give_each_constraint(tmp_path):
+    from jetllm.cli.produce import request_from_args
+
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps(SCHEMA))
+    grammar = tmp_path / "g.lark"
+    grammar.write_text('start: "a"')
+    cases = [
+        (["--json-schema", str(schema)], JsonSchemaOutput(json_schema=SCHEMA)),
+        (["--json-object"], JsonObjectOutput()),
+        (["--regex", "[0-9]+"], RegexOutput(pattern="[0-9]+")),
+        (["--choice", "yes", "--choice", "no"], ChoiceOutput(choices=["yes", "no"])),
+        (["--grammar", str(grammar)], GrammarOutput(grammar='start: "a"')),
+        ([], None),
+    ]
+    for flags, expected in cases:
+        assert request_from_args(parse("generate", "hi", *flags)).structured == expected
+        assert parse("batch", "in.jsonl", *flags).json_object == ("--json-object" in flags)
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--regex", "a", "--json-object"], "not allowed with argument"),
+        (["--json-schema", "missing.json"], "cannot read missing.json"),
+        (["--json-schema", "{bad}"], "not JSON"),
+        (["--json-schema", "[1]"], "must hold a JSON object"),
+    ],
+)
+def test_cli_constraint_mistakes_stop_the_command_with_the_reason(flags, says, tmp_path, monkeypatch, capsys):
+    from jetllm.cli.produce import request_from_args
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "{bad}").write_text("{bad")
+    (tmp_path / "[1]").write_text("[1]")
+    with pytest.raises(SystemExit) as exc:
+        request_from_args(parse("generate", "hi", *flags))
+    assert says in str(exc.value.code) + capsys.readouterr().err
+
+
+def test_a_batch_lines_own_constraint_wins_over_the_command_lines():
+    from jetllm.batch import to_request
+    from jetllm.schemas import BatchLine
+
+    line = msgspec.json.decode(
+        b'{"prompt": "x", "structured": {"type": "regex", "pattern": "a+"}}', type=BatchLine
+    )
+    cli = ChoiceOutput(choices=["b"])
+    assert to_request(line, "r", "m", None, cli).structured == RegexOutput(pattern="a+")
+    plain = BatchLine(prompt="x")
+    assert to_request(plain, "r", "m", None, cli).structured == cli
+    assert to_request(plain, "r", "m", None).structured is None

@@ -32,7 +32,9 @@ _FIELDS = {
     "prompt": "$.prompt",
 }
 _LEADING_NAME = re.compile(r"^`?(\w+)`? (?:must|should|cannot|is)")
-_ABOUT_A_CONSTRAINT = re.compile(r"structured|grammar|regex|json|schema|choice|xgrammar|guidance|outlines", re.I)
+_ABOUT_A_CONSTRAINT = re.compile(
+    r"structured|grammar|regex|json|schema|choice|xgrammar|guidance|outlines", re.I
+)
 _MODEL_DEFAULTED = (
     "temperature",
     "top_p",

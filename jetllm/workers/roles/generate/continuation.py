@@ -138,13 +138,17 @@ class Replay:
         k = min(len(token_ids), len(self._tokens) - self._seen)
         if token_ids[:k] != self._tokens[self._seen : self._seen + k]:
             at = self._seen + next(i for i in range(k) if token_ids[i] != self._tokens[self._seen + i])
-            raise self._differs(f"token {at} is {token_ids[at - self._seen]}, not the delivered {self._tokens[at]}")
+            raise self._differs(
+                f"token {at} is {token_ids[at - self._seen]}, not the delivered {self._tokens[at]}"
+            )
         self._seen += k
         if text is not None:
             j = max(0, min(len(text), len(self._text) - len(self._seen_text)))
             self._seen_text += text[:j]
             if not self._text.startswith(self._seen_text):
-                raise self._differs(f"its text departs from the delivered text at character {len(self._seen_text)}")
+                raise self._differs(
+                    f"its text departs from the delivered text at character {len(self._seen_text)}"
+                )
             text = text[j:]
         return (
             token_ids[k:],
