@@ -129,7 +129,9 @@ async def test_each_kind_of_constraint_shapes_the_output(c):
         (JsonSchemaOutput(json_schema={"type": "nope"}), "$.structured.json_schema", "nope"),
         (RegexOutput(pattern="a(b"), "$.structured.pattern", "unclosed group"),
         (GrammarOutput(grammar="root ::= foo"), "$.structured.grammar", "foo"),
-        (GrammarOutput(grammar="start: <|endoftext|>"), "$.structured.grammar", "tokenizer"),  # in the engine
+        # vLLM checks these without the tokenizer; the engine would answer with an empty output
+        (GrammarOutput(grammar="start: <|nonexistent|>"), "$.structured.grammar", "unknown special token"),
+        (GrammarOutput(grammar='start: "a" <[600]>'), "$.structured.grammar", "Token range end too large"),
         (
             JsonSchemaOutput(json_schema={"type": "object", "properties": {f"p{i}": {} for i in range(300)}}),
             "$.structured.json_schema",

@@ -18,6 +18,7 @@ from ...schemas import (
     ErrorCode,
     FinishReason,
     GenerateRequest,
+    GrammarOutput,
     Prompt,
     TextPrompt,
     TokensPrompt,
@@ -35,6 +36,7 @@ from .base import (
     LoraFacts,
     PromptEmbeds,
 )
+from .grammarcheck import GrammarCheck
 from .options import EngineOptions
 from .sampling import build_sampling_params, field_of_error
 
@@ -210,6 +212,9 @@ class VllmEngine:
             kv_events=_kv_event_sources(llm),
         )
         self._defaults = llm.model_config.get_diff_sampling_param()
+        self._grammars: GrammarCheck | None = None
+        if cfg.structured_outputs_config.backend == "guidance":
+            self._grammars = GrammarCheck(llm.get_tokenizer(), vocab)
 
     @classmethod
     async def start(cls, opts: EngineOptions) -> VllmEngine:
@@ -282,6 +287,8 @@ class VllmEngine:
         from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
         params = build_sampling_params(req, max_tokens, self._defaults)
+        if self._grammars is not None and isinstance(req.structured, GrammarOutput):
+            await anyio.to_thread.run_sync(self._grammars.check, req.structured)
         if kv_transfer:
             params.extra_args = {**(params.extra_args or {}), "kv_transfer_params": dict(kv_transfer)}
         want_text = (
