@@ -190,9 +190,9 @@ async def test_structured_requests_moved_by_a_drain_keep_their_constraint_and_th
     nats_url, namespace, start_worker
 ):
     first = start_worker(namespace, "--grace-period", "0.3")
+    await first.wait_ready(nats_url, timeout=600)  # one at a time: two start-ups at once on 2 cores
     second = start_worker(namespace)
-    await first.wait_ready(nats_url)
-    await second.wait_ready(nats_url)
+    await second.wait_ready(nats_url, timeout=600)
     # long enough to be mid-stream when the drain comes (some 180 tokens), short of the context
     greedy = request(RegexOutput(pattern="[a-z]{400}"), max_tokens=480)
     seeded = request(
