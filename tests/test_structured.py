@@ -123,53 +123,6 @@ def test_constraints_the_engine_could_not_compile_in_bounded_time_are_refused(co
 
 
 @pytest.mark.parametrize(
-    ("constraint", "kwargs"),
-    [
-        (JsonSchemaOutput(json_schema=SCHEMA), {"json": SCHEMA}),
-        (JsonObjectOutput(), {"json_object": True}),
-        (RegexOutput(pattern="a|b"), {"regex": "a|b"}),
-        (ChoiceOutput(choices=["a", "b"]), {"choice": ["a", "b"]}),
-        (GrammarOutput(grammar='root ::= "a"'), {"grammar": 'root ::= "a"'}),
-    ],
-)
-def test_each_kind_maps_to_vllms_structured_outputs_params(constraint, kwargs):
-    from vllm.sampling_params import StructuredOutputsParams
-
-    from jetllm.workers.engine.sampling import build_sampling_params
-
-    assert structured.vllm_kwargs(constraint) == kwargs
-    params = build_sampling_params(req("m", structured=constraint), 8, {})
-    assert params.structured_outputs == StructuredOutputsParams(**kwargs)
-
-
-def test_an_unseeded_structured_request_samples_with_a_seed_of_its_request_id():
-    from jetllm.workers.engine.sampling import build_sampling_params
-
-    sampled = SamplingOptions(temperature=1.0)
-    a = build_sampling_params(
-        req("m", request_id="r1", sampling=sampled, structured=JsonObjectOutput()), 8, {}
-    )
-    again = build_sampling_params(
-        req("m", request_id="r1", sampling=sampled, structured=JsonObjectOutput()), 8, {}
-    )
-    other = build_sampling_params(
-        req("m", request_id="r2", sampling=sampled, structured=JsonObjectOutput()), 8, {}
-    )
-    assert a.seed is not None and a.seed == again.seed != other.seed
-    seeded = SamplingOptions(temperature=1.0, seed=5)
-    assert build_sampling_params(req("m", sampling=seeded, structured=JsonObjectOutput()), 8, {}).seed == 5
-    assert build_sampling_params(req("m", sampling=sampled), 8, {}).seed is None  # unstructured: unchanged
-
-
-def test_a_constraint_over_the_bounds_is_refused_before_vllm_sees_it():
-    from jetllm.workers.engine.sampling import build_sampling_params
-
-    with pytest.raises(RequestRejected) as err:
-        build_sampling_params(req("m", structured=JsonSchemaOutput(json_schema=props(300))), 8, {})
-    assert err.value.field == "$.structured.json_schema"
-
-
-@pytest.mark.parametrize(
     ("constraint", "parameter", "message", "field"),
     [
         (
@@ -321,21 +274,6 @@ def test_derived_seeds_are_stable_and_fit_a_64_bit_generator():
     )
 
 
-@pytest.mark.parametrize(
-    ("extra", "backend"),
-    [
-        ({}, "guidance"),
-        ({"structured_outputs_config": {"backend": "xgrammar"}}, "xgrammar"),
-    ],
-)
-def test_the_engine_runs_one_structured_output_backend_unless_told_otherwise(extra, backend, tiny_model):
-    from jetllm.workers.engine import EngineOptions
-    from jetllm.workers.engine.args import engine_args
-
-    args = engine_args(EngineOptions(model=str(tiny_model), extra=extra))
-    assert args.structured_outputs_config.backend == backend
-
-
 def parse(*argv: str):
     import argparse
 
@@ -398,3 +336,39 @@ def test_a_batch_lines_own_constraint_wins_over_the_command_lines():
     plain = BatchLine(prompt="x")
     assert to_request(plain, "r", "m", None, cli).structured == cli
     assert to_request(plain, "r", "m", None).structured is None
+
+
+@pytest.mark.parametrize(
+    ("constraint", "kwargs"),
+    [
+        (JsonSchemaOutput(json_schema=SCHEMA), {"json": SCHEMA}),
+        (JsonObjectOutput(), {"json_object": True}),
+        (RegexOutput(pattern="a|b"), {"regex": "a|b"}),
+        (ChoiceOutput(choices=["a", "b"]), {"choice": ["a", "b"]}),
+        (GrammarOutput(grammar='root ::= "a"'), {"grammar": 'root ::= "a"'}),
+    ],
+)
+def test_each_kind_maps_to_vllms_structured_outputs_arguments(constraint, kwargs):
+    assert structured.vllm_kwargs(constraint) == kwargs
+
+
+@pytest.mark.parametrize(
+    ("request_id", "seed", "constraint", "expected"),
+    [
+        ("r1", None, JsonObjectOutput(), structured.derived_seed("r1")),
+        ("r2", None, JsonObjectOutput(), structured.derived_seed("r2")),
+        ("r1", 5, JsonObjectOutput(), 5),  # the request's own seed wins
+        ("r1", None, None, None),  # unstructured: unchanged
+        ("r1", 7, None, 7),
+    ],
+)
+def test_an_unseeded_structured_request_samples_with_a_seed_of_its_request_id(
+    request_id, seed, constraint, expected
+):
+    r = req(
+        "m",
+        request_id=request_id,
+        sampling=SamplingOptions(temperature=1.0, seed=seed),
+        structured=constraint,
+    )
+    assert structured.sampling_seed(r) == expected

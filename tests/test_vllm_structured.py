@@ -18,7 +18,7 @@ import lark
 import msgspec
 import pytest
 
-from jetllm.errors import RequestFailed
+from jetllm.errors import RequestFailed, RequestRejected
 from jetllm.producer import Client
 from jetllm.schemas import (
     ChoiceOutput,
@@ -81,6 +81,36 @@ def request(structured, *, max_tokens: int = 200, prompt=PROMPT, **sampling) -> 
         output=OutputOptions(text=True),
         structured=structured,
     )
+
+
+def test_the_worker_gives_vllm_the_constraint_its_seed_and_one_backend(tiny_model):
+    """No engine: vLLM's own parameter and argument types."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from jetllm.workers.engine import EngineOptions
+    from jetllm.workers.engine.args import engine_args
+    from jetllm.workers.engine.sampling import build_sampling_params
+
+    kinds = [
+        (JsonSchemaOutput(json_schema=SCHEMA), {"json": SCHEMA}),
+        (JsonObjectOutput(), {"json_object": True}),
+        (RegexOutput(pattern="a|b"), {"regex": "a|b"}),
+        (ChoiceOutput(choices=["a", "b"]), {"choice": ["a", "b"]}),
+        (GrammarOutput(grammar=GBNF), {"grammar": GBNF}),
+    ]
+    for constraint, kwargs in kinds:
+        params = build_sampling_params(request(constraint, temperature=1.0), 8, {})
+        assert params.structured_outputs == StructuredOutputsParams(**kwargs)
+        assert params.seed is not None  # derived from the request id
+    with pytest.raises(RequestRejected) as err:  # bounded before vLLM sees it
+        too_wide = {"type": "object", "properties": {f"p{i}": {} for i in range(300)}}
+        build_sampling_params(request(JsonSchemaOutput(json_schema=too_wide)), 8, {})
+    assert err.value.field == "$.structured.json_schema"
+    assert engine_args(EngineOptions(model=str(tiny_model))).structured_outputs_config.backend == "guidance"
+    chosen = {"structured_outputs_config": {"backend": "xgrammar"}}
+    assert engine_args(
+        EngineOptions(model=str(tiny_model), extra=chosen)
+    ).structured_outputs_config.backend == ("xgrammar")
 
 
 @pytest.fixture

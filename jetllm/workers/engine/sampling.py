@@ -79,12 +79,10 @@ def build_sampling_params(req: GenerateRequest, max_tokens: int, model_defaults:
         if value is not None:
             kw[name] = value
     want_text = out.text if out.text is not None else not isinstance(req.prompt, TokensPrompt)
-    seed = s.seed
+    seed = structured.sampling_seed(req)
     constraint = None
     if req.structured is not None:
         structured.check_bounds(req.structured)
-        if seed is None:
-            seed = structured.derived_seed(req.request_id)
     try:
         if req.structured is not None:
             from vllm.sampling_params import StructuredOutputsParams

@@ -19,6 +19,7 @@ from ...errors import RequestRejected
 from ...schemas import (
     ChoiceOutput,
     ErrorCode,
+    GenerateRequest,
     GrammarOutput,
     JsonObjectOutput,
     JsonSchemaOutput,
@@ -120,6 +121,14 @@ def vllm_kwargs(structured: StructuredOutput) -> dict[str, Any]:
     if isinstance(structured, ChoiceOutput):
         return {"choice": list(structured.choices)}
     return {"grammar": structured.grammar}
+
+
+def sampling_seed(req: GenerateRequest) -> int | None:
+    """The seed the engine samples with: the request's own, else for a structured request one
+    derived from its request id, else none."""
+    if req.sampling.seed is not None or req.structured is None:
+        return req.sampling.seed
+    return derived_seed(req.request_id)
 
 
 def derived_seed(request_id: str) -> int:
