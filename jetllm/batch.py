@@ -28,6 +28,7 @@ from .schemas import (
     Prompt,
     SamplingOptions,
     StopConditions,
+    StructuredOutput,
     TextPrompt,
     TokensPrompt,
 )
@@ -68,7 +69,14 @@ class BatchSummary(msgspec.Struct, kw_only=True):
         )
 
 
-def to_request(line: BatchLine, request_id: str, model: str, max_tokens: int | None) -> GenerateRequest:
+def to_request(
+    line: BatchLine,
+    request_id: str,
+    model: str,
+    max_tokens: int | None,
+    structured: StructuredOutput | None = None,
+) -> GenerateRequest:
+    """`structured`: the constraint of a line that sets none."""
     forms = [x is not None for x in (line.prompt, line.messages, line.token_ids)]
     if sum(forms) != 1:
         raise RequestFailed(
@@ -94,6 +102,7 @@ def to_request(line: BatchLine, request_id: str, model: str, max_tokens: int | N
         sampling=sampling,
         stop=stop,
         output=line.output or OutputOptions(),
+        structured=line.structured or structured,
     )
     # Re-validate: constraints in Annotated types are only checked on decode.
     return msgspec.convert(msgspec.to_builtins(req), GenerateRequest)
@@ -140,6 +149,7 @@ async def run_batch(
     batch_id: str,
     concurrency: int = 64,
     max_tokens: int | None = None,
+    structured: StructuredOutput | None = None,
     progress: bool = False,
     heartbeat_timeout: float = 30.0,
 ) -> BatchSummary:
@@ -170,7 +180,7 @@ async def run_batch(
                     try:
                         line = _line_decoder.decode(raw)
                         line_id = line.id
-                        req = to_request(line, rid, model, max_tokens)
+                        req = to_request(line, rid, model, max_tokens, structured)
                         done = await client.complete(req)
                         result = BatchResult(
                             line=n,

@@ -18,13 +18,19 @@ from ..schemas import (
     AcceptedFrame,
     ChatMessage,
     ChatPrompt,
+    ChoiceOutput,
     ErrorFrame,
     FinalFrame,
     GenerateRequest,
+    GrammarOutput,
+    JsonObjectOutput,
+    JsonSchemaOutput,
     OutputOptions,
     Prompt,
+    RegexOutput,
     SamplingOptions,
     StopConditions,
+    StructuredOutput,
     TextPrompt,
     TokensFrame,
     TokensPrompt,
@@ -42,6 +48,51 @@ def add_sampling(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
+
+
+def add_structured(p: argparse.ArgumentParser, scope: str = "") -> None:
+    g = p.add_argument_group(
+        "structured output", f"constrain the output{scope} to one of these (docs/messages.md)"
+    ).add_mutually_exclusive_group()
+    g.add_argument(
+        "--json-schema", metavar="FILE", default=None, help="one JSON document valid against this schema"
+    )
+    g.add_argument("--json-object", action="store_true", help="one JSON object, of any shape")
+    g.add_argument("--regex", metavar="PATTERN", default=None, help="text matching this regular expression")
+    g.add_argument(
+        "--choice", metavar="TEXT", action="append", default=None, help="exactly one of these (repeatable)"
+    )
+    g.add_argument(
+        "--grammar", metavar="FILE", default=None, help="a sentence of this grammar (GBNF or Lark)"
+    )
+
+
+def _read_text(flag: str, path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SystemExit(f"{flag}: cannot read {path}: {exc}") from None
+
+
+def structured_from_args(args: argparse.Namespace) -> StructuredOutput | None:
+    """The constraint the flags ask for; files are read here, so a bad one stops the command early."""
+    if args.json_schema is not None:
+        try:
+            schema = msgspec.json.decode(_read_text("--json-schema", args.json_schema))
+        except msgspec.DecodeError as exc:
+            raise SystemExit(f"--json-schema: {args.json_schema} is not JSON: {exc}") from None
+        if not isinstance(schema, dict):
+            raise SystemExit(f"--json-schema: {args.json_schema} must hold a JSON object (a schema)")
+        return JsonSchemaOutput(json_schema=schema)
+    if args.json_object:
+        return JsonObjectOutput()
+    if args.regex is not None:
+        return RegexOutput(pattern=args.regex)
+    if args.choice:
+        return ChoiceOutput(choices=list(args.choice))
+    if args.grammar is not None:
+        return GrammarOutput(grammar=_read_text("--grammar", args.grammar))
+    return None
 
 
 def request_from_args(args: argparse.Namespace) -> GenerateRequest:
@@ -68,6 +119,7 @@ def request_from_args(args: argparse.Namespace) -> GenerateRequest:
             max_tokens=args.max_tokens, min_tokens=args.min_tokens, stop=args.stop, ignore_eos=args.ignore_eos
         ),
         output=OutputOptions(text=None if not args.tokens else bool(args.text_out)),
+        structured=structured_from_args(args),
     )
 
 
@@ -145,7 +197,9 @@ def cmd_batch(args: argparse.Namespace) -> int:
     if not path.is_file():
         raise SystemExit(f"no such input file: {path}")
     out = Path(args.output) if args.output else path.with_suffix(".results.jsonl")
-    bid = args.batch_id or batch_id(path, args.model)
+    structured = structured_from_args(args)
+    constraint = msgspec.json.encode(structured).decode() if structured is not None else ""
+    bid = args.batch_id or batch_id(path, args.model, constraint)
     try:
         summary = run(
             lambda: run_batch(
@@ -157,6 +211,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
                 batch_id=bid,
                 concurrency=args.concurrency,
                 max_tokens=args.max_tokens,
+                structured=structured,
                 progress=not args.quiet and sys.stderr.isatty() or args.progress,
                 heartbeat_timeout=args.heartbeat_timeout,
             )
@@ -209,6 +264,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "carried (a dead worker is found sooner, from the server, and its request moves on)",
     )
     add_sampling(p)
+    add_structured(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser(
@@ -224,7 +280,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=TINY_MODEL_NAME, help="model for lines that name none")
     p.add_argument("--concurrency", type=int, default=64, help="requests in flight at once")
     p.add_argument("--max-tokens", type=int, default=None, help="default max_tokens for lines that set none")
-    p.add_argument("--batch-id", default=None, help="default: a hash of the input file and model")
+    p.add_argument("--batch-id", default=None, help="default: a hash of the input file, model and constraint")
     p.add_argument(
         "--heartbeat-timeout",
         type=float,
@@ -235,4 +291,5 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--progress", action="store_true", help="progress bar even when stderr is not a terminal")
     p.add_argument("--print", action="store_true", help="print the results file when done")
+    add_structured(p, " of lines that set no `structured`")
     p.set_defaults(func=cmd_batch)

@@ -8,7 +8,7 @@ from msgspec import Meta
 
 from .common import ErrorCode, Strict, Tolerant
 from .frames import Usage
-from .generate import ChatMessage, OutputOptions, SamplingOptions, StopConditions
+from .generate import ChatMessage, OutputOptions, SamplingOptions, StopConditions, StructuredOutput
 
 
 class BatchLine(Strict, kw_only=True, omit_defaults=True):
@@ -26,6 +26,8 @@ class BatchLine(Strict, kw_only=True, omit_defaults=True):
     sampling: SamplingOptions | None = None
     stop: StopConditions | None = None
     output: OutputOptions | None = None
+    structured: StructuredOutput | None = None
+    """Default: the constraint given on the command line, if any."""
 
 
 class BatchError(Tolerant, kw_only=True):

@@ -7,6 +7,7 @@ from typing import Any
 
 from ...errors import RequestRejected
 from ...schemas import ErrorCode, GenerateRequest, TokensPrompt
+from . import structured
 
 _FIELDS = {
     **{
@@ -31,6 +32,9 @@ _FIELDS = {
     "prompt": "$.prompt",
 }
 _LEADING_NAME = re.compile(r"^`?(\w+)`? (?:must|should|cannot|is)")
+_ABOUT_A_CONSTRAINT = re.compile(
+    r"structured|grammar|regex|json|schema|choice|xgrammar|guidance|outlines", re.I
+)
 _MODEL_DEFAULTED = (
     "temperature",
     "top_p",
@@ -52,6 +56,15 @@ def field_of(parameter: str | None, message: str = "") -> str | None:
     return _FIELDS.get(parameter, f"$.{parameter}")
 
 
+def field_of_error(req: GenerateRequest, parameter: str | None, message: str) -> str | None:
+    """The field a vLLM validation error is about. vLLM names no parameter for a constraint that
+    does not compile, so an unnamed error about one, on a request that has one, is its field."""
+    field = field_of(parameter, message)
+    if field is None and req.structured is not None and _ABOUT_A_CONSTRAINT.search(message):
+        return structured.field_of(req.structured)
+    return field
+
+
 def build_sampling_params(req: GenerateRequest, max_tokens: int, model_defaults: dict[str, Any]) -> Any:
     from vllm import SamplingParams
     from vllm.exceptions import VLLMValidationError
@@ -66,11 +79,19 @@ def build_sampling_params(req: GenerateRequest, max_tokens: int, model_defaults:
         if value is not None:
             kw[name] = value
     want_text = out.text if out.text is not None else not isinstance(req.prompt, TokensPrompt)
+    seed = structured.sampling_seed(req)
+    constraint = None
+    if req.structured is not None:
+        structured.check_bounds(req.structured)
     try:
+        if req.structured is not None:
+            from vllm.sampling_params import StructuredOutputsParams
+
+            constraint = StructuredOutputsParams(**structured.vllm_kwargs(req.structured))
         return SamplingParams(
             **kw,
             n=s.n,
-            seed=s.seed,
+            seed=seed,
             max_tokens=max_tokens,
             min_tokens=st.min_tokens,
             stop=list(st.stop) or None,
@@ -81,10 +102,15 @@ def build_sampling_params(req: GenerateRequest, max_tokens: int, model_defaults:
             skip_special_tokens=out.skip_special_tokens,
             detokenize=want_text or bool(st.stop),
             output_kind=RequestOutputKind.DELTA,
+            structured_outputs=constraint,
         )
     except VLLMValidationError as exc:
         raise RequestRejected(
-            ErrorCode.INVALID_REQUEST, str(exc), field=field_of(getattr(exc, "parameter", None), str(exc))
+            ErrorCode.INVALID_REQUEST,
+            str(exc),
+            field=field_of_error(req, getattr(exc, "parameter", None), str(exc)),
         ) from None
     except (ValueError, TypeError) as exc:
-        raise RequestRejected(ErrorCode.INVALID_REQUEST, str(exc), field=field_of(None, str(exc))) from None
+        raise RequestRejected(
+            ErrorCode.INVALID_REQUEST, str(exc), field=field_of_error(req, None, str(exc))
+        ) from None

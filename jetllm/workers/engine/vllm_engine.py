@@ -18,10 +18,12 @@ from ...schemas import (
     ErrorCode,
     FinishReason,
     GenerateRequest,
+    GrammarOutput,
     Prompt,
     TextPrompt,
     TokensPrompt,
 )
+from . import structured
 from .args import engine_args
 from .base import (
     ChoiceDelta,
@@ -34,8 +36,9 @@ from .base import (
     LoraFacts,
     PromptEmbeds,
 )
+from .grammarcheck import GrammarCheck
 from .options import EngineOptions
-from .sampling import build_sampling_params, field_of
+from .sampling import build_sampling_params, field_of_error
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +146,19 @@ def _embeds_input(p: PromptEmbeds) -> Any:
     )
 
 
+def _uncompiled(req: GenerateRequest) -> RequestRejected:
+    """vLLM checks a constraint when the request is added, without the tokenizer, and compiles it
+    in the engine later; a compilation that fails there ends the request with an error and no
+    reason (e.g. a grammar naming a special token this tokenizer lacks)."""
+    assert req.structured is not None
+    return RequestRejected(
+        ErrorCode.INVALID_REQUEST,
+        "the engine could not compile the constraint for this model's tokenizer (a grammar naming "
+        "a token it does not have, say); the worker's log has the compiler's message",
+        field=structured.field_of(req.structured),
+    )
+
+
 class VllmEngine:
     """One AsyncLLM. Build it with `await VllmEngine.start(opts)` inside the worker's event loop."""
 
@@ -196,6 +212,9 @@ class VllmEngine:
             kv_events=_kv_event_sources(llm),
         )
         self._defaults = llm.model_config.get_diff_sampling_param()
+        self._grammars: GrammarCheck | None = None
+        if cfg.structured_outputs_config.backend == "guidance":
+            self._grammars = GrammarCheck(llm.get_tokenizer(), vocab)
 
     @classmethod
     async def start(cls, opts: EngineOptions) -> VllmEngine:
@@ -268,6 +287,8 @@ class VllmEngine:
         from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
         params = build_sampling_params(req, max_tokens, self._defaults)
+        if self._grammars is not None and isinstance(req.structured, GrammarOutput):
+            await anyio.to_thread.run_sync(self._grammars.check, req.structured)
         if kv_transfer:
             params.extra_args = {**(params.extra_args or {}), "kv_transfer_params": dict(kv_transfer)}
         want_text = (
@@ -284,14 +305,22 @@ class VllmEngine:
             from vllm.lora.request import LoRARequest
 
             lora = LoRARequest(adapter.name, adapter.id, adapter.path)
+        constrained, produced = req.structured is not None, False
         try:
             async for out in self.llm.generate(engine_input, params, rid, lora_request=lora):
-                yield self._step(out, want_text)
+                step = self._step(out, want_text)
+                if constrained and not produced:
+                    produced = any(c.token_ids for c in step.choices)
+                    if not produced and any(c.finish_reason == "error" for c in step.choices):
+                        raise _uncompiled(req)
+                yield step
         except EngineDeadError:
             raise EngineDead("the vLLM engine died") from None
         except VLLMValidationError as exc:
             raise RequestRejected(
-                ErrorCode.INVALID_REQUEST, str(exc), field=field_of(getattr(exc, "parameter", None), str(exc))
+                ErrorCode.INVALID_REQUEST,
+                str(exc),
+                field=field_of_error(req, getattr(exc, "parameter", None), str(exc)),
             ) from None
         except EngineGenerateError as exc:
             cause = exc.__cause__

@@ -5,9 +5,20 @@ the tokens already delivered as its prompt, with the budget reduced by what was 
 producer's stream goes on seamlessly; unless the delivered tokens already ended the request (the
 worker died before its final frame), the request cannot continue exactly (n > 1), or workers died
 under it more often than its migration budget allows.
+
+A structured request cannot take that path: the engine starts a constraint's grammar at the first
+generated token, so delivered tokens moved into the prompt would be outside it, and the rest would
+have to be a whole document again. It is replayed instead: the original prompt runs again under
+the constraint, and the first tokens, checked against the delivered ones, are dropped (Replay).
+Greedy and seeded requests regenerate the same tokens; an unseeded one samples with a seed derived
+from its request id on every attempt (engine/structured.py), so it does too. Should the engine
+still produce other tokens, the request ends with `not_migratable` rather than a stream that
+breaks its constraint.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 import msgspec
 
@@ -94,3 +105,69 @@ def continued(
         ),
     )
     return engine_req, engine_prompt, engine_max
+
+
+def how_to_continue(req: GenerateRequest, done: Choice | None) -> Literal["done", "prompt", "replay"]:
+    """After delivered tokens: already ended, continue with them as the prompt, or replay them."""
+    if done is not None:
+        return "done"
+    return "replay" if req.structured is not None else "prompt"
+
+
+class Replay:
+    """Drops the first tokens a replayed request generates, after checking they are the delivered
+    ones; what `take` returns is the new part of each engine delta (often empty while replaying)."""
+
+    def __init__(self, delivered: list[int], text: str | None) -> None:
+        self._tokens = delivered
+        self._text = text or ""
+        self._seen = 0
+        self._seen_text = ""
+
+    @property
+    def done(self) -> bool:
+        return self._seen >= len(self._tokens) and len(self._seen_text) >= len(self._text)
+
+    def take(
+        self,
+        token_ids: list[int],
+        text: str | None,
+        logprobs: list[float] | None = None,
+        top: list[dict[int, float]] | None = None,
+    ) -> tuple[list[int], str | None, list[float] | None, list[dict[int, float]] | None]:
+        k = min(len(token_ids), len(self._tokens) - self._seen)
+        if token_ids[:k] != self._tokens[self._seen : self._seen + k]:
+            at = self._seen + next(i for i in range(k) if token_ids[i] != self._tokens[self._seen + i])
+            raise self._differs(
+                f"token {at} is {token_ids[at - self._seen]}, not the delivered {self._tokens[at]}"
+            )
+        self._seen += k
+        if text is not None:
+            j = max(0, min(len(text), len(self._text) - len(self._seen_text)))
+            self._seen_text += text[:j]
+            if not self._text.startswith(self._seen_text):
+                raise self._differs(
+                    f"its text departs from the delivered text at character {len(self._seen_text)}"
+                )
+            text = text[j:]
+        return (
+            token_ids[k:],
+            text,
+            logprobs[k:] if logprobs is not None else None,
+            top[k:] if top is not None else None,
+        )
+
+    def finished(self) -> None:
+        """The engine ended the choice: it must have regenerated everything delivered."""
+        if not self.done:
+            raise self._differs(f"it ended after {self._seen} of the {len(self._tokens)} delivered tokens")
+
+    def _differs(self, what: str) -> RequestRejected:
+        return RequestRejected(
+            ErrorCode.NOT_MIGRATABLE,
+            f"this structured request moved to another worker, which replays it under its constraint, "
+            f"and the replay differs from what was delivered: {what}; the request ends here so that "
+            "its output never breaks the constraint (greedy and seeded requests replay exactly unless "
+            "the engine's numerics changed: run it again)",
+            field="$.structured",
+        )

@@ -10,7 +10,7 @@ from ....schemas import Choice, GenerateRequest, Usage
 from ...engine import Engine, EngineAdapter, EnginePrompt
 from ...requestlog import History
 from ..base import TokenSender
-from .continuation import already_done, check_migratable, continued, max_tokens
+from .continuation import Replay, already_done, check_migratable, continued, how_to_continue, max_tokens
 
 
 class Outcome(msgspec.Struct, kw_only=True):
@@ -32,7 +32,8 @@ async def generate(
     """Generate (or continue) the request, streaming token frames; the caller sends the final.
 
     A continuation runs the prompt plus the tokens already delivered as the new prompt, with
-    the budget reduced by what was delivered, so the producer's stream goes on seamlessly.
+    the budget reduced by what was delivered, so the producer's stream goes on seamlessly; a
+    structured one replays the original prompt and drops what was delivered (continuation.py).
     """
     facts = engine.facts
     n = req.sampling.n
@@ -45,24 +46,33 @@ async def generate(
     delivered = sum(counts)
     check_migratable(n, delivered)
     engine_req, engine_prompt, engine_max = req, prompt_ids, budget
+    replay: Replay | None = None
     if delivered:
         done = already_done(req, tokens[0], texts[0] if texts else None, budget, facts.eos_token_ids)
+        how = how_to_continue(req, done)
         if done is not None:
             ends[0] = done
+        elif how == "replay":
+            replay = Replay(list(tokens[0]), texts[0] if texts else None)
         else:
             engine_req, engine_prompt, engine_max = continued(req, prompt_ids, tokens[0], budget)
     if not ends:
         async for step in engine.generate(engine_req, engine_prompt, engine_max, adapter, kv_transfer):
             cached = step.cached_tokens or cached
             for c in step.choices:
-                if c.token_ids or c.text:
-                    counts[c.index] += len(c.token_ids)
-                    tokens[c.index].extend(c.token_ids)
-                    if c.text is not None:
+                token_ids, text, logprobs, top = c.token_ids, c.text, c.logprobs, c.top_logprobs
+                if replay is not None and not replay.done:  # only choice 0: n > 1 does not move
+                    token_ids, text, logprobs, top = replay.take(token_ids, text, logprobs, top)
+                    if c.finish_reason is not None:
+                        replay.finished()
+                if token_ids or text:
+                    counts[c.index] += len(token_ids)
+                    tokens[c.index].extend(token_ids)
+                    if text is not None:
                         if texts is None:
                             texts = ["" for _ in range(n)]
-                        texts[c.index] += c.text
-                    await send(c.index, c.token_ids, c.text, c.logprobs, c.top_logprobs)
+                        texts[c.index] += text
+                    await send(c.index, token_ids, text, logprobs, top)
                 if c.finish_reason is not None:
                     ends[c.index] = Choice(
                         index=c.index,
