@@ -12,6 +12,7 @@ from ..bench import kvtransfer as bench_kv
 from ..bench import run as bench
 from ..errors import JetllmError
 from . import (
+    batches_cmd,
     demo,
     dlq,
     fleet,
@@ -37,6 +38,7 @@ def parser() -> argparse.ArgumentParser:
     demo.register(sub)
     worker_cmd.register(sub)
     produce.register(sub)
+    batches_cmd.register(sub)
     dlq.register(sub)
     fleet.register(sub)
     lora_cmd.register(sub)
