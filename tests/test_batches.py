@@ -414,3 +414,30 @@ async def test_a_runner_killed_mid_batch_is_replaced_and_no_line_runs_twice(
     assert [x["custom_id"] for x in out] == [f"req-{i}" for i in range(n)]
     assert len(engine.calls) == n and set(engine.calls.values()) == {1}  # every line ran exactly once
     assert "had finished already" in log1
+
+
+async def test_jetllm_batch_detaches_follows_and_downloads(api, nats_url, namespace, tmp_path):
+    _, client, service = api
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(jsonl([chat_line(i) for i in range(5)]))
+    base = [sys.executable, "-m", "jetllm", "batch", "--nats", nats_url, "--namespace", namespace]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    detached = await anyio.run_process([*base, "--detach", str(src)], cwd=ROOT, env=env)
+    batch_id = detached.stdout.decode().strip()
+    assert batch_id.startswith("batch_")
+    async with (
+        inproc_worker(nats_url, FakeEngine(), namespace=namespace, slots=4),
+        anyio.create_task_group() as tg,
+    ):
+        tg.start_soon(BatchRunner(client, service, ack_wait=ACK_WAIT).serve)
+        followed = await anyio.run_process([*base, "--follow", batch_id, "--progress"], cwd=ROOT, env=env)
+        tg.cancel_scope.cancel()
+    err = followed.stderr.decode()
+    assert "5/5 lines" in err and "completed; 5 completed, 0 failed of 5" in err
+    out = tmp_path / "out.jsonl"
+    await anyio.run_process([*base, "--download", batch_id, str(out)], cwd=ROOT, env=env)
+    assert [json.loads(x)["custom_id"] for x in out.read_text().splitlines()] == [
+        f"req-{i}" for i in range(5)
+    ]
+    missing = await anyio.run_process([*base, "--follow", "batch_0000000000"], cwd=ROOT, env=env, check=False)
+    assert missing.returncode == 1 and "no batch with id" in missing.stderr.decode()

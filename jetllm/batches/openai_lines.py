@@ -32,8 +32,9 @@ _IGNORED = frozenset({"user", "stream_options", "store", "metadata"})
 """Fields OpenAI accepts that change nothing about the output here."""
 _KNOWN = frozenset(
     {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p"}
-    | {"seed", "stop", "n", "stream"}
+    | {"seed", "stop", "n", "stream", "ignore_eos", "min_tokens"}
 )
+"""OpenAI's fields above, and two of vLLM's extras (for fixed-length benchmark lines)."""
 
 
 class BadBody(ValueError):
@@ -117,7 +118,12 @@ def to_request(body: Any, url: str, request_id: str) -> GenerateRequest:
                 temperature=body.get("temperature"), top_p=body.get("top_p"), seed=body.get("seed")
             )
         ),
-        "stop": {"max_tokens": max_tokens, "stop": stops or []},
+        "stop": {
+            "max_tokens": max_tokens,
+            "stop": stops or [],
+            "ignore_eos": body.get("ignore_eos", False),
+            "min_tokens": body.get("min_tokens", 0),
+        },
     }
     try:  # constraints of Annotated types are checked on conversion, with the path of the field
         return msgspec.convert(raw, GenerateRequest)
@@ -130,6 +136,8 @@ def to_request(body: Any, url: str, request_id: str) -> GenerateRequest:
 _OPENAI_NAMES = {
     "$.stop.max_tokens": "max_tokens",
     "$.stop.stop": "stop",
+    "$.stop.ignore_eos": "ignore_eos",
+    "$.stop.min_tokens": "min_tokens",
     "$.sampling.temperature": "temperature",
     "$.sampling.top_p": "top_p",
     "$.sampling.seed": "seed",

@@ -225,7 +225,10 @@ class BatchService:
             entry = await self.states.get(self.names.batch_key(batch_id))
         except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError, ValueError):
             raise NotFound(f"no batch with id {batch_id!r}", param="batch_id") from None
-        return _state_decoder.decode(entry.value or b""), entry.revision or 0
+        try:
+            return _state_decoder.decode(entry.value or b""), entry.revision or 0
+        except msgspec.DecodeError as exc:  # written by something else: nothing to run or show
+            raise NotFound(f"batch {batch_id!r} has an unreadable state ({exc})", param="batch_id") from None
 
     async def list(self, after: str | None = None, limit: int = 20) -> tuple[list[BatchState], bool]:
         """A page of batches, newest first, starting after the batch `after`; and whether more follow."""
@@ -239,7 +242,10 @@ class BatchService:
                 entry = await self.states.get(key)
             except nats.js.errors.KeyNotFoundError:
                 continue
-            states.append(_state_decoder.decode(entry.value or b""))
+            try:
+                states.append(_state_decoder.decode(entry.value or b""))
+            except msgspec.DecodeError:
+                continue
         states.sort(key=lambda s: (s.created_at, s.id), reverse=True)
         return plan.page(states, after, limit, key=lambda s: s.id)
 
