@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from .. import __version__
+from ..bench import batch as bench_batch
 from ..bench import chaos as bench_chaos
 from ..bench import cluster as bench_cluster
 from ..bench import kvtransfer as bench_kv
@@ -50,6 +51,7 @@ def parser() -> argparse.ArgumentParser:
     bench_chaos.register(sub)
     bench_kv.register(sub)
     bench_cluster.register(sub)
+    bench_batch.register(sub)
     return p
 
 
