@@ -300,6 +300,7 @@ async def test_a_batch_runs_on_the_fleet_and_writes_openai_output_and_error_file
     lines = [chat_line(i) for i in range(12)]
     lines[4] = chat_line(4, model="fake", max_tokens=1000)  # longer than the fake engine's context: fails
     f = await sdk.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+    await client.js.publish(client.names.batch_queue("junk"), b"\x00not a batch")  # dropped, not fatal
     batch = await sdk.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
     engine = counting_engine(max_model_len=256)
     async with inproc_worker(nats_url, engine, namespace=namespace, slots=4), anyio.create_task_group() as tg:

@@ -100,17 +100,21 @@ class BatchRunner:
                 log.warning("dropping an unreadable batch message: %s", exc)
                 await msg.term()
                 return
+            failed = False
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._keep_alive, msg)
                 try:
                     await _HeldBatch(self, batch_id).run()
                 except Exception:
                     log.exception("batch %s: runner failed; the batch goes back to the queue", batch_id)
-                    tg.cancel_scope.cancel()
-                    await msg.nak(delay=5)
-                    return
+                    failed = True
                 tg.cancel_scope.cancel()
-            await msg.ack()
+            try:
+                await (msg.nak(delay=5) if failed else msg.ack())
+            except Exception as exc:  # then it comes back after ack_wait, and is skipped if it ended
+                log.warning(
+                    "batch %s: could not %s its message: %s", batch_id, "nak" if failed else "ack", exc
+                )
         finally:
             free.release()
 

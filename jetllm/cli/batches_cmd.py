@@ -163,6 +163,28 @@ def add_runner_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_gateway_flags(p: argparse.ArgumentParser) -> None:
+    """What a gateway adds for its files and batches endpoints and the runner inside it."""
+    add_runner_flags(p)
+    p.add_argument(
+        "--max-file-bytes",
+        type=int,
+        default=DEFAULT_MAX_FILE_BYTES,
+        help=f"largest file upload; more is a 413 (default: {DEFAULT_MAX_FILE_BYTES >> 20} MiB)",
+    )
+
+
+async def serve_in_gateway(client: Client, args: argparse.Namespace) -> tuple[BatchService, BatchRunner]:
+    """The service the gateway's routes take (`files_api.routes(service) + batches_api.routes(service)`)
+    and its runner, whose `serve` the gateway runs under `supervised` for its whole life."""
+    service = await BatchService.open(
+        client.js, client.names, ack_wait=args.ack_wait, max_file_bytes=args.max_file_bytes
+    )
+    return service, BatchRunner(
+        client, service, window=args.window, batches=args.batches, ack_wait=args.ack_wait
+    )
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "batch-runner",
