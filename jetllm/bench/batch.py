@@ -19,6 +19,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import anyio
 import msgspec
@@ -96,12 +97,17 @@ def run_offline(opts: EngineOptions, prompts: list[list[int]], output_len: int, 
         )
     if done.returncode != 0:
         raise RuntimeError(f"the offline run failed ({done.returncode}); see {log}")
-    return msgspec.json.decode(done.stdout.strip().splitlines()[-1], type=Figures)
+    mine = [x for x in done.stdout.splitlines() if x.startswith(b'{"label"')]  # vLLM prints too
+    if not mine:
+        raise RuntimeError(f"the offline run printed no figures; see {log}")
+    return msgspec.json.decode(mine[-1], type=Figures)
 
 
 async def run_batch_api(
     opts: EngineOptions, prompts: list[list[int]], output_len: int, url: str, log_dir: Path, window: int
-) -> Figures:
+) -> list[Figures]:
+    """The batch API, and for scale the same lines streamed through the same worker by one
+    producer (`Client.complete`, `window` at a time): what the plane costs apart from the runner."""
     from ..batches.openai_lines import COMPLETIONS
     from ..batches.runner import BatchRunner
     from ..batches.service import BatchService
@@ -172,6 +178,7 @@ async def run_batch_api(
                     return seconds, tokens
 
                 await one(prompts[:8], "warmup")
+                streamed = await _streamed(client, prompts, window, body)
                 seconds, tokens = await one(prompts, "measured")
                 tg.cancel_scope.cancel()
     finally:
@@ -181,7 +188,33 @@ async def run_batch_api(
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
-    return Figures(label="jetllm batch API", lines=len(prompts), seconds=seconds, output_tokens=tokens)
+    return [
+        streamed,
+        Figures(label="jetllm batch API", lines=len(prompts), seconds=seconds, output_tokens=tokens),
+    ]
+
+
+async def _streamed(client: Any, prompts: list[list[int]], window: int, body: Any) -> Figures:
+    from ..batches.openai_lines import COMPLETIONS, to_request
+
+    limiter = anyio.Semaphore(window)
+    tokens = 0
+    run_id = uuid.uuid4().hex[:8]
+
+    async def one(i: int) -> None:
+        nonlocal tokens
+        async with limiter:
+            done = await client.complete(to_request(body(prompts[i]), COMPLETIONS, f"s-{run_id}-{i}"))
+            tokens += done.usage.completion_tokens
+
+    started = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for i in range(len(prompts)):
+            tg.start_soon(one, i)
+    label = f"jetllm, streamed by one producer ({window} in flight)"
+    return Figures(
+        label=label, lines=len(prompts), seconds=time.perf_counter() - started, output_tokens=tokens
+    )
 
 
 def cmd_bench_batch(args: argparse.Namespace) -> int:
@@ -210,7 +243,7 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="jetllm-bench-batch-"))
     rows = [run_offline(opts, prompts, args.output_len, log_dir / "offline.log")]
     with NatsServer(log_dir / "nats") as server:
-        rows.append(
+        rows.extend(
             run(
                 run_batch_api,
                 opts,
@@ -232,7 +265,10 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
 
 def report(rows: list[Figures], args: argparse.Namespace, command: str) -> str:
     base = rows[0].tokens_per_second
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     lines = [
+        f"Measured {when} on {os.cpu_count()} CPUs.",
+        "",
         f"`{command}`: {args.lines} lines, {args.prompt_len}-token prompts, {args.output_len} tokens each "
         f"(greedy, ignore_eos), max_num_seqs {args.max_num_seqs}.",
         "",
