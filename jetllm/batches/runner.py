@@ -21,7 +21,7 @@ from nats.aio.msg import Msg
 
 from ..errors import JetllmError
 from ..producer import Client
-from ..schemas import BatchIssue, BatchRun, BatchState, ErrorFrame, RequestCounts, Result
+from ..schemas import BatchIssue, BatchRun, BatchState, ErrorFrame, Record, RequestCounts, Result
 from ..subjects import codec
 from . import plan
 from .lines import BadInput, InputLine, line_request_id, parse_input
@@ -30,10 +30,13 @@ from .service import ApiError, BatchService
 
 log = logging.getLogger(__name__)
 _run_decoder = codec.Decoder(BatchRun)
+_record_decoder = codec.KindDecoder(Record)
 _encoder = msgspec.json.Encoder()
 
 STATE_EVERY = 0.5
 """Seconds between reads of the batch's state (a cancel) and writes of its counts."""
+RESULT_CHECK = 5.0
+"""Seconds between direct reads of a running line's result, behind the live subscription."""
 CANCEL_WAIT = 10.0
 """Seconds a stopping batch waits for the lines it cancelled to report their end."""
 
@@ -233,14 +236,45 @@ class _HeldBatch:
         return "done"
 
     async def _await(self, line: int, rid: str) -> None:
-        while True:
+        """Until the line's result is in its request log: seen live on the log's subject (no
+        consumer on the server per line), and read directly now and then, for a result stored
+        before the subscription or missed across a reconnect."""
+        found: list[Result] = []
+        ended = anyio.Event()
+
+        async def on_record(msg: Msg) -> None:
             try:
-                result = await self.client.wait_result(rid)
-                break
-            except Exception as exc:  # the server is away for now: the log still has it later
-                log.info("batch %s: waiting for %s again after %s", self.id, rid, exc)
-                await anyio.sleep(1.0)
-        self.outcomes[line] = result
+                record = _record_decoder.decode(msg.data)
+            except Exception:  # a newer kind of record, or not ours to read
+                return
+            if isinstance(record, Result):
+                found.append(record)
+                ended.set()
+
+        sub = None
+        try:
+            while not found:
+                try:
+                    if sub is None:
+                        sub = await self.client.nc.subscribe(
+                            self.service.names.request_log(rid), cb=on_record
+                        )
+                    stored = await self.client.result(rid)
+                    if stored is not None:
+                        found.append(stored)
+                        break
+                except Exception as exc:  # the server is away for now: the log still has it later
+                    log.info("batch %s: reading %s again after %s", self.id, rid, exc)
+                with anyio.move_on_after(RESULT_CHECK):
+                    await ended.wait()
+        finally:
+            if sub is not None:
+                with anyio.CancelScope(shield=True):
+                    try:
+                        await sub.unsubscribe()
+                    except Exception:
+                        pass
+        self.outcomes[line] = found[0]
         self.in_flight.discard(line)
         self.changed.set()
 
