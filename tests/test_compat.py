@@ -97,6 +97,7 @@ STRICT = {
     "AdapterManifest",
     "BatchLine",
     "PrefillRequest",
+    "BatchRun",
 }
 """What a producer, operator or tool tells a worker (or `jetllm batch`): everything else is a report."""
 

@@ -6,12 +6,14 @@ import argparse
 import sys
 
 from .. import __version__
+from ..bench import batch as bench_batch
 from ..bench import chaos as bench_chaos
 from ..bench import cluster as bench_cluster
 from ..bench import kvtransfer as bench_kv
 from ..bench import run as bench
 from ..errors import JetllmError
 from . import (
+    batches_cmd,
     demo,
     dlq,
     fleet,
@@ -37,6 +39,7 @@ def parser() -> argparse.ArgumentParser:
     demo.register(sub)
     worker_cmd.register(sub)
     produce.register(sub)
+    batches_cmd.register(sub)
     dlq.register(sub)
     fleet.register(sub)
     lora_cmd.register(sub)
@@ -48,6 +51,7 @@ def parser() -> argparse.ArgumentParser:
     bench_chaos.register(sub)
     bench_kv.register(sub)
     bench_cluster.register(sub)
+    bench_batch.register(sub)
     return p
 
 

@@ -192,7 +192,28 @@ def batch_id(path: Path, model: str, extra: str = "") -> str:
     return h.hexdigest()[:16]
 
 
+def _durable(args: argparse.Namespace) -> int | None:
+    """`--detach`, `--follow`, `--download`: batches kept in NATS and run by batch runners."""
+    from . import batches_cmd
+
+    if args.follow:
+        return run(batches_cmd.follow, args, args.follow)
+    if args.download:
+        return run(batches_cmd.download, args, args.download[0], Path(args.download[1]))
+    if args.detach:
+        path = Path(args.input or "")
+        if not path.is_file():
+            raise SystemExit(f"--detach needs an input file; no such file: {path}")
+        return run(batches_cmd.detach, args, path)
+    return None
+
+
 def cmd_batch(args: argparse.Namespace) -> int:
+    durable = _durable(args)
+    if durable is not None:
+        return durable
+    if not args.input:
+        raise SystemExit("give an input file (or --follow ID, --download ID OUT)")
     path = Path(args.input)
     if not path.is_file():
         raise SystemExit(f"no such input file: {path}")
@@ -274,7 +295,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_nats(p)
     p.add_argument(
-        "input", help="JSONL: one object per line with prompt | messages | token_ids (see docs/messages.md)"
+        "input",
+        nargs="?",
+        help="JSONL: one object per line with prompt | messages | token_ids (see docs/messages.md); "
+        "with --detach, OpenAI's batch input format (custom_id, method, url, body)",
     )
     p.add_argument("-o", "--output", default=None, help="results file (default: INPUT with .results.jsonl)")
     p.add_argument("--model", default=TINY_MODEL_NAME, help="model for lines that name none")
@@ -292,4 +316,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--progress", action="store_true", help="progress bar even when stderr is not a terminal")
     p.add_argument("--print", action="store_true", help="print the results file when done")
     add_structured(p, " of lines that set no `structured`")
+    g = p.add_argument_group("durable batches (kept in NATS, run by batch runners on the fleet)")
+    g.add_argument(
+        "--detach",
+        action="store_true",
+        help="upload INPUT (OpenAI batch format), create a batch and print its id; `jetllm batch-runner` "
+        "or a gateway runs it, whatever happens to this command",
+    )
+    g.add_argument("--completion-window", default="24h", help="with --detach: when unfinished lines expire")
+    g.add_argument("--follow", metavar="ID", default=None, help="show a batch's progress until it ends")
+    g.add_argument(
+        "--download",
+        nargs=2,
+        metavar=("ID", "OUT"),
+        default=None,
+        help="write a finished batch's output file to OUT (its error file to OUT.errors.jsonl)",
+    )
     p.set_defaults(func=cmd_batch)

@@ -78,6 +78,7 @@ SECTIONS: list[tuple[str, list[type]]] = [
     ("KV-cache events", [s.KvEventBatch, s.KvStored, s.KvRemoved, s.KvCleared, s.KvResync]),
     ("Dead letters", [s.DeadLetter]),
     ("Batch files", [s.BatchLine, s.BatchResult, s.BatchError]),
+    ("Batch API state", [s.BatchRun, s.BatchState, s.RequestCounts, s.BatchIssue, s.FileMeta]),
 ]
 
 

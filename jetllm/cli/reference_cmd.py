@@ -54,6 +54,10 @@ def wire_types() -> dict[str, object]:
         # batch files
         "BatchLine": s.BatchLine,
         "BatchResult": s.BatchResult,
+        # the batch API: a batch to run, its state, a file's metadata
+        "BatchRun": s.BatchRun,
+        "BatchState": s.BatchState,
+        "FileMeta": s.FileMeta,
     }
 
 

@@ -1,6 +1,15 @@
 """The wire contract: msgspec Structs for every message, and nothing else."""
 
 from .batch import BatchError, BatchLine, BatchResult
+from .batchapi import (
+    BATCH_STATUSES,
+    TERMINAL_STATUSES,
+    BatchIssue,
+    BatchRun,
+    BatchState,
+    FileMeta,
+    RequestCounts,
+)
 from .common import SCHEMA_VERSION, SUPPORTED_VERSIONS, Command, ErrorCode, Report, Strict, Tolerant
 from .control import CancelRequest, StatusRequest, WorkerStatus
 from .deadletter import DeadLetter
@@ -97,6 +106,13 @@ __all__ = [
     "BatchError",
     "BatchLine",
     "BatchResult",
+    "BATCH_STATUSES",
+    "TERMINAL_STATUSES",
+    "BatchIssue",
+    "BatchRun",
+    "BatchState",
+    "FileMeta",
+    "RequestCounts",
     "CancelRequest",
     "Cancelled",
     "Claim",

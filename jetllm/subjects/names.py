@@ -16,9 +16,11 @@ Subject tree (one namespace `<ns>` per deployment):
     jetllm.<ns>.kv.<model>.<instance>        KV-cache events (limits stream, replayable)
     jetllm.<ns>.trace.<request>              per-hop timing records of a request (limits stream)
     jetllm.<ns>.kvblocks.<transfer>          one prompt's KV blocks, prefill to decode (memory stream, TTL)
+    jetllm.<ns>.batchq.<batch>               a batch to run, taken by one batch runner (work-queue stream)
 
 KV buckets and object stores: `<NS>_REGISTRY` (instance records `i.<instance>`, model cards
-`m.<model>`), `<NS>_LORA` (desired adapters per model), `<NS>_ADAPTERS` (adapter files), `<NS>_EMBEDS` (prompt embeddings too big for a job message).
+`m.<model>`), `<NS>_LORA` (desired adapters per model), `<NS>_ADAPTERS` (adapter files), `<NS>_EMBEDS` (prompt embeddings too big for a job message), `<NS>_FILES` (files of the OpenAI
+files API), `<NS>_BATCHES` (the state of each batch, `b.<batch>`).
 
 Model names and request ids are not subject tokens (`Qwen/Qwen3-0.6B` holds `/` and `.`), so
 they pass through `encode_token`, a reversible escaping into `[A-Za-z0-9-_]`.
@@ -124,6 +126,9 @@ class Names:
         self.adapters_store = f"JETLLM_{upper}_ADAPTERS"
         self.embeds_store = f"JETLLM_{upper}_EMBEDS"
         self.kv_blocks_stream = f"JETLLM_{upper}_KVBLOCKS"
+        self.files_store = f"JETLLM_{upper}_FILES"
+        self.batches_bucket = f"JETLLM_{upper}_BATCHES"
+        self.batch_queue_stream = f"JETLLM_{upper}_BATCHQ"
         self._advisories = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self.jobs_stream}"
 
     # jobs
@@ -185,6 +190,21 @@ class Names:
     @property
     def kv_blocks_all(self) -> str:
         return f"{self._root}.kvblocks.*"
+
+    # batches of the OpenAI batch API: the queue runners take them from, and their state
+    def batch_queue(self, batch_id: str) -> str:
+        return f"{self._root}.batchq.{encode_token(batch_id)}"
+
+    @property
+    def batch_queue_all(self) -> str:
+        return f"{self._root}.batchq.*"
+
+    BATCH_RUNNERS = "batch-runners"
+    """The one durable consumer every batch runner pulls from."""
+
+    @staticmethod
+    def batch_key(batch_id: str) -> str:
+        return f"b.{encode_token(batch_id)}"
 
     # dead letters
     def dlq(self, role: str, model: str) -> str:

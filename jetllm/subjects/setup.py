@@ -279,6 +279,9 @@ async def _rescale_buckets(js: JetStreamContext, names: Names, replicas: int) ->
         f"KV_{names.lora_bucket}",
         OBJ_STREAM_TEMPLATE.format(bucket=names.adapters_store),
         OBJ_STREAM_TEMPLATE.format(bucket=names.embeds_store),
+        OBJ_STREAM_TEMPLATE.format(bucket=names.files_store),
+        f"KV_{names.batches_bucket}",
+        names.batch_queue_stream,
     ):
         await _rescale(js, stream, replicas)
 
@@ -535,3 +538,68 @@ def _job_consumer(
         num_replicas=0,
         inactive_threshold=inactive_threshold,
     )
+
+
+async def ensure_batch_plane(
+    js: JetStreamContext,
+    names: Names,
+    *,
+    ack_wait: float,
+    replicas: int | None = None,
+    memory: bool = False,
+) -> tuple[ObjectStore, KeyValue]:
+    """The OpenAI files and batches of a namespace: the files store, the bucket of batch states,
+    and the work-queue stream of batches to run with its one consumer, shared by every runner.
+    Batches are re-delivered after `ack_wait` seconds without a sign of life from their runner,
+    for as long as it takes (a batch fails on its own terms, never by running out of deliveries)."""
+    replicas = replicas or await namespace_replicas(js, names)
+    storage = StorageType.MEMORY if memory else StorageType.FILE
+    files = await ensure_bucket(
+        js,
+        ObjectStoreConfig(
+            bucket=names.files_store,
+            description="jetllm files: inputs and outputs of OpenAI-style batches",
+            storage=storage,
+            replicas=replicas,
+        ),
+    )
+    state = await ensure_bucket(
+        js,
+        KeyValueConfig(
+            bucket=names.batches_bucket,
+            description="jetllm batches: status, counts and files of each batch (b.<batch>)",
+            history=1,
+            storage=storage,
+            replicas=replicas,
+        ),
+    )
+    await _ensure_stream(
+        js,
+        Wanted(
+            StreamConfig(
+                name=names.batch_queue_stream,
+                description="jetllm batches to run: one message per batch, taken by one runner at a time",
+                subjects=[names.batch_queue_all],
+                retention=RetentionPolicy.WORK_QUEUE,
+                storage=storage,
+                num_replicas=replicas,
+                duplicate_window=120.0,
+            )
+        ),
+        rescale=False,
+    )
+    config = ConsumerConfig(
+        durable_name=names.BATCH_RUNNERS,
+        description="jetllm batch runners",
+        filter_subject=names.batch_queue_all,
+        ack_policy=AckPolicy.EXPLICIT,
+        deliver_policy=DeliverPolicy.ALL,
+        ack_wait=ack_wait,
+        max_deliver=-1,
+        num_replicas=0,
+    )
+    try:
+        await _api(lambda: js.add_consumer(names.batch_queue_stream, config), "creating the batch consumer")
+    except nats.js.errors.APIError:  # it exists with other settings (another ack_wait): use it as it is
+        await js.consumer_info(names.batch_queue_stream, names.BATCH_RUNNERS)
+    return files, state

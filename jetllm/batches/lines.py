@@ -1,0 +1,81 @@
+"""A batch's input file, checked whole before anything runs: a bad line fails the batch at
+creation with a 400 naming the line, not hours later in the middle of a run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from .openai_lines import BadBody, to_request
+
+_json = msgspec.json.Decoder()
+
+
+class InputLine(msgspec.Struct, frozen=True):
+    line: int
+    """1-based line number in the file (blank lines count)."""
+    custom_id: str
+    body: dict[str, Any]
+
+
+class BadInput(ValueError):
+    """The input file cannot run; `line` is 1-based, `param` the field (OpenAI's `param`)."""
+
+    def __init__(self, message: str, *, line: int | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.line = line
+        self.param = param
+
+
+def line_request_id(batch_id: str, line: int) -> str:
+    """The job's request id: the same for a line whichever runner submits it, so a resumed
+    runner finds the line's result (or its job, as a duplicate) instead of running it again."""
+    return f"{batch_id.replace('_', '-')}-{line}"
+
+
+def parse_input(data: bytes, endpoint: str) -> list[InputLine]:
+    """Every request of the file, in order; raises BadInput naming the first bad line."""
+    lines: list[InputLine] = []
+    seen: dict[str, int] = {}
+    for n, raw in enumerate(data.split(b"\n"), 1):
+        if not raw.strip():
+            continue
+        where = f"line {n}"
+        try:
+            obj = _json.decode(raw)
+        except msgspec.DecodeError as exc:
+            raise BadInput(f"{where} is not valid JSON: {exc}", line=n) from None
+        if not isinstance(obj, dict):
+            raise BadInput(f"{where} must be a JSON object", line=n)
+        custom_id = obj.get("custom_id")
+        if not isinstance(custom_id, str) or not custom_id:
+            raise BadInput(f"{where}: custom_id must be a non-empty string", line=n, param="custom_id")
+        if custom_id in seen:
+            raise BadInput(
+                f"{where}: custom_id {custom_id!r} is already used on line {seen[custom_id]}; "
+                "every line needs its own",
+                line=n,
+                param="custom_id",
+            )
+        seen[custom_id] = n
+        if obj.get("method") != "POST":
+            raise BadInput(f'{where}: method must be "POST"', line=n, param="method")
+        if obj.get("url") != endpoint:
+            raise BadInput(
+                f"{where}: url must be the batch's endpoint {endpoint!r}, got {obj.get('url')!r}",
+                line=n,
+                param="url",
+            )
+        unknown = set(obj) - {"custom_id", "method", "url", "body"}
+        if unknown:
+            raise BadInput(f"{where}: unknown field {sorted(unknown)[0]!r}", line=n, param=sorted(unknown)[0])
+        try:
+            to_request(obj.get("body"), endpoint, line_request_id("batch_0", n))
+        except BadBody as exc:
+            raise BadInput(f"{where}: {exc.message}", line=n, param=exc.param) from None
+        lines.append(InputLine(n, custom_id, obj["body"]))
+    if not lines:
+        raise BadInput("the input file has no requests")
+    return lines

@@ -1,0 +1,78 @@
+"""The batch runner's decisions, as plain functions of what it knows (tested as tables)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from typing import Literal, TypeVar
+
+from ..schemas import TERMINAL_STATUSES
+
+T = TypeVar("T")
+
+DEFAULT_WINDOW = 32
+"""Jobs of one batch queued or running at once. An online request arriving behind a batch waits
+for at most this many of its jobs, however long the batch; enough to keep a few workers busy."""
+DEFAULT_ACK_WAIT = 30.0
+"""Seconds a batch stays with a runner that gave no sign of life before another runner takes it."""
+MAX_WINDOW_SECONDS = 7 * 24 * 3600
+
+_WINDOW = re.compile(r"^([1-9][0-9]{0,6})([hms])$")
+
+Action = Literal["skip", "run", "cancel", "expire"]
+Stop = Literal["done", "cancel", "expire"]
+
+
+def parse_window(text: str) -> int:
+    """Seconds of a completion window: OpenAI's `24h`, or any `<n>h`, `<n>m`, `<n>s` up to 7 days."""
+    m = _WINDOW.match(text or "")
+    seconds = int(m.group(1)) * {"h": 3600, "m": 60, "s": 1}[m.group(2)] if m else 0
+    if not m or seconds > MAX_WINDOW_SECONDS:
+        raise ValueError(
+            f"completion_window must look like '24h' (at most {MAX_WINDOW_SECONDS // 3600}h), got {text!r}"
+        )
+    return seconds
+
+
+def on_take(status: str, now: float, expires_at: float) -> Action:
+    """What a runner does with a batch it was handed (first time, or after its runner died)."""
+    if status in TERMINAL_STATUSES:
+        return "skip"
+    if status == "cancelling":
+        return "cancel"
+    if now >= expires_at and status != "finalizing":
+        return "expire"
+    return "run"
+
+
+def stop_reason(status: str, now: float, expires_at: float) -> Stop | None:
+    """Checked while lines run: why to stop submitting, if at all."""
+    if status == "cancelling":
+        return "cancel"
+    if now >= expires_at:
+        return "expire"
+    return None
+
+
+def to_submit(pending: int, in_flight: int, window: int) -> int:
+    """How many more lines to submit now: the window bounds queued-or-running jobs of the batch."""
+    return max(0, min(pending, window - in_flight))
+
+
+FINAL_STATUS: dict[Stop, str] = {"done": "completed", "cancel": "cancelled", "expire": "expired"}
+UNRUN_CODE: dict[Stop, str] = {"done": "batch_failed", "cancel": "batch_cancelled", "expire": "batch_expired"}
+"""The error of a line that never got a response, by why the batch stopped."""
+
+
+def page(items: Sequence[T], after: str | None, limit: int, key: Callable[[T], str]) -> tuple[list[T], bool]:
+    """The `limit` items after the one whose key is `after` (from the start when None or unknown),
+    and whether more follow."""
+    limit = max(1, min(limit, 100))
+    start = 0
+    if after is not None:
+        for i, item in enumerate(items):
+            if key(item) == after:
+                start = i + 1
+                break
+    chosen = list(items[start : start + limit])
+    return chosen, start + limit < len(items)

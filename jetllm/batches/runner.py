@@ -1,0 +1,378 @@
+"""The batch runner: takes batches from the batch queue and drains them through the fleet.
+
+A batch is one durable message, held by one runner (in-progress acks) until the batch ends. The
+runner turns lines into detached generate jobs, at most `window` at a time, with request ids
+derived from (batch, line); the request log keeps every line's result. A runner that dies leaves
+the message un-acked: after ack_wait another runner takes it, reads the lines that finished from
+the request log, and submits the rest again under the same ids (a job still queued is dropped as a
+duplicate, one that ran is not run again).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections import deque
+
+import anyio
+import msgspec
+from nats.aio.msg import Msg
+
+from ..errors import JetllmError
+from ..producer import Client
+from ..schemas import BatchIssue, BatchRun, BatchState, ErrorFrame, Record, RequestCounts, Result
+from ..subjects import codec
+from . import plan
+from .lines import BadInput, InputLine, line_request_id, parse_input
+from .openai_lines import response_body, to_request
+from .service import ApiError, BatchService
+
+log = logging.getLogger(__name__)
+_run_decoder = codec.Decoder(BatchRun)
+_record_decoder = codec.KindDecoder(Record)
+_encoder = msgspec.json.Encoder()
+
+STATE_EVERY = 0.5
+"""Seconds between reads of the batch's state (a cancel) and writes of its counts."""
+RESULT_CHECK = 5.0
+"""Seconds between direct reads of a running line's result, behind the live subscription."""
+CANCEL_WAIT = 10.0
+"""Seconds a stopping batch waits for the lines it cancelled to report their end."""
+
+
+def output_files(batch_id: str) -> tuple[str, str]:
+    """Ids of a batch's output and error files: fixed, so a runner that finalizes again after a
+    crash overwrites what an earlier one wrote instead of leaving a second copy."""
+    tail = batch_id.removeprefix("batch_")
+    return f"file-{tail}-output", f"file-{tail}-errors"
+
+
+def counts(total: int, outcomes: dict[int, Result]) -> RequestCounts:
+    ok = sum(1 for r in outcomes.values() if r.final is not None)
+    return RequestCounts(total=total, completed=ok, failed=len(outcomes) - ok)
+
+
+class BatchRunner:
+    def __init__(
+        self,
+        client: Client,
+        service: BatchService,
+        *,
+        window: int = plan.DEFAULT_WINDOW,
+        batches: int = 2,
+        ack_wait: float = plan.DEFAULT_ACK_WAIT,
+        instance: str | None = None,
+    ) -> None:
+        self.client = client
+        self.service = service
+        self.window = max(1, window)
+        self.batches = max(1, batches)
+        self.ack_wait = ack_wait
+        self.instance = instance or f"runner-{uuid.uuid4().hex[:12]}"
+
+    async def serve(self) -> None:
+        """Take batches until cancelled, `batches` at a time."""
+        names = self.service.names
+        sub = await self.client.js.pull_subscribe_bind(
+            durable=names.BATCH_RUNNERS, stream=names.batch_queue_stream
+        )
+        free = anyio.Semaphore(self.batches)
+        try:
+            async with anyio.create_task_group() as tg:
+                while True:
+                    await free.acquire()
+                    try:
+                        msgs = await sub.fetch(1, timeout=2.0)
+                    except Exception:  # nothing queued (a timeout), or the server is away for now
+                        free.release()
+                        continue
+                    tg.start_soon(self._hold, msgs[0], free)
+        finally:
+            with anyio.CancelScope(shield=True):
+                try:
+                    await sub.unsubscribe()
+                except Exception:
+                    pass
+
+    async def _hold(self, msg: Msg, free: anyio.Semaphore) -> None:
+        try:
+            try:
+                batch_id = _run_decoder.decode(msg.data).batch_id
+            except Exception as exc:  # nobody can run it; no message from outside stops the runner
+                log.warning("dropping an unreadable batch message: %s", exc)
+                await msg.term()
+                return
+            failed = False
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._keep_alive, msg)
+                try:
+                    await _HeldBatch(self, batch_id).run()
+                except Exception:
+                    log.exception("batch %s: runner failed; the batch goes back to the queue", batch_id)
+                    failed = True
+                tg.cancel_scope.cancel()
+            try:
+                await (msg.nak(delay=5) if failed else msg.ack())
+            except Exception as exc:  # then it comes back after ack_wait, and is skipped if it ended
+                log.warning(
+                    "batch %s: could not %s its message: %s", batch_id, "nak" if failed else "ack", exc
+                )
+        finally:
+            free.release()
+
+    async def _keep_alive(self, msg: Msg) -> None:
+        while True:
+            await anyio.sleep(self.ack_wait / 3)
+            try:
+                await msg.in_progress()
+            except Exception as exc:  # the next one may pass; after ack_wait the batch moves on
+                log.warning("could not extend the batch message: %s", exc)
+
+
+class _HeldBatch:
+    """One batch held by this runner, from its take to its end."""
+
+    def __init__(self, runner: BatchRunner, batch_id: str) -> None:
+        self.runner = runner
+        self.service = runner.service
+        self.client = runner.client
+        self.id = batch_id
+        self.outcomes: dict[int, Result] = {}
+        self.in_flight: set[int] = set()
+        self.changed = anyio.Event()
+
+    async def run(self) -> None:
+        try:
+            state = await self.service.get(self.id)
+        except ApiError:
+            log.warning("batch %s has no state (deleted?); dropping it", self.id)
+            return
+        action = plan.on_take(state.status, time.time(), state.expires_at)
+        if action == "skip":
+            return
+        try:
+            lines = parse_input(await self.service.content(state.input_file_id), state.endpoint)
+        except (BadInput, ApiError) as exc:
+            await self._fail(exc.message, getattr(exc, "line", None), exc.param)
+            return
+        await self._read_finished(lines)
+        stop: plan.Stop
+        if action == "run":
+            await self.service.update(self.id, self._started(len(lines)))
+            stop = await self._run_lines(lines, state.endpoint)
+        else:
+            stop = action
+            if state.in_progress_at is not None:  # an earlier runner may have left lines queued
+                self.in_flight = {line.line for line in lines if line.line not in self.outcomes}
+                await self._stop_in_flight(wait=False)
+        await self._finalize(lines, state, stop)
+
+    def _started(self, total: int):  # noqa: ANN202
+        now = int(time.time())
+
+        def change(state: BatchState) -> BatchState | None:
+            if state.status not in ("validating", "in_progress"):
+                return None
+            return msgspec.structs.replace(
+                state,
+                status="in_progress",
+                in_progress_at=state.in_progress_at or now,
+                runner=self.runner.instance,
+                request_counts=counts(total, self.outcomes),
+            )
+
+        return change
+
+    async def _read_finished(self, lines: list[InputLine]) -> None:
+        """Results of lines an earlier runner saw finish: read, never run again."""
+        limiter = anyio.Semaphore(32)
+
+        async def one(line: InputLine) -> None:
+            async with limiter:
+                found = await self.client.result(line_request_id(self.id, line.line))
+            if found is not None:
+                self.outcomes[line.line] = found
+
+        async with anyio.create_task_group() as tg:
+            for line in lines:
+                tg.start_soon(one, line)
+        if self.outcomes:
+            log.info("batch %s: %d of %d lines had finished already", self.id, len(self.outcomes), len(lines))
+
+    async def _run_lines(self, lines: list[InputLine], endpoint: str) -> plan.Stop:
+        pending = deque(line for line in lines if line.line not in self.outcomes)
+        last_state = 0.0
+        written = None
+        async with anyio.create_task_group() as tg:
+            while pending or self.in_flight:
+                now = time.monotonic()
+                if now - last_state >= STATE_EVERY:
+                    last_state = now
+                    state = await self.service.get(self.id)
+                    stop = plan.stop_reason(state.status, time.time(), state.expires_at)
+                    if stop is not None:
+                        await self._stop_in_flight()
+                        tg.cancel_scope.cancel()
+                        return stop
+                    now_counts = counts(len(lines), self.outcomes)
+                    if now_counts != written:
+                        await self.service.update(self.id, _with_counts(now_counts))
+                        written = now_counts
+                for _ in range(plan.to_submit(len(pending), len(self.in_flight), self.runner.window)):
+                    line = pending.popleft()
+                    rid = line_request_id(self.id, line.line)
+                    try:
+                        await self.client.submit(to_request(line.body, endpoint, rid))
+                    except JetllmError as exc:  # this line cannot be a job (too big): it fails alone
+                        err = ErrorFrame(seq=1, request_id=rid, code=exc.code, message=exc.message)
+                        self.outcomes[line.line] = Result(attempt=0, error=err)
+                        continue
+                    self.in_flight.add(line.line)
+                    tg.start_soon(self._await, line.line, rid)
+                self.changed = anyio.Event()
+                with anyio.move_on_after(STATE_EVERY):
+                    await self.changed.wait()
+        return "done"
+
+    async def _await(self, line: int, rid: str) -> None:
+        """Until the line's result is in its request log: seen live on the log's subject (no
+        consumer on the server per line), and read directly now and then, for a result stored
+        before the subscription or missed across a reconnect."""
+        found: list[Result] = []
+        ended = anyio.Event()
+
+        async def on_record(msg: Msg) -> None:
+            try:
+                record = _record_decoder.decode(msg.data)
+            except Exception:  # a newer kind of record, or not ours to read
+                return
+            if isinstance(record, Result):
+                found.append(record)
+                ended.set()
+
+        sub = None
+        try:
+            while not found:
+                try:
+                    if sub is None:
+                        sub = await self.client.nc.subscribe(
+                            self.service.names.request_log(rid), cb=on_record
+                        )
+                    stored = await self.client.result(rid)
+                    if stored is not None:
+                        found.append(stored)
+                        break
+                except Exception as exc:  # the server is away for now: the log still has it later
+                    log.info("batch %s: reading %s again after %s", self.id, rid, exc)
+                with anyio.move_on_after(RESULT_CHECK):
+                    await ended.wait()
+        finally:
+            if sub is not None:
+                with anyio.CancelScope(shield=True):
+                    try:
+                        await sub.unsubscribe()
+                    except Exception:
+                        pass
+        self.outcomes[line] = found[0]
+        self.in_flight.discard(line)
+        self.changed.set()
+
+    async def _stop_in_flight(self, wait: bool = True) -> None:
+        """Cancel the lines queued or running; wait a little for their ends to be recorded."""
+        for line in list(self.in_flight):
+            try:
+                await self.client.cancel(line_request_id(self.id, line), reason="batch stopped")
+            except Exception as exc:
+                log.warning("batch %s: could not cancel line %d: %s", self.id, line, exc)
+        with anyio.move_on_after(CANCEL_WAIT if wait else 0):
+            while self.in_flight:
+                self.changed = anyio.Event()
+                await self.changed.wait()
+
+    async def _fail(self, message: str, line: int | None, param: str | None) -> None:
+        now = int(time.time())
+        issue = BatchIssue(code="invalid_input", message=message, param=param, line=line)
+
+        def change(state: BatchState) -> BatchState | None:
+            if state.status in plan.TERMINAL_STATUSES:
+                return None
+            return msgspec.structs.replace(state, status="failed", failed_at=now, errors=[issue])
+
+        await self.service.update(self.id, change)
+
+    async def _finalize(self, lines: list[InputLine], state: BatchState, stop: plan.Stop) -> None:
+        if stop == "done":
+            now = int(time.time())
+            await self.service.update(
+                self.id,
+                lambda s: (
+                    None
+                    if s.status != "in_progress"
+                    else msgspec.structs.replace(s, status="finalizing", finalizing_at=now)
+                ),
+            )
+        out, errors = self._files(lines, state.endpoint, stop)
+        out_id, err_id = output_files(self.id)
+        tail = self.id.removeprefix("batch_")
+        if out:
+            await self.service.upload(b"".join(out), f"batch_{tail}_output.jsonl", "batch_output", out_id)
+        if errors:
+            await self.service.upload(b"".join(errors), f"batch_{tail}_errors.jsonl", "batch_output", err_id)
+        final = counts(len(lines), self.outcomes)
+        final.failed = final.total - final.completed
+        now = int(time.time())
+
+        def change(s: BatchState) -> BatchState | None:
+            if s.status in plan.TERMINAL_STATUSES:
+                return None
+            status = plan.FINAL_STATUS[stop] if s.status != "cancelling" else "cancelled"
+            return msgspec.structs.replace(
+                s,
+                status=status,
+                output_file_id=out_id if out else None,
+                error_file_id=err_id if errors else None,
+                request_counts=final,
+                **{f"{status}_at": now},
+            )
+
+        done = await self.service.update(self.id, change)
+        log.info("batch %s: %s (%d ok, %d failed)", self.id, done.status, final.completed, final.failed)
+
+    def _files(
+        self, lines: list[InputLine], endpoint: str, stop: plan.Stop
+    ) -> tuple[list[bytes], list[bytes]]:
+        """Lines of the output file (responses with status 200) and of the error file (the rest),
+        in input order: every input line is in exactly one of them."""
+        out: list[bytes] = []
+        errors: list[bytes] = []
+        created = int(time.time())
+        for line in lines:
+            rid = line_request_id(self.id, line.line)
+            entry: dict = {
+                "id": f"batch_req_{rid}",
+                "custom_id": line.custom_id,
+                "response": None,
+                "error": None,
+            }
+            result = self.outcomes.get(line.line)
+            if result is None:
+                entry["error"] = {
+                    "code": plan.UNRUN_CODE[stop],
+                    "message": f"the batch stopped ({stop}) first",
+                }
+                errors.append(_encoder.encode(entry) + b"\n")
+                continue
+            status, body = response_body(endpoint, result, str(line.body.get("model")), created)
+            entry["response"] = {"status_code": status, "request_id": rid, "body": body}
+            (out if status == 200 else errors).append(_encoder.encode(entry) + b"\n")
+        return out, errors
+
+
+def _with_counts(c: RequestCounts):  # noqa: ANN202
+    def change(state: BatchState) -> BatchState | None:
+        if state.status != "in_progress":
+            return None
+        return msgspec.structs.replace(state, request_counts=c)
+
+    return change

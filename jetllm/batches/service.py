@@ -1,0 +1,291 @@
+"""Files and batches of one namespace, kept in NATS: what the HTTP endpoints and the CLI call.
+
+Nothing here is held in the process: a file is an object in `<NS>_FILES`, a batch's state an
+entry of `<NS>_BATCHES`, a batch to run a message on the batch queue. Any gateway replica (or
+`jetllm batch`) answers for any file or batch.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+
+import msgspec
+import nats.js.errors
+from nats.js import JetStreamContext
+from nats.js.api import ObjectMeta
+from nats.js.kv import KeyValue
+from nats.js.object_store import ObjectStore
+
+from ..errors import JetllmError
+from ..schemas import TERMINAL_STATUSES, BatchRun, BatchState, ErrorCode, FileMeta
+from ..subjects import codec
+from ..subjects.names import Names
+from ..subjects.setup import ensure_batch_plane
+from . import plan
+from .lines import BadInput, parse_input
+from .openai_lines import ENDPOINTS
+
+DEFAULT_MAX_FILE_BYTES = 100 << 20
+"""Largest upload, 100 MiB: a batch input is read whole by the runner that takes it."""
+
+PURPOSES = ("batch", "batch_output")
+
+
+class ApiError(JetllmError):
+    """An answer the API gives instead of a result: `status` is the HTTP status, `param` the field
+    in OpenAI's terms (`field` too)."""
+
+    code = ErrorCode.INVALID_REQUEST
+    status = 400
+    kind = "invalid_request_error"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message, field=param)
+        self.param = param
+
+
+class NotFound(ApiError):
+    status = 404
+
+
+class Conflict(ApiError):
+    status = 409
+
+
+class TooLarge(ApiError):
+    status = 413
+
+
+_meta_decoder = msgspec.json.Decoder(FileMeta)
+_state_decoder = msgspec.json.Decoder(BatchState)
+
+
+class FileInfo(msgspec.Struct, frozen=True):
+    id: str
+    meta: FileMeta
+
+
+def file_object(f: FileInfo) -> dict:
+    """OpenAI's File object."""
+    m = f.meta
+    return {
+        "id": f.id,
+        "object": "file",
+        "bytes": m.bytes,
+        "created_at": m.created_at,
+        "filename": m.filename,
+        "purpose": m.purpose,
+        "status": "processed",
+        "status_details": None,
+        "expires_at": None,
+    }
+
+
+def batch_object(state: BatchState) -> dict:
+    """OpenAI's Batch object."""
+    out = msgspec.to_builtins(state)
+    out.pop("v", None)
+    out.pop("runner", None)
+    out["object"] = "batch"
+    issues = out.pop("errors", [])
+    out["errors"] = {"object": "list", "data": issues} if issues else None
+    return out
+
+
+class BatchService:
+    def __init__(
+        self, js: JetStreamContext, names: Names, files: ObjectStore, states: KeyValue, **kw: int
+    ) -> None:
+        self.js = js
+        self.names = names
+        self.files = files
+        self.states = states
+        self.max_file_bytes = kw.get("max_file_bytes", DEFAULT_MAX_FILE_BYTES)
+
+    @classmethod
+    async def open(
+        cls,
+        js: JetStreamContext,
+        names: Names,
+        *,
+        ack_wait: float = plan.DEFAULT_ACK_WAIT,
+        max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+        replicas: int | None = None,
+    ) -> BatchService:
+        files, states = await ensure_batch_plane(js, names, ack_wait=ack_wait, replicas=replicas)
+        return cls(js, names, files, states, max_file_bytes=max_file_bytes)
+
+    # files
+
+    async def upload(self, data: bytes, filename: str, purpose: str, file_id: str | None = None) -> FileInfo:
+        if purpose not in PURPOSES:
+            raise ApiError(f"purpose must be one of {', '.join(PURPOSES)}, got {purpose!r}", param="purpose")
+        if len(data) > self.max_file_bytes:
+            raise TooLarge(
+                f"file is {len(data)} bytes; this server takes at most {self.max_file_bytes} "
+                "(--max-file-bytes): split the batch into several files",
+                param="file",
+            )
+        fid = file_id or f"file-{uuid.uuid4().hex[:24]}"
+        meta = FileMeta(filename=filename, purpose=purpose, created_at=int(time.time()), bytes=len(data))
+        await self.files.put(
+            fid, data, meta=ObjectMeta(name=fid, description=msgspec.json.encode(meta).decode())
+        )
+        return FileInfo(fid, meta)
+
+    async def file(self, file_id: str) -> FileInfo:
+        try:
+            info = await self.files.get_info(file_id)
+        except (nats.js.errors.ObjectNotFoundError, nats.js.errors.NotFoundError):
+            raise NotFound(f"no file with id {file_id!r}", param="file_id") from None
+        return FileInfo(file_id, _meta(info.description, info.size or 0))
+
+    async def content(self, file_id: str) -> bytes:
+        try:
+            got = await self.files.get(file_id)
+        except (nats.js.errors.ObjectNotFoundError, nats.js.errors.NotFoundError):
+            raise NotFound(f"no file with id {file_id!r}", param="file_id") from None
+        return bytes(got.data or b"")
+
+    async def list_files(self, purpose: str | None = None) -> list[FileInfo]:
+        """Newest first."""
+        try:
+            infos = await self.files.list(ignore_deletes=True)
+        except nats.js.errors.NotFoundError:
+            return []
+        out = [FileInfo(i.name, _meta(i.description, i.size or 0)) for i in infos if not i.deleted]
+        out = [f for f in out if purpose is None or f.meta.purpose == purpose]
+        return sorted(out, key=lambda f: (f.meta.created_at, f.id), reverse=True)
+
+    async def delete_file(self, file_id: str) -> None:
+        await self.file(file_id)
+        await self.files.delete(file_id)
+
+    # batches
+
+    async def create(
+        self,
+        input_file_id: str,
+        endpoint: str,
+        completion_window: str = "24h",
+        metadata: dict[str, str] | None = None,
+    ) -> BatchState:
+        """Checks the whole input file, stores the batch and queues it for a runner."""
+        if endpoint not in ENDPOINTS:
+            raise ApiError(
+                f"endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}", param="endpoint"
+            )
+        try:
+            window = plan.parse_window(completion_window)
+        except ValueError as exc:
+            raise ApiError(str(exc), param="completion_window") from None
+        if metadata is not None and not (
+            isinstance(metadata, dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
+        ):
+            raise ApiError("metadata must map strings to strings", param="metadata")
+        f = await self.file(input_file_id)
+        if f.meta.purpose != "batch":
+            raise ApiError(
+                f"file {input_file_id} has purpose {f.meta.purpose!r}, not 'batch'", param="input_file_id"
+            )
+        try:
+            lines = parse_input(await self.content(input_file_id), endpoint)
+        except BadInput as exc:
+            raise ApiError(
+                f"input file {input_file_id}: {exc.message}", param=exc.param or "input_file_id"
+            ) from None
+        now = int(time.time())
+        state = BatchState(
+            id=f"batch_{uuid.uuid4().hex}",
+            endpoint=endpoint,
+            input_file_id=input_file_id,
+            completion_window=completion_window,
+            status="validating",
+            created_at=now,
+            expires_at=now + window,
+            metadata=metadata,
+        )
+        state.request_counts.total = len(lines)
+        await self.states.create(self.names.batch_key(state.id), msgspec.json.encode(state))
+        await self.js.publish(
+            self.names.batch_queue(state.id),
+            codec.encode(BatchRun(batch_id=state.id)),
+            headers={"Nats-Msg-Id": state.id},
+        )
+        return state
+
+    async def get(self, batch_id: str) -> BatchState:
+        return (await self._entry(batch_id))[0]
+
+    async def _entry(self, batch_id: str) -> tuple[BatchState, int]:
+        try:
+            entry = await self.states.get(self.names.batch_key(batch_id))
+        except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError, ValueError):
+            raise NotFound(f"no batch with id {batch_id!r}", param="batch_id") from None
+        try:
+            return _state_decoder.decode(entry.value or b""), entry.revision or 0
+        except msgspec.DecodeError as exc:  # written by something else: nothing to run or show
+            raise NotFound(f"batch {batch_id!r} has an unreadable state ({exc})", param="batch_id") from None
+
+    async def list(self, after: str | None = None, limit: int = 20) -> tuple[list[BatchState], bool]:
+        """A page of batches, newest first, starting after the batch `after`; and whether more follow."""
+        try:
+            keys = await self.states.keys()
+        except nats.js.errors.NoKeysError:
+            keys = []
+        states = []
+        for key in keys:
+            try:
+                entry = await self.states.get(key)
+            except nats.js.errors.KeyNotFoundError:
+                continue
+            try:
+                states.append(_state_decoder.decode(entry.value or b""))
+            except msgspec.DecodeError:
+                continue
+        states.sort(key=lambda s: (s.created_at, s.id), reverse=True)
+        return plan.page(states, after, limit, key=lambda s: s.id)
+
+    async def update(self, batch_id: str, change: Callable[[BatchState], BatchState | None]) -> BatchState:
+        """Apply `change` by compare-and-set, again on the newest state when someone wrote between;
+        `change` returning None leaves the state as it is."""
+        while True:
+            state, revision = await self._entry(batch_id)
+            new = change(state)
+            if new is None:
+                return state
+            try:
+                await self.states.update(
+                    self.names.batch_key(batch_id), msgspec.json.encode(new), last=revision
+                )
+                return new
+            except nats.js.errors.KeyWrongLastSequenceError:
+                continue
+
+    async def cancel(self, batch_id: str) -> BatchState:
+        """Marks the batch cancelling; its runner stops it (a batch no runner holds yet is
+        cancelled by the first runner that takes it)."""
+        now = int(time.time())
+
+        def change(state: BatchState) -> BatchState | None:
+            if state.status in ("cancelling", "cancelled"):
+                return None
+            if state.status in TERMINAL_STATUSES or state.status == "finalizing":
+                raise Conflict(
+                    f"batch {batch_id} is {state.status}; only a validating or in_progress batch can be "
+                    "cancelled",
+                    param="batch_id",
+                )
+            return msgspec.structs.replace(state, status="cancelling", cancelling_at=now)
+
+        return await self.update(batch_id, change)
+
+
+def _meta(description: str | None, size: int) -> FileMeta:
+    try:
+        return _meta_decoder.decode(description or "")
+    except msgspec.DecodeError:  # an object someone put there by other means
+        return FileMeta(filename="", purpose="", created_at=0, bytes=size)

@@ -1,0 +1,307 @@
+"""`jetllm bench-batch`: the same lines through the durable batch API and through vLLM's offline
+`LLM.generate`, with the same engine arguments, one after the other.
+
+Offline runs in a child process (vLLM's engine is started and torn down there); the batch API
+runs on an embedded NATS with one `jetllm worker` process and a batch runner in this process.
+Both clocks start when the work is handed over (the prompts to `generate`, the batch to the
+runner) and stop when the last output is in; engine start-up is excluded from both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+
+from ..aio import run
+from ..workers.engine import EngineOptions
+from .workload import Workload
+
+
+class Figures(msgspec.Struct, kw_only=True):
+    label: str
+    lines: int
+    seconds: float
+    output_tokens: int
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds else 0.0
+
+
+def _llm_kwargs(opts: EngineOptions) -> dict:
+    """The worker's engine arguments as keyword arguments of `vllm.LLM` (those set away from
+    vLLM's defaults)."""
+    from vllm import EngineArgs
+
+    from ..workers.engine.args import engine_args
+
+    ours = engine_args(opts)
+    defaults = EngineArgs(model=opts.model)
+    names = {f.name for f in dataclasses.fields(EngineArgs)}
+    kw = {n: getattr(ours, n) for n in names if getattr(ours, n) != getattr(defaults, n)}
+    kw["model"] = opts.model
+    kw.pop("disable_log_stats", None)
+    return kw
+
+
+def offline(opts_json: str, prompts_json: str, output_len: int) -> None:
+    """The child process's part: print the offline figures as one JSON line."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    opts = msgspec.json.decode(opts_json, type=EngineOptions)
+    prompts = json.loads(prompts_json)
+    llm = LLM(**_llm_kwargs(opts))
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, detokenize=False)
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:8]], params, use_tqdm=False)  # warm-up
+    started = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    seconds = time.perf_counter() - started
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    print(
+        msgspec.json.encode(
+            Figures(
+                label="vLLM offline LLM.generate", lines=len(prompts), seconds=seconds, output_tokens=tokens
+            )
+        ).decode(),
+        flush=True,
+    )
+
+
+def run_offline(opts: EngineOptions, prompts: list[list[int]], output_len: int, log: Path) -> Figures:
+    with open(log, "wb") as err:
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "jetllm.bench.batch",
+                msgspec.json.encode(opts).decode(),
+                json.dumps(prompts),
+                str(output_len),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            check=False,
+        )
+    if done.returncode != 0:
+        raise RuntimeError(f"the offline run failed ({done.returncode}); see {log}")
+    mine = [x for x in done.stdout.splitlines() if x.startswith(b'{"label"')]  # vLLM prints too
+    if not mine:
+        raise RuntimeError(f"the offline run printed no figures; see {log}")
+    return msgspec.json.decode(mine[-1], type=Figures)
+
+
+async def run_batch_api(
+    opts: EngineOptions, prompts: list[list[int]], output_len: int, url: str, log_dir: Path, window: int
+) -> list[Figures]:
+    """The batch API, and for scale the same lines streamed through the same worker by one
+    producer (`Client.complete`, `window` at a time): what the plane costs apart from the runner."""
+    from ..batches.openai_lines import COMPLETIONS
+    from ..batches.runner import BatchRunner
+    from ..batches.service import BatchService
+    from ..producer import Client
+    from ..producer.fleet import wait_for_workers
+    from .targets import engine_cli_args
+
+    namespace = f"bb-{uuid.uuid4().hex[:8]}"
+    cmd = [
+        sys.executable,
+        "-m",
+        "jetllm",
+        "worker",
+        "--nats",
+        url,
+        "--namespace",
+        namespace,
+        *engine_cli_args(opts),
+        "--kv-cache-bytes",
+        str(opts.kv_cache_bytes or (1 << 30)),
+        "--slots",
+        str(opts.max_num_seqs or 256),
+        "--no-kv-events",
+    ]
+    log = open(log_dir / "bench-batch-worker.log", "wb")
+    proc = subprocess.Popen(
+        cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
+
+    def body(p: list[int]) -> dict:
+        return {
+            "model": opts.name,
+            "prompt": p,
+            "max_tokens": output_len,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+
+    def jsonl(ps: list[list[int]], tag: str) -> bytes:
+        return b"".join(
+            json.dumps(
+                {"custom_id": f"{tag}-{i}", "method": "POST", "url": COMPLETIONS, "body": body(p)}
+            ).encode()
+            + b"\n"
+            for i, p in enumerate(ps)
+        )
+
+    try:
+        async with Client(url, namespace=namespace, heartbeat_timeout=60) as client:
+            service = await BatchService.open(client.js, client.names)
+            await wait_for_workers(client.nc, client.names, model=opts.name, count=1, timeout=600)
+            runner = BatchRunner(client, service, window=window)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(runner.serve)
+
+                async def one(ps: list[list[int]], tag: str) -> tuple[float, int]:
+                    f = await service.upload(jsonl(ps, tag), f"{tag}.jsonl", "batch")
+                    started = time.perf_counter()
+                    state = await service.create(f.id, COMPLETIONS)
+                    while state.status not in ("completed", "failed", "cancelled", "expired"):
+                        await anyio.sleep(0.05)
+                        state = await service.get(state.id)
+                    seconds = time.perf_counter() - started
+                    if state.status != "completed" or state.output_file_id is None:
+                        raise RuntimeError(f"batch {state.id} ended {state.status}: {state.errors}")
+                    out = (await service.content(state.output_file_id)).splitlines()
+                    tokens = sum(json.loads(x)["response"]["body"]["usage"]["completion_tokens"] for x in out)
+                    return seconds, tokens
+
+                await one(prompts[:8], "warmup")
+                streamed = await _streamed(client, prompts, window, body)
+                seconds, tokens = await one(prompts, "measured")
+                tg.cancel_scope.cancel()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+    return [
+        streamed,
+        Figures(label="jetllm batch API", lines=len(prompts), seconds=seconds, output_tokens=tokens),
+    ]
+
+
+async def _streamed(client: Any, prompts: list[list[int]], window: int, body: Any) -> Figures:
+    from ..batches.openai_lines import COMPLETIONS, to_request
+
+    limiter = anyio.Semaphore(window)
+    tokens = 0
+    run_id = uuid.uuid4().hex[:8]
+
+    async def one(i: int) -> None:
+        nonlocal tokens
+        async with limiter:
+            done = await client.complete(to_request(body(prompts[i]), COMPLETIONS, f"s-{run_id}-{i}"))
+            tokens += done.usage.completion_tokens
+
+    started = time.perf_counter()
+    async with anyio.create_task_group() as tg:
+        for i in range(len(prompts)):
+            tg.start_soon(one, i)
+    label = f"jetllm, streamed by one producer ({window} in flight)"
+    return Figures(
+        label=label, lines=len(prompts), seconds=time.perf_counter() - started, output_tokens=tokens
+    )
+
+
+def cmd_bench_batch(args: argparse.Namespace) -> int:
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from .. import tinymodel
+    from ..cli.common import TINY_MODEL_NAME
+    from ..natsserver import NatsServer
+    from .run import section_marks, write_section
+
+    model, served = args.model, None
+    if model is None:
+        model, served = str(tinymodel.ensure()), TINY_MODEL_NAME
+    opts = EngineOptions(
+        model=model,
+        served_model_name=served,
+        max_model_len=args.max_model_len,
+        dtype=args.dtype or "float32",
+        kv_cache_bytes=args.kv_cache_bytes,
+        max_num_seqs=args.max_num_seqs,
+        enforce_eager=True,
+    )
+    vocab = int(json.loads((Path(model) / "config.json").read_text()).get("vocab_size", 500))
+    prompts = Workload(
+        requests=args.lines, concurrency=1, prompt_len=args.prompt_len, output_len=args.output_len
+    ).prompts(vocab)
+    log_dir = Path(tempfile.mkdtemp(prefix="jetllm-bench-batch-"))
+    rows = [run_offline(opts, prompts, args.output_len, log_dir / "offline.log")]
+    with NatsServer(log_dir / "nats") as server:
+        rows.extend(
+            run(
+                run_batch_api,
+                opts,
+                prompts,
+                args.output_len,
+                server.url,
+                log_dir,
+                args.batch_window or opts.max_num_seqs or 256,
+            )
+        )
+    command = "jetllm bench-batch " + " ".join(sys.argv[2:])
+    text = report(rows, args, command)
+    print("\n" + text)
+    if args.write:
+        write_section(Path(args.write), text, section_marks("bench-batch"))
+    print(f"(logs in {log_dir})", file=sys.stderr)
+    return 0
+
+
+def report(rows: list[Figures], args: argparse.Namespace, command: str) -> str:
+    base = rows[0].tokens_per_second
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    lines = [
+        f"Measured {when} on {os.cpu_count()} CPUs.",
+        "",
+        f"`{command}`: {args.lines} lines, {args.prompt_len}-token prompts, {args.output_len} tokens each "
+        f"(greedy, ignore_eos), max_num_seqs {args.max_num_seqs}.",
+        "",
+        "| target | seconds | output tokens/s | vs offline |",
+        "|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        ratio = r.tokens_per_second / base if base else 0.0
+        lines.append(f"| {r.label} | {r.seconds:.1f} | {r.tokens_per_second:,.0f} | {ratio:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench-batch",
+        help="throughput: the durable batch API vs vLLM's offline LLM.generate",
+        description="Run the same lines through vLLM's offline LLM.generate and through the batch API "
+        "(embedded NATS, one worker, one batch runner) with the same engine arguments; report tokens/s.",
+    )
+    p.add_argument("--lines", type=int, default=512, help="lines in the batch")
+    p.add_argument("--prompt-len", type=int, default=30, help="tokens per prompt (random ids)")
+    p.add_argument("--output-len", type=int, default=64, help="tokens generated per line (ignore_eos)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="engine argument, both targets")
+    p.add_argument("--max-model-len", type=int, default=1024, help="engine argument, both targets")
+    p.add_argument("--kv-cache-bytes", type=int, default=1 << 30, help="engine argument, both targets")
+    p.add_argument("--dtype", default=None, help="engine argument (default: float32)")
+    p.add_argument("--model", default=None, help="default: the tiny model")
+    p.add_argument("--batch-window", type=int, default=None, help="default: --max-num-seqs")
+    p.add_argument(
+        "--write", default=None, help="put the table into this markdown file (bench-batch section)"
+    )
+    p.set_defaults(func=cmd_bench_batch)
+
+
+if __name__ == "__main__":
+    offline(sys.argv[1], sys.argv[2], int(sys.argv[3]))

@@ -1,0 +1,70 @@
+"""`/v1/batches`: create, retrieve, list (paged), cancel; state in NATS, run by batch runners."""
+
+from __future__ import annotations
+
+import json
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ..batches.service import ApiError, BatchService, batch_object
+from .api_errors import answers_errors
+
+
+async def _json(request: Request) -> dict:
+    try:
+        body = json.loads(await request.body() or b"null")
+    except ValueError as exc:
+        raise ApiError(f"the request body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    return body
+
+
+def routes(service: BatchService) -> list[Route]:
+    @answers_errors
+    async def create(request: Request) -> Response:
+        body = await _json(request)
+        for name in ("input_file_id", "endpoint"):
+            if not isinstance(body.get(name), str):
+                raise ApiError(f"{name} is required (a string)", param=name)
+        state = await service.create(
+            body["input_file_id"],
+            body["endpoint"],
+            body.get("completion_window", "24h"),
+            body.get("metadata"),
+        )
+        return JSONResponse(batch_object(state))
+
+    @answers_errors
+    async def retrieve(request: Request) -> Response:
+        return JSONResponse(batch_object(await service.get(request.path_params["batch_id"])))
+
+    @answers_errors
+    async def list_batches(request: Request) -> Response:
+        limit_text = request.query_params.get("limit", "20")
+        if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
+            raise ApiError("limit must be an integer from 1 to 100", param="limit")
+        states, more = await service.list(request.query_params.get("after"), int(limit_text))
+        data = [batch_object(s) for s in states]
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": data,
+                "has_more": more,
+                "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None,
+            }
+        )
+
+    @answers_errors
+    async def cancel(request: Request) -> Response:
+        return JSONResponse(batch_object(await service.cancel(request.path_params["batch_id"])))
+
+    return [
+        Route("/v1/batches", create, methods=["POST"]),
+        Route("/v1/batches", list_batches, methods=["GET"]),
+        Route("/v1/batches/{batch_id}", retrieve, methods=["GET"]),
+        Route("/v1/batches/{batch_id}/cancel", cancel, methods=["POST"]),
+    ]

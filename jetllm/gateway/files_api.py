@@ -1,0 +1,71 @@
+"""`/v1/files`: upload (multipart), list, retrieve, content, delete; the files live in NATS."""
+
+from __future__ import annotations
+
+from starlette.datastructures import UploadFile
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ..batches.service import ApiError, BatchService, TooLarge, file_object
+from .api_errors import answers_errors
+
+
+def routes(service: BatchService) -> list[Route]:
+    @answers_errors
+    async def upload(request: Request) -> Response:
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > service.max_file_bytes + (64 << 10):
+            raise TooLarge(
+                f"upload is {size} bytes; this server takes files of at most {service.max_file_bytes} bytes "
+                "(--max-file-bytes): split the batch into several files",
+                param="file",
+            )
+        async with request.form(max_files=1, max_fields=8, max_part_size=service.max_file_bytes + 1) as form:
+            file = form.get("file")
+            purpose = form.get("purpose")
+            if not isinstance(file, UploadFile):
+                raise ApiError("a multipart field `file` holding the file is required", param="file")
+            if not isinstance(purpose, str):
+                raise ApiError('the multipart field `purpose` is required ("batch")', param="purpose")
+            data = await file.read(service.max_file_bytes + 1)
+            info = await service.upload(data, file.filename or "upload.jsonl", purpose)
+        return JSONResponse(file_object(info))
+
+    @answers_errors
+    async def list_files(request: Request) -> Response:
+        purpose = request.query_params.get("purpose")
+        files = await service.list_files(purpose)
+        data = [file_object(f) for f in files]
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": data,
+                "has_more": False,
+                "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None,
+            }
+        )
+
+    @answers_errors
+    async def retrieve(request: Request) -> Response:
+        return JSONResponse(file_object(await service.file(request.path_params["file_id"])))
+
+    @answers_errors
+    async def content(request: Request) -> Response:
+        data = await service.content(request.path_params["file_id"])
+        return Response(data, media_type="application/octet-stream")
+
+    @answers_errors
+    async def delete(request: Request) -> Response:
+        file_id = request.path_params["file_id"]
+        await service.delete_file(file_id)
+        return JSONResponse({"id": file_id, "object": "file", "deleted": True})
+
+    return [
+        Route("/v1/files", upload, methods=["POST"]),
+        Route("/v1/files", list_files, methods=["GET"]),
+        Route("/v1/files/{file_id}", retrieve, methods=["GET"]),
+        Route("/v1/files/{file_id}", delete, methods=["DELETE"]),
+        Route("/v1/files/{file_id}/content", content, methods=["GET"]),
+    ]

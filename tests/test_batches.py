@@ -1,0 +1,444 @@
+"""OpenAI-style files and batches on the light test engine: the endpoints through the real
+`openai` SDK, the runner's decisions as tables, and a runner SIGKILLed mid-batch."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import anyio
+import httpx
+import openai
+import pytest
+from starlette.applications import Starlette
+
+from jetllm.batches import plan
+from jetllm.batches.lines import BadInput, line_request_id, parse_input
+from jetllm.batches.openai_lines import CHAT, COMPLETIONS, BadBody, to_request
+from jetllm.batches.runner import BatchRunner
+from jetllm.batches.service import BatchService
+from jetllm.gateway import batches_api, files_api
+from jetllm.producer import Client
+from jetllm.schemas import ChatPrompt, TextPrompt, TokensPrompt
+
+from .conftest import inproc_worker
+from .fake_engine import FakeEngine
+
+ROOT = Path(__file__).resolve().parent.parent
+ACK_WAIT = 2.0
+
+pytestmark = pytest.mark.anyio
+
+
+def chat_line(i: int, model: str = "fake", **extra) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": f"line {i}"}], "max_tokens": 6, **extra}
+    return {"custom_id": f"req-{i}", "method": "POST", "url": CHAT, "body": body}
+
+
+def jsonl(lines: list[dict]) -> bytes:
+    return b"".join(json.dumps(x).encode() + b"\n" for x in lines)
+
+
+# the runner's decisions
+
+
+@pytest.mark.parametrize(
+    "status, now, expires, action",
+    [
+        ("validating", 10, 100, "run"),
+        ("in_progress", 10, 100, "run"),  # a runner died: resume
+        ("finalizing", 10, 100, "run"),  # died while writing the files: write them again
+        ("finalizing", 200, 100, "run"),  # every line ran; expiry no longer applies
+        ("cancelling", 10, 100, "cancel"),
+        ("in_progress", 100, 100, "expire"),
+        ("validating", 200, 100, "expire"),
+        ("completed", 10, 100, "skip"),
+        ("failed", 10, 100, "skip"),
+        ("cancelled", 10, 100, "skip"),
+        ("expired", 200, 100, "skip"),
+    ],
+)
+def test_what_a_runner_does_with_a_batch_it_takes(status, now, expires, action):
+    assert plan.on_take(status, now, expires) == action
+
+
+@pytest.mark.parametrize(
+    "status, now, expires, stop",
+    [("in_progress", 1, 2, None), ("cancelling", 1, 2, "cancel"), ("in_progress", 2, 2, "expire")],
+)
+def test_why_a_running_batch_stops(status, now, expires, stop):
+    assert plan.stop_reason(status, now, expires) == stop
+
+
+@pytest.mark.parametrize(
+    "pending, in_flight, window, submit",
+    [(100, 0, 8, 8), (100, 8, 8, 0), (100, 5, 8, 3), (2, 0, 8, 2), (0, 3, 8, 0), (5, 9, 8, 0)],
+)
+def test_the_window_bounds_the_jobs_of_a_batch_in_the_queue(pending, in_flight, window, submit):
+    assert plan.to_submit(pending, in_flight, window) == submit
+
+
+@pytest.mark.parametrize(
+    "text, seconds", [("24h", 86400), ("1h", 3600), ("90m", 5400), ("5s", 5), ("168h", 604800)]
+)
+def test_completion_windows(text, seconds):
+    assert plan.parse_window(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "24", "0h", "1d", "169h", "-1h", "24 h"])
+def test_bad_completion_windows_are_refused_naming_the_form(text):
+    with pytest.raises(ValueError, match="24h"):
+        plan.parse_window(text)
+
+
+@pytest.mark.parametrize(
+    "after, limit, ids, more",
+    [
+        (None, 2, ["a", "b"], True),
+        ("b", 2, ["c", "d"], True),
+        ("d", 2, ["e"], False),
+        (None, 10, list("abcde"), False),
+    ],
+)
+def test_pages(after, limit, ids, more):
+    assert plan.page(list("abcde"), after, limit, key=lambda x: x) == (ids, more)
+
+
+def test_line_request_ids_are_fixed_per_line_and_valid_request_ids():
+    rid = line_request_id("batch_0123abcd", 17)
+    assert rid == line_request_id("batch_0123abcd", 17) != line_request_id("batch_0123abcd", 18)
+    to_request({"model": "m", "prompt": "x"}, COMPLETIONS, rid)  # passes the RequestId pattern
+
+
+# input lines and their translation
+
+
+@pytest.mark.parametrize(
+    "body, url, prompt_type, max_tokens",
+    [
+        ({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, CHAT, ChatPrompt, None),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
+            CHAT,
+            ChatPrompt,
+            None,
+        ),
+        ({"model": "m", "prompt": "hi", "max_tokens": 5}, COMPLETIONS, TextPrompt, 5),
+        ({"model": "m", "prompt": ["hi"], "max_completion_tokens": 7}, COMPLETIONS, TextPrompt, 7),
+        ({"model": "m", "prompt": [1, 2, 3]}, COMPLETIONS, TokensPrompt, None),
+    ],
+)
+def test_line_bodies_become_jobs(body, url, prompt_type, max_tokens):
+    req = to_request(body, url, "r-1")
+    assert isinstance(req.prompt, prompt_type)
+    assert req.stop.max_tokens == max_tokens
+    assert req.reply_to is None  # detached: the result is read from the request log
+
+
+def test_sampling_fields_are_carried():
+    body = {"model": "m", "prompt": "x", "temperature": 0.5, "top_p": 0.9, "seed": 3, "stop": "\n"}
+    req = to_request(body, COMPLETIONS, "r-1")
+    assert (req.sampling.temperature, req.sampling.top_p, req.sampling.seed) == (0.5, 0.9, 3)
+    assert req.stop.stop == ["\n"]
+
+
+@pytest.mark.parametrize(
+    "body, url, param",
+    [
+        ({"messages": [{"role": "user", "content": "x"}]}, CHAT, "body.model"),
+        ({"model": "m"}, CHAT, "body.messages"),
+        ({"model": "m", "prompt": ""}, COMPLETIONS, "body.prompt"),
+        ({"model": "m", "prompt": "x", "n": 2}, COMPLETIONS, "body.n"),
+        ({"model": "m", "prompt": "x", "temperature": 9}, COMPLETIONS, "body.temperature"),
+        ({"model": "m", "prompt": "x", "max_tokens": 0}, COMPLETIONS, "body.max_tokens"),
+        ({"model": "m", "prompt": "x", "logit_bias": {}}, COMPLETIONS, "body.logit_bias"),
+        ({"model": "m", "prompt": "x"}, "/v1/embeddings", "url"),
+    ],
+)
+def test_bodies_that_cannot_run_name_the_field(body, url, param):
+    with pytest.raises(BadBody) as info:
+        to_request(body, url, "r-1")
+    assert info.value.param == param
+
+
+@pytest.mark.parametrize(
+    "content, line, param",
+    [
+        (jsonl([chat_line(1)]) + b"{not json\n", 2, None),
+        (jsonl([chat_line(1), chat_line(2), chat_line(1)]), 3, "custom_id"),
+        (jsonl([chat_line(1), {**chat_line(2), "method": "GET"}]), 2, "method"),
+        (jsonl([{**chat_line(1), "url": COMPLETIONS}]), 1, "url"),
+        (jsonl([chat_line(1), {k: v for k, v in chat_line(2).items() if k != "custom_id"}]), 2, "custom_id"),
+        (jsonl([chat_line(1), chat_line(2, temperature=5)]), 2, "body.temperature"),
+        (jsonl([chat_line(1)]) + b"\n" + jsonl([chat_line(3, model="")]), 3, "body.model"),
+    ],
+)
+def test_a_bad_input_file_names_its_first_bad_line(content, line, param):
+    with pytest.raises(BadInput) as info:
+        parse_input(content, CHAT)
+    assert info.value.line == line
+    assert f"line {line}" in info.value.message
+    assert info.value.param == param
+
+
+# the endpoints, through the OpenAI SDK
+
+
+@pytest.fixture
+async def api(nats_url, namespace):
+    async with Client(nats_url, namespace=namespace, heartbeat_timeout=10) as client:
+        service = await BatchService.open(client.js, client.names, ack_wait=ACK_WAIT, max_file_bytes=64 << 10)
+        app = Starlette(routes=files_api.routes(service) + batches_api.routes(service))
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as http:
+            sdk = openai.AsyncOpenAI(
+                base_url="http://gateway/v1", api_key="none", http_client=http, max_retries=0
+            )
+            yield sdk, client, service
+
+
+async def test_files_crud_with_the_openai_sdk(api):
+    sdk, _, _ = api
+    content = jsonl([chat_line(i) for i in range(3)])
+    up = await sdk.files.create(file=("in.jsonl", content), purpose="batch")
+    assert (up.filename, up.purpose, up.bytes, up.object) == ("in.jsonl", "batch", len(content), "file")
+    other = await sdk.files.create(file=("b.jsonl", b'{"x": 1}\n'), purpose="batch")
+    listed = [f.id async for f in sdk.files.list()]
+    assert set(listed) == {up.id, other.id}
+    assert listed[0] == other.id or listed == sorted(listed, reverse=True)  # newest first
+    assert (await sdk.files.retrieve(up.id)).bytes == len(content)
+    assert (await sdk.files.content(up.id)).content == content
+    deleted = await sdk.files.delete(up.id)
+    assert deleted.deleted and deleted.id == up.id
+    with pytest.raises(openai.NotFoundError, match=up.id):
+        await sdk.files.retrieve(up.id)
+    with pytest.raises(openai.NotFoundError):
+        await sdk.files.content(up.id)
+    assert [f.id async for f in sdk.files.list()] == [other.id]
+
+
+async def test_uploads_are_bounded_and_need_a_known_purpose(api):
+    sdk, _, _ = api
+    with pytest.raises(openai.APIStatusError) as info:
+        await sdk.files.create(file=("big.jsonl", b"x" * (65 << 10)), purpose="batch")
+    assert info.value.status_code == 413
+    assert "--max-file-bytes" in info.value.message
+    with pytest.raises(openai.BadRequestError, match="purpose"):
+        await sdk.files.create(file=("a.jsonl", b"{}"), purpose="fine-tune")
+
+
+async def test_a_bad_input_file_is_refused_at_creation_naming_the_line(api):
+    sdk, _, _ = api
+    f = await sdk.files.create(
+        file=("in.jsonl", jsonl([chat_line(1), chat_line(2), chat_line(1)])), purpose="batch"
+    )
+    with pytest.raises(openai.BadRequestError) as info:
+        await sdk.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+    assert "line 3" in info.value.message and "req-1" in info.value.message
+    assert info.value.body["param"] == "custom_id"
+    with pytest.raises(openai.BadRequestError, match="completion_window"):
+        await sdk.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="1 day")  # type: ignore[arg-type]
+    with pytest.raises(openai.NotFoundError, match="file-nope"):
+        await sdk.batches.create(input_file_id="file-nope", endpoint=CHAT, completion_window="24h")
+    assert (await sdk.batches.list()).data == []
+
+
+async def test_batches_create_retrieve_list_and_cancel_without_a_runner(api):
+    sdk, _, _ = api
+    f = await sdk.files.create(file=("in.jsonl", jsonl([chat_line(i) for i in range(4)])), purpose="batch")
+    created = [
+        await sdk.batches.create(
+            input_file_id=f.id, endpoint=CHAT, completion_window="24h", metadata={"n": str(i)}
+        )
+        for i in range(3)
+    ]
+    first = created[0]
+    assert first.status == "validating" and first.request_counts.total == 4
+    assert first.metadata == {"n": "0"} and first.expires_at == first.created_at + 86400
+    got = await sdk.batches.retrieve(first.id)
+    assert (got.id, got.input_file_id, got.endpoint) == (first.id, f.id, CHAT)
+    page = await sdk.batches.list(limit=2)
+    assert len(page.data) == 2 and page.has_more
+    everything = [b.id async for b in sdk.batches.list(limit=2)]  # the SDK follows `after`
+    assert sorted(everything) == sorted(b.id for b in created)
+    cancelled = await sdk.batches.cancel(first.id)
+    assert cancelled.status == "cancelling" and cancelled.cancelling_at
+    assert (await sdk.batches.cancel(first.id)).status == "cancelling"  # again: no change
+    with pytest.raises(openai.NotFoundError):
+        await sdk.batches.retrieve("batch_0000000000")
+
+
+def counting_engine(**kw) -> FakeEngine:
+    engine = FakeEngine(**kw)
+    engine.calls = Counter()  # type: ignore[attr-defined]
+    generate = engine.generate
+
+    def counted(req, *args, **kwargs):
+        engine.calls[req.request_id] += 1  # type: ignore[attr-defined]
+        return generate(req, *args, **kwargs)
+
+    engine.generate = counted  # type: ignore[method-assign]
+    return engine
+
+
+async def wait_status(sdk, batch_id: str, statuses: set[str], timeout: float = 60):
+    with anyio.fail_after(timeout):
+        while True:
+            b = await sdk.batches.retrieve(batch_id)
+            if b.status in statuses:
+                return b
+            await anyio.sleep(0.1)
+
+
+async def test_a_batch_runs_on_the_fleet_and_writes_openai_output_and_error_files(api, nats_url, namespace):
+    sdk, client, service = api
+    lines = [chat_line(i) for i in range(12)]
+    lines[4] = chat_line(4, model="fake", max_tokens=1000)  # longer than the fake engine's context: fails
+    f = await sdk.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+    await client.js.publish(client.names.batch_queue("junk"), b"\x00not a batch")  # dropped, not fatal
+    batch = await sdk.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+    engine = counting_engine(max_model_len=256)
+    async with inproc_worker(nats_url, engine, namespace=namespace, slots=4), anyio.create_task_group() as tg:
+        runner = BatchRunner(client, service, window=3, ack_wait=ACK_WAIT)
+        tg.start_soon(runner.serve)
+        done = await wait_status(sdk, batch.id, {"completed", "failed"})
+        tg.cancel_scope.cancel()
+    assert done.status == "completed", done.errors
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (
+        12,
+        11,
+        1,
+    )
+    assert done.in_progress_at and done.finalizing_at and done.completed_at
+    out = [json.loads(x) for x in (await sdk.files.content(done.output_file_id)).content.splitlines()]
+    errors = [json.loads(x) for x in (await sdk.files.content(done.error_file_id)).content.splitlines()]
+    assert [x["custom_id"] for x in out] == [f"req-{i}" for i in range(12) if i != 4]  # input order
+    first = out[0]
+    assert first["error"] is None and first["response"]["status_code"] == 200
+    assert first["response"]["request_id"] == line_request_id(batch.id, 1)
+    body = first["response"]["body"]
+    assert body["object"] == "chat.completion" and body["model"] == "fake"
+    assert body["choices"][0]["message"]["role"] == "assistant" and body["choices"][0]["message"]["content"]
+    assert body["usage"]["completion_tokens"] == 6
+    assert [x["custom_id"] for x in errors] == ["req-4"]
+    assert errors[0]["response"]["status_code"] == 400
+    assert errors[0]["response"]["body"]["error"]["code"] == "context_length_exceeded"
+    output_meta = await sdk.files.retrieve(done.output_file_id)
+    assert output_meta.purpose == "batch_output"
+    assert max(engine.calls.values()) == 1
+
+
+async def test_cancel_stops_new_lines_and_keeps_what_finished(api, nats_url, namespace):
+    sdk, client, service = api
+    f = await sdk.files.create(file=("in.jsonl", jsonl([chat_line(i) for i in range(40)])), purpose="batch")
+    batch = await sdk.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+    engine = counting_engine(step_delay=0.05)
+    async with inproc_worker(nats_url, engine, namespace=namespace, slots=2), anyio.create_task_group() as tg:
+        tg.start_soon(BatchRunner(client, service, window=2, ack_wait=ACK_WAIT).serve)
+        with anyio.fail_after(30):
+            while (await sdk.batches.retrieve(batch.id)).request_counts.completed < 2:
+                await anyio.sleep(0.05)
+        await sdk.batches.cancel(batch.id)
+        done = await wait_status(sdk, batch.id, {"cancelled"})
+        tg.cancel_scope.cancel()
+    c = done.request_counts
+    assert c.total == 40 and 2 <= c.completed < 40 and c.completed + c.failed == 40
+    assert len(engine.calls) < 40  # lines after the cancel never ran
+    out = (await sdk.files.content(done.output_file_id)).content.splitlines()
+    errors = [json.loads(x) for x in (await sdk.files.content(done.error_file_id)).content.splitlines()]
+    assert len(out) + len(errors) == 40  # every line once, in one file or the other
+    assert errors[-1]["error"]["code"] == "batch_cancelled" and errors[-1]["response"] is None
+
+
+async def test_a_batch_past_its_window_expires(api, nats_url, namespace):
+    sdk, client, service = api
+    f = await sdk.files.create(file=("in.jsonl", jsonl([chat_line(i) for i in range(30)])), purpose="batch")
+    batch = await sdk.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="2s")  # type: ignore[arg-type]
+    async with inproc_worker(nats_url, FakeEngine(step_delay=0.05), namespace=namespace, slots=1):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(BatchRunner(client, service, window=1, ack_wait=ACK_WAIT).serve)
+            done = await wait_status(sdk, batch.id, {"expired", "completed"})
+            tg.cancel_scope.cancel()
+    assert done.status == "expired" and done.expired_at
+    errors = [json.loads(x) for x in (await sdk.files.content(done.error_file_id)).content.splitlines()]
+    assert errors[-1]["error"]["code"] == "batch_expired"
+    assert done.request_counts.completed < 30
+
+
+def start_runner(nats_url: str, namespace: str, log: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "jetllm", "batch-runner", "--nats", nats_url, "--namespace", namespace, *args],
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        start_new_session=True,
+    )
+
+
+async def test_a_runner_killed_mid_batch_is_replaced_and_no_line_runs_twice(
+    api, nats_url, namespace, tmp_path
+):
+    sdk, _, _ = api
+    n = 40
+    f = await sdk.files.create(file=("in.jsonl", jsonl([chat_line(i) for i in range(n)])), purpose="batch")
+    batch = await sdk.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+    engine = counting_engine(step_delay=0.03)
+    flags = ("--batch-window", "4", "--batch-ack-wait", str(ACK_WAIT))
+    runners = []
+    try:
+        async with inproc_worker(nats_url, engine, namespace=namespace, slots=4):
+            runners.append(start_runner(nats_url, namespace, tmp_path / "runner0.log", *flags))
+            with anyio.fail_after(60):
+                while (await sdk.batches.retrieve(batch.id)).request_counts.completed < 8:
+                    await anyio.sleep(0.05)
+            os.killpg(runners[0].pid, signal.SIGKILL)
+            runners[0].wait()
+            before = (await sdk.batches.retrieve(batch.id)).request_counts.completed
+            runners.append(start_runner(nats_url, namespace, tmp_path / "runner1.log", *flags))
+            done = await wait_status(sdk, batch.id, {"completed", "failed"}, timeout=90)
+    finally:
+        for p in runners:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    log1 = (tmp_path / "runner1.log").read_text()
+    assert done.status == "completed", log1
+    assert before < n
+    assert done.request_counts.completed == n
+    out = [json.loads(x) for x in (await sdk.files.content(done.output_file_id)).content.splitlines()]
+    assert [x["custom_id"] for x in out] == [f"req-{i}" for i in range(n)]
+    assert len(engine.calls) == n and set(engine.calls.values()) == {1}  # every line ran exactly once
+    assert "had finished already" in log1
+
+
+async def test_jetllm_batch_detaches_follows_and_downloads(api, nats_url, namespace, tmp_path):
+    _, client, service = api
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(jsonl([chat_line(i) for i in range(5)]))
+    base = [sys.executable, "-m", "jetllm", "batch", "--nats", nats_url, "--namespace", namespace]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    detached = await anyio.run_process([*base, "--detach", str(src)], cwd=ROOT, env=env)
+    batch_id = detached.stdout.decode().strip()
+    assert batch_id.startswith("batch_")
+    async with (
+        inproc_worker(nats_url, FakeEngine(), namespace=namespace, slots=4),
+        anyio.create_task_group() as tg,
+    ):
+        tg.start_soon(BatchRunner(client, service, ack_wait=ACK_WAIT).serve)
+        followed = await anyio.run_process([*base, "--follow", batch_id, "--progress"], cwd=ROOT, env=env)
+        tg.cancel_scope.cancel()
+    err = followed.stderr.decode()
+    assert "5/5 lines" in err and "completed; 5 completed, 0 failed of 5" in err
+    out = tmp_path / "out.jsonl"
+    await anyio.run_process([*base, "--download", batch_id, str(out)], cwd=ROOT, env=env)
+    assert [json.loads(x)["custom_id"] for x in out.read_text().splitlines()] == [
+        f"req-{i}" for i in range(5)
+    ]
+    missing = await anyio.run_process([*base, "--follow", "batch_0000000000"], cwd=ROOT, env=env, check=False)
+    assert missing.returncode == 1 and "no batch with id" in missing.stderr.decode()
