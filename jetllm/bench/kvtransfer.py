@@ -22,7 +22,8 @@ import anyio
 import msgspec
 
 from ..kvtransfer import blockfile
-from ..kvtransfer.transport import Incoming, chunk_size, chunks, fetch_blocks, publish_blocks, remove_blocks
+from ..kvtransfer.chunking import blocks_per_message, chunk_size, chunks
+from ..kvtransfer.transport import Incoming, fetch_blocks, publish_blocks, remove_blocks
 from ..schemas.disagg import KvBlocksHeader, KvLayer, Prefilled
 from ..subjects.connection import connect
 from ..subjects.names import Names
@@ -47,7 +48,9 @@ async def plain(url: str, data: memoryview, block_bytes: int, num_blocks: int) -
     pub, sub_nc = await connect(url, name="bench-plain-pub"), await connect(url, name="bench-plain-sub")
     try:
         subject = f"bench.plain.{uuid.uuid4().hex}"
-        pieces = [bytes(p) for p in chunks(data, block_bytes, num_blocks, chunk_size(pub.max_payload))]
+        chunk = chunk_size(pub.max_payload)
+        per_message = blocks_per_message(block_bytes, chunk, packed=True)
+        pieces = [bytes(p) for p in chunks(data, block_bytes, num_blocks, chunk, per_message)]
         got = anyio.Event()
         seen = [0]
 
@@ -76,11 +79,12 @@ async def through_jetllm(url: str, names: Names, src: Path, work: Path) -> float
     prefill, decode = await connect(url, name="bench-prefill"), await connect(url, name="bench-decode")
     try:
         transfer = uuid.uuid4().hex
-        incoming = await Incoming.open(decode, names, transfer, max_bytes=1 << 40)
+        dest = work / f"{transfer}.kv"
+        incoming = await Incoming.open(decode, names, transfer, max_bytes=1 << 40, dest=dest, packed=True)
         answers = await decode.subscribe(f"bench.answer.{transfer}", max_msgs=1)
         await decode.flush()
         started = time.perf_counter()
-        pub = await publish_blocks(prefill, names, transfer, src)
+        pub = await publish_blocks(prefill, names, transfer, src, packed=True)
         done = Prefilled(
             request_id="bench",
             transfer_id=transfer,
@@ -88,13 +92,13 @@ async def through_jetllm(url: str, names: Names, src: Path, work: Path) -> float
             header=pub.header,
             checksums=pub.checksums,
             chunk_bytes=pub.chunk_bytes,
+            blocks_per_message=pub.blocks_per_message,
             messages=pub.messages,
             expires_at=time.time() + 600,
         )
         await prefill.publish(f"bench.answer.{transfer}", msgspec.msgpack.encode(done))
         msg = await answers.next_msg(timeout=600)
         done = msgspec.msgpack.decode(msg.data, type=Prefilled)
-        dest = work / f"{transfer}.kv"
         await fetch_blocks(decode, names, done, dest, timeout=600, incoming=incoming)
         seconds = time.perf_counter() - started
         await incoming.close()

@@ -116,7 +116,9 @@ class PrefillRole(Role):
             job.stage = "publishing its KV blocks"
             started = time.monotonic()
             try:
-                pub = await publish_blocks(self._ctx.nc, self._ctx.names, req.transfer_id, path)
+                pub = await publish_blocks(
+                    self._ctx.nc, self._ctx.names, req.transfer_id, path, packed=req.packed
+                )
             except TransferFailed as exc:
                 raise RequestRejected(ErrorCode.KV_TRANSFER_FAILED, str(exc)) from None
             publish_ms = (time.monotonic() - started) * 1000
@@ -139,6 +141,7 @@ class PrefillRole(Role):
                 header=pub.header,
                 checksums=pub.checksums,
                 chunk_bytes=pub.chunk_bytes,
+                blocks_per_message=pub.blocks_per_message,
                 messages=pub.messages,
                 expires_at=time.time() + self._settings.kv_ttl,
                 prefill_ms=prefill_ms,

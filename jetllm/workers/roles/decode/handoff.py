@@ -97,9 +97,13 @@ class RemotePrefill:
             prompt=TokensPrompt(token_ids=prompt_ids),
             transfer_id=transfer,
             expires_at=time.time() + s.prefill_timeout,
+            packed=True,
         )
+        path = self._dir / f"{transfer}.kv"
         sub = await ctx.nc.subscribe(job.reply_to)
-        incoming = await Incoming.open(ctx.nc, ctx.names, transfer, max_bytes=s.kv_store_bytes)
+        incoming = await Incoming.open(
+            ctx.nc, ctx.names, transfer, max_bytes=s.kv_store_bytes, dest=path, packed=True
+        )
         answered = False
         try:
             try:
@@ -113,7 +117,6 @@ class RemotePrefill:
                 raise HandoffFailed(f"the prefill job was not queued: {exc}", "fallback_queue") from None
             done = await self._answer(sub, job)
             answered = True
-            path = self._dir / f"{transfer}.kv"
             started = time.monotonic()
             try:
                 source = await fetch_blocks(
