@@ -32,6 +32,8 @@ from .conftest import TINY, WorkerProcess, require_vllm
 pytestmark = [pytest.mark.anyio, pytest.mark.vllm]
 
 THRESHOLD = 64
+READY = 900.0
+"""Seconds an engine may take to start: two engines and more start here on a shared CPU."""
 LONG = [5 + (i * 7) % 400 for i in range(150)]
 
 
@@ -87,7 +89,7 @@ def disagg(nats_url, tiny_model, tmp_path_factory) -> Iterator[dict[str, WorkerP
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             for w in workers.values():
-                pool.submit(anyio.run, w.wait_ready, nats_url).result()
+                pool.submit(anyio.run, w.wait_ready, nats_url, READY).result()
         yield workers
     finally:
         for w in workers.values():
@@ -287,7 +289,7 @@ async def test_a_decode_worker_killed_after_the_handoff_migrates_with_the_same_t
             second = example_fleet["start"](
                 "decode", "--disagg-threshold", str(THRESHOLD), "--prefill-timeout", "600"
             )
-            await second.wait_ready(nats_url)
+            await second.wait_ready(nats_url, READY)
     assert 8 <= streamed < 300
     assert tokens == want.token_ids
     assert workers[0] == decode.instance and workers[-1] == second.instance, workers
@@ -319,7 +321,7 @@ async def test_vllms_own_connector_moves_the_blocks_with_the_same_handoff_messag
             assert s.extra["prefill_local_fallback_connector"] == "1", s.extra
             disagg["prefill"].stop()
             prefill = example_fleet["start"]("prefill")
-            await prefill.wait_ready(nats_url)
+            await prefill.wait_ready(nats_url, READY)
         else:
             assert note and note.startswith(f"remote on {prefill.instance}"), note
             assert "moved by ExampleConnector" in note, note
