@@ -259,6 +259,9 @@ async def test_a_decode_worker_killed_after_the_handoff_migrates_with_the_same_t
     decode worker, started after the kill so that the first one surely took it."""
     ns = disagg["decode"].namespace
     prefill, decode = disagg["prefill"], disagg["decode"]
+    if prefill.proc.poll() is not None:  # a test before killed it
+        prefill = disagg["prefill"] = prefill.restart()
+        await prefill.wait_ready(nats_url, READY)
     prompt = TokensPrompt(token_ids=fresh_long())
     want = await run(nats_url, shared_vllm.namespace, request(prompt, tokens=300))
     req = request(prompt, tokens=300)
