@@ -8,6 +8,7 @@ cancellation, and death. Token i of a request is (sum of the context so far) % v
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any
 
 import anyio
 
@@ -91,7 +92,7 @@ class FakeEngine:
         prompt_ids: EnginePrompt,
         max_tokens: int,
         adapter: EngineAdapter | None = None,
-        kv_transfer: dict[str, str] | None = None,
+        kv_transfer: dict[str, Any] | None = None,
     ) -> AsyncIterator[EngineStep]:
         if isinstance(prompt_ids, PromptEmbeds):  # each row stands for the token its first value rounds to
             rows = [int(abs(float(r[0]))) % self.facts.vocab_size for r in prompt_ids.array]

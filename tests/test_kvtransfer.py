@@ -9,7 +9,8 @@ import uuid
 import msgspec
 import pytest
 
-from jetllm.kvtransfer import blockfile
+from jetllm.kvtransfer import blockfile, chunking
+from jetllm.kvtransfer.chunking import blocks_per_message, message_count
 from jetllm.kvtransfer.transport import (
     Incoming,
     TransferFailed,
@@ -81,6 +82,32 @@ def test_blocks_are_cut_into_chunks_that_never_span_two_blocks(block_bytes, chun
     assert b"".join(got) == bytes(data)
 
 
+@pytest.mark.parametrize(
+    ("block_bytes", "num_blocks", "chunk", "packed", "per_message", "sizes"),
+    [
+        (64 << 10, 40, 8 << 20, True, 16, [(16 * 64) << 10, (16 * 64) << 10, (8 * 64) << 10]),
+        (64 << 10, 3, 8 << 20, False, 1, [64 << 10] * 3),
+        (3 << 20, 2, 8 << 20, True, 1, [3 << 20] * 2),  # over the packed size: one block a message
+        (10, 5, 4, True, 1, [4, 4, 2] * 5),  # over the chunk: split, never packed
+        (1000, 7, 8 << 20, True, 1048, [7000]),
+    ],
+)
+def test_small_blocks_travel_whole_several_to_a_message_when_the_reader_takes_that(
+    block_bytes, num_blocks, chunk, packed, per_message, sizes
+):
+    data = memoryview(os.urandom(block_bytes * num_blocks))
+    k = blocks_per_message(block_bytes, chunk, packed)
+    got = list(chunks(data, block_bytes, num_blocks, chunk, k))
+    assert k == per_message and [len(c) for c in got] == sizes
+    assert message_count(num_blocks, block_bytes, chunk, k) == 1 + len(got)
+    rebuilt = list(chunking.blocks([bytes(c) for c in got], num_blocks, block_bytes, chunk, k))
+    assert [bytes(b) for b in rebuilt] == [
+        bytes(data[j * block_bytes : (j + 1) * block_bytes]) for j in range(num_blocks)
+    ]
+    with pytest.raises(ValueError, match="cut short"):
+        list(chunking.blocks([bytes(c)[:-1] for c in got], num_blocks, block_bytes, chunk, k))
+
+
 async def _stream(nc, names, **kw):
     await ensure_kv_blocks_stream(
         nc.jetstream(), names, ttl=kw.get("ttl", 60), max_bytes=kw.get("max_bytes", 64 << 20)
@@ -100,6 +127,7 @@ def done_of(pub, transfer: str, **over) -> Prefilled:
         header=pub.header,
         checksums=pub.checksums,
         chunk_bytes=pub.chunk_bytes,
+        blocks_per_message=pub.blocks_per_message,
         messages=pub.messages,
         expires_at=time.time() + 60,
     )
@@ -193,6 +221,47 @@ async def test_blocks_received_as_published_are_used_and_a_damaged_copy_is_read_
         await _drop(prefill, names)
         await prefill.close()
         await decode.close()
+
+
+@pytest.mark.parametrize(("packed", "block_bytes"), [(True, 4096), (False, 4096), (True, None)])
+async def test_blocks_are_checked_and_written_as_they_arrive_and_a_forged_live_copy_is_not_loaded(
+    nats_url, namespace, tmp_path, packed, block_bytes
+):
+    """`None`: blocks larger than a message, each split in two."""
+    names = Names(namespace)
+    prefill, decode, forger = await connect(nats_url), await connect(nats_url), await connect(nats_url)
+    try:
+        await _stream(prefill, names)
+        n = 6 if block_bytes else 2
+        block_bytes = block_bytes or prefill.max_payload + 1000
+        src = tmp_path / "src.kv"
+        blocks = make_file(src, n, block_bytes)
+        for forged in (False, True):
+            transfer = uuid.uuid4().hex
+            dest = tmp_path / f"{transfer}.kv"
+            incoming = await Incoming.open(
+                decode, names, transfer, max_bytes=64 << 20, dest=dest, packed=packed
+            )
+            await decode.flush()
+            if forged:  # someone else's blocks first, gone from the store before the real ones
+                other = tmp_path / "other.kv"
+                make_file(other, n, block_bytes)
+                await publish_blocks(forger, names, transfer, other, packed=packed)
+                await remove_blocks(forger, names, transfer)
+            pub = await publish_blocks(prefill, names, transfer, src, packed=packed)
+            assert pub.messages == message_count(n, block_bytes, pub.chunk_bytes, pub.blocks_per_message)
+            got = await fetch_blocks(
+                decode, names, done_of(pub, transfer), dest, timeout=10, incoming=incoming
+            )
+            await incoming.close()
+            _, offset = blockfile.read_header(dest)
+            assert got == ("stored" if forged else "live")
+            assert dest.read_bytes()[offset:] == b"".join(blocks)
+            assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(transfer)) == [dest.name]
+    finally:
+        await _drop(prefill, names)
+        for nc in (prefill, decode, forger):
+            await nc.close()
 
 
 @pytest.mark.parametrize("transfer", ["../../etc/passwd", "ABCDEF0123456789", "0123", "0" * 65, "a.b"])

@@ -111,6 +111,13 @@ def test_a_flag_that_means_nothing_for_the_role_is_refused_naming_whose_it_is(ro
     )
 
 
+def test_the_kv_connector_flags_belong_to_both_disaggregated_roles_and_no_other():
+    for role in ("prefill", "decode"):
+        assert check_flags(role, ["--kv-connector", "--kv-connector-config"], ROLES) is ROLES[role]
+    with pytest.raises(FlagNotForRole, match="--kv-connector means nothing for --role generate"):
+        check_flags("generate", ["--kv-connector"], ROLES)
+
+
 def test_an_unknown_role_is_refused_naming_the_roles_there_are():
     with pytest.raises(
         UnknownRole, match=r"--role 'prefill' is not a role of this worker; roles: echo, generate"

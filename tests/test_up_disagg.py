@@ -22,6 +22,17 @@ from jetllm.cli.worker_cmd import check_role
             ["--engine-arg", "a=1", "--engine-arg", "b=2", "--max-migrations", "5", "--instance-id", "x"],
             ["--role", "prefill", "--engine-arg", "a=1", "--engine-arg", "b=2"],
         ),
+        (
+            ["--kv-connector", "ExampleConnector", "--kv-connector-config", '{"shared_storage_path": "/s"}'],
+            [
+                "--role",
+                "prefill",
+                "--kv-connector",
+                "ExampleConnector",
+                "--kv-connector-config",
+                '{"shared_storage_path": "/s"}',
+            ],
+        ),
     ],
 )
 def test_the_prefill_worker_repeats_what_it_takes_of_ups_flags(up, prefill):
@@ -30,3 +41,13 @@ def test_the_prefill_worker_repeats_what_it_takes_of_ups_flags(up, prefill):
     assert argv == prefill
     worker = parser().parse_args(["worker", *argv])
     assert check_role(worker) is None  # nothing a prefill worker would refuse
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [("{not json", "--kv-connector-config is not JSON"), ("[1, 2]", "must be a JSON object, not list")],
+)
+def test_a_connector_config_that_is_not_a_json_object_is_refused_naming_the_flag(value, says, capsys):
+    with pytest.raises(SystemExit):
+        parser().parse_args(["worker", "--role", "decode", "--kv-connector-config", value])
+    assert says in capsys.readouterr().err

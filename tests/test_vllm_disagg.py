@@ -4,6 +4,7 @@ against the aggregated shared worker, whose output is the reference."""
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import signal
 import uuid
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ from jetllm.producer import Client
 from jetllm.producer.fleet import instance_status
 from jetllm.producer.traces import trace_records
 from jetllm.schemas import (
+    AcceptedFrame,
     ChatMessage,
     ChatPrompt,
     GenerateRequest,
@@ -30,6 +32,8 @@ from .conftest import TINY, WorkerProcess, require_vllm
 pytestmark = [pytest.mark.anyio, pytest.mark.vllm]
 
 THRESHOLD = 64
+READY = 900.0
+"""Seconds an engine may take to start: two engines and more start here on a shared CPU."""
 LONG = [5 + (i * 7) % 400 for i in range(150)]
 
 
@@ -85,7 +89,7 @@ def disagg(nats_url, tiny_model, tmp_path_factory) -> Iterator[dict[str, WorkerP
     try:
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             for w in workers.values():
-                pool.submit(anyio.run, w.wait_ready, nats_url).result()
+                pool.submit(anyio.run, w.wait_ready, nats_url, READY).result()
         yield workers
     finally:
         for w in workers.values():
@@ -209,3 +213,120 @@ async def test_a_prefill_worker_killed_mid_prefill_costs_a_local_prefill_not_the
     assert got.token_ids == want.token_ids and got.usage.cached_tokens == 0
     note = await prefill_note(nats_url, ns, req.request_id)
     assert note and note.startswith("local:"), note
+
+
+# The tests below run last: they kill the module's decode worker and stop its prefill worker.
+# Two engines more (a decode and a prefill worker on vLLM's example connector, which stores every
+# prompt's KV in a shared directory and loads it when the same prompt comes again) join the
+# same namespace, so each behaviour below costs no engine of its own.
+
+
+@pytest.fixture(scope="module")
+def example_fleet(disagg, tmp_path_factory) -> Iterator[dict]:
+    """Starts workers on vLLM's ExampleConnector (`start(role)`), stopped with the module."""
+    shared = tmp_path_factory.mktemp("example-connector-kv")
+    flags = ["--kv-connector", "ExampleConnector"]
+    flags += ["--kv-connector-config", json.dumps({"shared_storage_path": str(shared)})]
+    started: list[WorkerProcess] = []
+    like = disagg["decode"]
+
+    def start(role: str, *args: str) -> WorkerProcess:
+        w = WorkerProcess(
+            like._params[0],
+            like.namespace,
+            like._params[2],
+            like.log_path.with_name(f"example-{role}.log"),
+            "--role",
+            role,
+            *args,
+            *flags,
+        )
+        started.append(w)
+        return w
+
+    try:
+        yield {"start": start}
+    finally:
+        for w in started:
+            w.stop()
+
+
+async def test_a_decode_worker_killed_after_the_handoff_migrates_with_the_same_tokens(
+    nats_url, disagg, shared_vllm, example_fleet
+):
+    """SIGKILL, not a drain: a drain hands requests back on purpose, while a crash after the blocks
+    came and tokens were streamed is what migration must survive. The request goes on on a second
+    decode worker, started after the kill so that the first one surely took it."""
+    ns = disagg["decode"].namespace
+    prefill, decode = disagg["prefill"], disagg["decode"]
+    if prefill.proc.poll() is not None:  # a test before killed it
+        prefill = disagg["prefill"] = prefill.restart()
+        await prefill.wait_ready(nats_url, READY)
+    prompt = TokensPrompt(token_ids=fresh_long())
+    want = await run(nats_url, shared_vllm.namespace, request(prompt, tokens=300))
+    req = request(prompt, tokens=300)
+    before = await completed(nats_url, ns, prefill)
+    tokens: list[int] = []
+    workers: list[str] = []
+    killed = anyio.Event()
+    async with Client(nats_url, namespace=ns, heartbeat_timeout=30) as c:
+        async with anyio.create_task_group() as tg:
+
+            async def follow() -> None:
+                async for frame in c.generate(req):
+                    if isinstance(frame, AcceptedFrame):
+                        workers.append(frame.worker)
+                    if isinstance(frame, TokensFrame):
+                        tokens.extend(frame.token_ids)
+                        if len(tokens) >= 8 and not killed.is_set():
+                            decode.signal(signal.SIGKILL)
+                            killed.set()
+
+            tg.start_soon(follow)
+            with anyio.fail_after(300):
+                await killed.wait()
+            streamed = len(tokens)
+            with anyio.fail_after(30):  # the prompt was prefilled remotely before the first token
+                while await completed(nats_url, ns, prefill) != before + 1:
+                    await anyio.sleep(0.2)
+            second = example_fleet["start"](
+                "decode", "--disagg-threshold", str(THRESHOLD), "--prefill-timeout", "600"
+            )
+            await second.wait_ready(nats_url, READY)
+    assert 8 <= streamed < 300
+    assert tokens == want.token_ids
+    assert workers[0] == decode.instance and workers[-1] == second.instance, workers
+    assert await prefill_note(nats_url, ns, req.request_id) == "local: continuation"
+    example_fleet["decode"] = second
+
+
+async def test_vllms_own_connector_moves_the_blocks_with_the_same_handoff_messages(
+    nats_url, disagg, shared_vllm, example_fleet
+):
+    """The second decode worker loads with vLLM's ExampleConnector. First the jetllm prefill
+    worker answers: another connector moved the blocks, so the prompt is computed locally (a
+    counted reason). Then a prefill worker on the ExampleConnector replaces it: the same
+    PrefillRequest/Prefilled pass, the connectors move the bytes, and the output is the same."""
+    ns = disagg["decode"].namespace
+    decode = example_fleet["decode"]
+    for step in ("mismatch", "example"):
+        prompt = TokensPrompt(token_ids=fresh_long())
+        want = await run(nats_url, shared_vllm.namespace, request(prompt))
+        req = request(prompt)
+        got = await run(nats_url, ns, req)
+        assert got.token_ids == want.token_ids, step
+        note = await prefill_note(nats_url, ns, req.request_id)
+        if step == "mismatch":
+            assert note and note.startswith("local:") and "jetllm KV connector" in note, note
+            assert got.usage.cached_tokens == 0
+            async with Client(nats_url, namespace=ns) as c:
+                s = await instance_status(c.nc, c.names, decode.instance)
+            assert s.extra["prefill_local_fallback_connector"] == "1", s.extra
+            disagg["prefill"].stop()
+            prefill = example_fleet["start"]("prefill")
+            await prefill.wait_ready(nats_url, READY)
+        else:
+            assert note and note.startswith(f"remote on {prefill.instance}"), note
+            assert "moved by ExampleConnector" in note, note
+            # the decode engine took the prompt's full blocks through the connector
+            assert got.usage.cached_tokens >= 128 and got.usage.cached_tokens % 32 == 0, got.usage

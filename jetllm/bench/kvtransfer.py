@@ -22,7 +22,8 @@ import anyio
 import msgspec
 
 from ..kvtransfer import blockfile
-from ..kvtransfer.transport import Incoming, chunk_size, chunks, fetch_blocks, publish_blocks, remove_blocks
+from ..kvtransfer.chunking import blocks_per_message, chunk_size, chunks
+from ..kvtransfer.transport import Incoming, fetch_blocks, publish_blocks, remove_blocks
 from ..schemas.disagg import KvBlocksHeader, KvLayer, Prefilled
 from ..subjects.connection import connect
 from ..subjects.names import Names
@@ -47,7 +48,9 @@ async def plain(url: str, data: memoryview, block_bytes: int, num_blocks: int) -
     pub, sub_nc = await connect(url, name="bench-plain-pub"), await connect(url, name="bench-plain-sub")
     try:
         subject = f"bench.plain.{uuid.uuid4().hex}"
-        pieces = [bytes(p) for p in chunks(data, block_bytes, num_blocks, chunk_size(pub.max_payload))]
+        chunk = chunk_size(pub.max_payload)
+        per_message = blocks_per_message(block_bytes, chunk, packed=True)
+        pieces = [bytes(p) for p in chunks(data, block_bytes, num_blocks, chunk, per_message)]
         got = anyio.Event()
         seen = [0]
 
@@ -76,11 +79,12 @@ async def through_jetllm(url: str, names: Names, src: Path, work: Path) -> float
     prefill, decode = await connect(url, name="bench-prefill"), await connect(url, name="bench-decode")
     try:
         transfer = uuid.uuid4().hex
-        incoming = await Incoming.open(decode, names, transfer, max_bytes=1 << 40)
+        dest = work / f"{transfer}.kv"
+        incoming = await Incoming.open(decode, names, transfer, max_bytes=1 << 40, dest=dest, packed=True)
         answers = await decode.subscribe(f"bench.answer.{transfer}", max_msgs=1)
         await decode.flush()
         started = time.perf_counter()
-        pub = await publish_blocks(prefill, names, transfer, src)
+        pub = await publish_blocks(prefill, names, transfer, src, packed=True)
         done = Prefilled(
             request_id="bench",
             transfer_id=transfer,
@@ -88,13 +92,13 @@ async def through_jetllm(url: str, names: Names, src: Path, work: Path) -> float
             header=pub.header,
             checksums=pub.checksums,
             chunk_bytes=pub.chunk_bytes,
+            blocks_per_message=pub.blocks_per_message,
             messages=pub.messages,
             expires_at=time.time() + 600,
         )
         await prefill.publish(f"bench.answer.{transfer}", msgspec.msgpack.encode(done))
         msg = await answers.next_msg(timeout=600)
         done = msgspec.msgpack.decode(msg.data, type=Prefilled)
-        dest = work / f"{transfer}.kv"
         await fetch_blocks(decode, names, done, dest, timeout=600, incoming=incoming)
         seconds = time.perf_counter() - started
         await incoming.close()
@@ -106,7 +110,21 @@ async def through_jetllm(url: str, names: Names, src: Path, work: Path) -> float
         await decode.close()
 
 
-async def _bench(args: argparse.Namespace, url: str) -> str:
+def cpu_seconds(server_pid: int | None) -> float:
+    """CPU time of this process (both sides of either path run here, threads included) and of the
+    embedded server: on a shared machine it tells what a path costs where wall time cannot."""
+    t = os.times()
+    total = t.user + t.system
+    if server_pid is not None:
+        try:
+            fields = Path(f"/proc/{server_pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            pass
+    return total
+
+
+async def _bench(args: argparse.Namespace, url: str, server_pid: int | None = None) -> str:
     work = Path(tempfile.mkdtemp(prefix="jetllm-bench-kv-"))
     names = Names(f"benchkv{uuid.uuid4().hex[:6]}")
     nc = await connect(url)
@@ -119,19 +137,29 @@ async def _bench(args: argparse.Namespace, url: str) -> str:
     data = memoryview(src.read_bytes())[offset:]
     size = len(data)
     rows: dict[str, list[float]] = {"plain": [], "jetllm": []}
+    cpu: dict[str, list[float]] = {"plain": [], "jetllm": []}
     for _ in range(args.rounds):
+        before = cpu_seconds(server_pid)
         rows["plain"].append(await plain(url, data, args.block_bytes, num_blocks))
+        middle = cpu_seconds(server_pid)
         rows["jetllm"].append(await through_jetllm(url, names, src, work))
+        cpu["plain"].append(middle - before)
+        cpu["jetllm"].append(cpu_seconds(server_pid) - middle)
     src.unlink()
     mbs = {k: size / statistics.median(v) / 1e6 for k, v in rows.items()}
+    ms_per_mb = {k: statistics.median(v) * 1000 / (size / 1e6) for k, v in cpu.items()}
     per_token = args.block_bytes / args.block_size
+    load = os.getloadavg()[0]
+    where = "this process and the server" if server_pid is not None else "this process"
     return (
         f"{size / 1e6:,.1f} MB in {num_blocks} blocks of {args.block_bytes:,} bytes "
-        f"({per_token:,.0f} bytes per prompt token), median of {args.rounds} rounds:\n\n"
-        "| path | MB/s | share of the limit |\n|---|---:|---:|\n"
-        f"| plain nats-py publish to a subscriber (the limit) | {mbs['plain']:,.0f} | 100% |\n"
+        f"({per_token:,.0f} bytes per prompt token), median of {args.rounds} rounds, "
+        f"1-minute load average {load:.1f} on {os.cpu_count()} CPUs at the end; CPU: {where}:\n\n"
+        "| path | MB/s | share of the limit | CPU ms per MB |\n|---|---:|---:|---:|\n"
+        f"| plain nats-py publish to a subscriber (the limit) | {mbs['plain']:,.0f} | 100% "
+        f"| {ms_per_mb['plain']:.1f} |\n"
         f"| jetllm: publish to the block stream, fetch, check every block, write the file "
-        f"| {mbs['jetllm']:,.0f} | {mbs['jetllm'] / mbs['plain']:.0%} |\n"
+        f"| {mbs['jetllm']:,.0f} | {mbs['jetllm'] / mbs['plain']:.0%} | {ms_per_mb['jetllm']:.1f} |\n"
     )
 
 
@@ -143,7 +171,7 @@ def cmd_bench_kv(args: argparse.Namespace) -> int:
         text = run(_bench, args, args.nats)
     else:
         with NatsServer(Path(tempfile.mkdtemp(prefix="jetllm-bench-kv-nats-"))) as server:
-            text = run(_bench, args, server.url)
+            text = run(_bench, args, server.url, server.proc.pid if server.proc else None)
     command = "jetllm bench-kv " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "jetllm bench-kv"
     text = f"`{command}`\n\n{text}"
     print(text)

@@ -7,6 +7,8 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from ..subjects.connection import default_url
 
@@ -68,6 +70,23 @@ def setup_logging(level: str) -> None:
         stream=sys.stderr,
     )
     logging.getLogger("nats").setLevel(logging.WARNING)
+
+
+def json_object(flag: str) -> Callable[[str], dict[str, Any]]:
+    """An argparse type: a JSON object, or an error naming `flag`."""
+
+    def parse(text: str) -> dict[str, Any]:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(
+                f"{flag} is not JSON ({exc}); give an object like '{{}}'"
+            ) from None
+        if not isinstance(value, dict):
+            raise argparse.ArgumentTypeError(f"{flag} must be a JSON object, not {type(value).__name__}")
+        return value
+
+    return parse
 
 
 def parse_kv(items: list[str]) -> dict[str, object]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import shutil
 import sys
 import tempfile
@@ -64,6 +65,8 @@ def worker_argv(args: argparse.Namespace, role: str) -> list[str]:
         elif isinstance(action, argparse._AppendAction):
             for item in value:
                 out += [flag, str(item)]
+        elif isinstance(value, dict):
+            out += [flag, json.dumps(value)]
         else:
             out += [flag, str(value)]
     return ["--role", role, *out]

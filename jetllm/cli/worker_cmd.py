@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from ..subjects.connection import redact
-from .common import TINY_MODEL_NAME, add_nats, nats_url, parse_kv
+from .common import TINY_MODEL_NAME, add_nats, json_object, nats_url, parse_kv
 from .disagg import block_dir, prefill_worker
 
 log = logging.getLogger("jetllm")
@@ -230,6 +230,22 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
         "workers prefill themselves (the store is created by the first prefill worker, and the "
         "server reserves these bytes from its max_memory_store)",
     )
+    d.add_argument(
+        "--kv-connector",
+        default="jetllm",
+        metavar="NAME",
+        help="the engine's KV connector: jetllm (blocks through NATS, the default) or one of vLLM's "
+        "own (NixlConnector on GPU boxes, ExampleConnector on a shared filesystem); prefill and "
+        "decode workers of one fleet need the same one",
+    )
+    d.add_argument(
+        "--kv-connector-config",
+        type=json_object("--kv-connector-config"),
+        default={},
+        metavar="JSON",
+        help="a JSON object: the vLLM connector's kv_connector_extra_config "
+        """(e.g. '{"shared_storage_path": "/mnt/kv"}')""",
+    )
     q = p.add_argument_group("queue policy (applied when creating or updating streams and consumers)")
     q.add_argument(
         "--ack-wait",
@@ -301,6 +317,8 @@ def engine_options(args: argparse.Namespace):
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
         kv_events=args.kv_events,
+        kv_connector=args.kv_connector,
+        kv_connector_config=args.kv_connector_config,
         extra=parse_kv(args.engine_arg),
     )
 
@@ -337,6 +355,7 @@ def worker_config(args: argparse.Namespace, slots: int | None = None):
             transfer_timeout=args.kv_transfer_timeout,
             kv_ttl=args.kv_ttl,
             kv_store_bytes=args.kv_store_bytes,
+            connector=args.kv_connector,
         ),
         policy=QueuePolicy(
             ack_wait=args.ack_wait,

@@ -6,10 +6,25 @@ loading either.
 
 from __future__ import annotations
 
+JETLLM_CONNECTOR = "jetllm"
+"""`--kv-connector` naming jetllm's own connector (blocks through NATS), the default."""
 SAVE = "jetllm_save"
 """`kv_transfer_params` key: write the prompt's full blocks to this block file (prefill)."""
 LOAD = "jetllm_load"
 """`kv_transfer_params` key: take the prompt's first tokens from this block file (decode)."""
+
+
+REMOTE_DECODE = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+"""`kv_transfer_params` of a prefill with one of vLLM's own connectors: vLLM's convention for a
+prefill whose blocks another engine decodes from (NIXL keeps them for it and returns where they
+are; connectors that store every prompt, like the example one, ignore it)."""
 
 
 def full_block_tokens(prompt_len: int, block_size: int) -> int:

@@ -1,20 +1,22 @@
 """A block file carried over NATS: published by the prefill worker, fetched and checked by the
 decode worker, removed once loaded (the stream's TTL removes what nobody fetched).
 
-On the subject `Names.kv_blocks(transfer_id)` go the header, then every block in order, each cut
-into chunks that fit the server's max payload (the chunk sizes follow from the header, so the
-chunks carry no headers of their own). The header and the last chunk are published with a
+On the subject `Names.kv_blocks(transfer_id)` go the header, then every block in order, cut
+into chunks that fit the server's max payload or packed several to a message (chunking.py; the
+chunk sizes follow from the header and the answer, so the chunks carry no headers of their own). The header and the last chunk are published with a
 JetStream ack: once the last one is acked, the server has stored every message before it, since
 one connection's messages are handled in order; a store that is full refuses them, loudly.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import mmap
 import os
 import time
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +26,17 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from ..schemas.disagg import KvBlocksHeader, Prefilled
-from ..subjects.codec import HEADER_MARGIN
 from ..subjects.names import Names
 from . import blockfile
+from .chunking import (  # noqa: F401  # chunks_per_block: imported from here too
+    blocks,
+    blocks_per_message,
+    chunk_size,
+    chunks,
+    chunks_per_block,
+    message_count,
+)
+from .live import LiveFile
 
 
 class TransferFailed(Exception):
@@ -37,28 +47,16 @@ class Published(msgspec.Struct, kw_only=True):
     header: KvBlocksHeader
     checksums: list[str]
     chunk_bytes: int
+    blocks_per_message: int
     messages: int
     bytes: int
 
 
-def chunk_size(max_payload: int) -> int:
-    return max(4096, max_payload - HEADER_MARGIN)
-
-
-def chunks(view: memoryview, block_bytes: int, num_blocks: int, chunk: int) -> Iterator[memoryview]:
-    for j in range(num_blocks):
-        base = j * block_bytes
-        for off in range(0, block_bytes, chunk):
-            yield view[base + off : base + min(off + chunk, block_bytes)]
-
-
-def chunks_per_block(block_bytes: int, chunk: int) -> int:
-    return max(1, -(-block_bytes // chunk))
-
-
-def _load(path: Path) -> tuple[KvBlocksHeader, memoryview]:
+def _map(path: Path) -> tuple[KvBlocksHeader, mmap.mmap, int]:
+    """The file mapped, not read: publishing starts at once and its chunks are never copied here."""
     header, offset = blockfile.read_header(path)
-    return header, memoryview(path.read_bytes())[offset:]
+    with open(path, "rb") as f:
+        return header, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), offset
 
 
 def _checksums(data: memoryview, header: KvBlocksHeader) -> list[str]:
@@ -66,14 +64,20 @@ def _checksums(data: memoryview, header: KvBlocksHeader) -> list[str]:
     return [blockfile.checksum(data[j * bb : (j + 1) * bb]) for j in range(header.num_blocks)]
 
 
-async def publish_blocks(nc: NATS, names: Names, transfer_id: str, path: Path) -> Published:
-    """Publish the block file at `path` (its checksums are taken in a thread meanwhile); raises
-    TransferFailed when the store refuses it."""
-    header, data = await anyio.to_thread.run_sync(_load, path)
+async def publish_blocks(
+    nc: NATS, names: Names, transfer_id: str, path: Path, *, packed: bool = False
+) -> Published:
+    """Publish the block file at `path` (its checksums are taken in a thread meanwhile), several
+    blocks to a message if `packed`; raises TransferFailed when the store refuses it."""
+    header, mapped, offset = await anyio.to_thread.run_sync(_map, path)
+    data = memoryview(mapped)[offset:]
+    size = len(data)
     subject = names.kv_blocks(transfer_id)
     js = nc.jetstream()
     chunk = chunk_size(nc.max_payload)
-    pieces = list(chunks(data, header.block_bytes, header.num_blocks, chunk))
+    per_message = blocks_per_message(header.block_bytes, chunk, packed)
+    pieces = list(chunks(data, header.block_bytes, header.num_blocks, chunk, per_message))
+    messages = 1 + len(pieces)
     sums: list[str] = []
 
     async def checksum() -> None:
@@ -89,15 +93,26 @@ async def publish_blocks(nc: NATS, names: Names, transfer_id: str, path: Path) -
                 await js.publish(subject, bytes(pieces[-1]), timeout=10)
     except Exception as exc:
         raise TransferFailed(f"the block store refused the blocks: {type(exc).__name__}: {exc}") from None
+    finally:
+        pieces.clear()
+        data.release()
+        with contextlib.suppress(BufferError):  # a chunk still referenced: unmapped when it goes
+            mapped.close()
     return Published(
-        header=header, checksums=sums, chunk_bytes=chunk, messages=1 + len(pieces), bytes=len(data)
+        header=header,
+        checksums=sums,
+        chunk_bytes=chunk,
+        blocks_per_message=per_message,
+        messages=messages,
+        bytes=size,
     )
 
 
 class Incoming:
     """A transfer's messages as they are published: a plain subscription the decode worker opens
     before it sends the prefill job. Usually every block is here when the answer comes, and nothing
-    is read back from the store; the store is there for what this copy missed or got wrong."""
+    is read back from the store; the store is there for what this copy missed or got wrong. Given
+    the block file it will fetch into, it checks and writes the blocks as they come (live.py)."""
 
     def __init__(self, max_bytes: int) -> None:
         self.messages: list[bytes] = []
@@ -106,15 +121,32 @@ class Incoming:
         may publish on the subject could otherwise fill this worker's memory)."""
         self._bytes = 0
         self._sub: Any = None
+        self._arrived = anyio.Event()
+        self.live: LiveFile | None = None
 
     @classmethod
-    async def open(cls, nc: NATS, names: Names, transfer_id: str, *, max_bytes: int) -> Incoming:
+    async def open(
+        cls,
+        nc: NATS,
+        names: Names,
+        transfer_id: str,
+        *,
+        max_bytes: int,
+        dest: Path | None = None,
+        packed: bool = False,
+    ) -> Incoming:
         incoming = cls(max_bytes)
+        if dest is not None:
+            incoming.live = LiveFile(dest, chunk_size(nc.max_payload), packed)
+            incoming.live.start()
 
         async def on_msg(msg: Msg) -> None:
             incoming._bytes += len(msg.data)
             if incoming._bytes <= incoming.max_bytes:
                 incoming.messages.append(msg.data)
+                if incoming.live is not None:
+                    incoming.live.put(msg.data)
+            incoming._arrived.set()
 
         incoming._sub = await nc.subscribe(
             names.kv_blocks(transfer_id), cb=on_msg, pending_msgs_limit=-1, pending_bytes_limit=-1
@@ -123,10 +155,13 @@ class Incoming:
 
     async def wait_for(self, count: int, quiet: float = 0.2) -> bool:
         """Whether `count` messages came, waiting while they still arrive (none for `quiet` s: stop)."""
-        seen = -1
-        while len(self.messages) < count and len(self.messages) != seen:
+        while len(self.messages) < count:
             seen = len(self.messages)
-            await anyio.sleep(quiet)
+            self._arrived = anyio.Event()
+            with anyio.move_on_after(quiet):
+                await self._arrived.wait()
+            if len(self.messages) == seen:
+                break
         return len(self.messages) >= count
 
     async def close(self) -> None:
@@ -135,6 +170,10 @@ class Incoming:
                 await self._sub.unsubscribe()
             except Exception:
                 pass
+        if self.live is not None:
+            self.live.stop()
+            await anyio.to_thread.run_sync(self.live.join)
+            self.live.tmp.unlink(missing_ok=True)
         self.messages = []
 
 
@@ -148,18 +187,24 @@ async def fetch_blocks(
     n, bb = header.num_blocks, header.block_bytes
     if len(done.checksums) != n or done.chunk_bytes <= 0:
         raise TransferFailed(f"the handoff names {len(done.checksums)} checksums for {n} blocks")
+    per_message = done.blocks_per_message
+    if per_message > 1 and per_message * bb > done.chunk_bytes:
+        raise TransferFailed(f"the handoff packs {per_message} blocks in a {done.chunk_bytes}-byte chunk")
     per_block = chunks_per_block(bb, done.chunk_bytes) if bb else 0
-    if done.messages != 1 + n * per_block:
-        raise TransferFailed(
-            f"the handoff says {done.messages} messages, its header means {1 + n * per_block}"
-        )
+    want = message_count(n, bb, done.chunk_bytes, per_message) if bb else 1 + n * per_block
+    if done.messages != want:
+        raise TransferFailed(f"the handoff says {done.messages} messages, its header means {want}")
     if done.expires_at < time.time():
         raise TransferFailed("the blocks expired before they were fetched")
     if incoming is not None and await incoming.wait_for(done.messages):
+        live = incoming.live
+        if live is not None and live.dest == dest:
+            live.put(None)  # every message is in: a writer still waiting expected others
+            await anyio.to_thread.run_sync(live.join)
+            if live.install(header, done.checksums, done.chunk_bytes, per_message):
+                return "live"
         try:
-            await anyio.to_thread.run_sync(
-                _assemble, incoming.messages[: done.messages], done, per_block, dest
-            )
+            await anyio.to_thread.run_sync(_assemble, incoming.messages[: done.messages], done, dest)
             return "live"
         except TransferFailed:
             pass  # a damaged live copy: the stored one decides
@@ -170,20 +215,22 @@ async def fetch_blocks(
             async for data in _direct_batch(nc, names.kv_blocks_stream, subject, done.messages):
                 msgs.append(data)
     except TimeoutError:
-        raise TransferFailed(
-            f"only {_blocks_in(len(msgs), per_block)} of {n} blocks arrived within {timeout:.1f}s"
-        ) from None
+        got = _blocks_in(len(msgs), per_block, per_message, n)
+        raise TransferFailed(f"only {got} of {n} blocks arrived within {timeout:.1f}s") from None
     if len(msgs) < done.messages:
-        raise TransferFailed(f"only {_blocks_in(len(msgs), per_block)} of {n} blocks are in the store")
-    await anyio.to_thread.run_sync(_assemble, msgs, done, per_block, dest)
+        got = _blocks_in(len(msgs), per_block, per_message, n)
+        raise TransferFailed(f"only {got} of {n} blocks are in the store")
+    await anyio.to_thread.run_sync(_assemble, msgs, done, dest)
     return "stored"
 
 
-def _blocks_in(messages: int, per_block: int) -> int:
+def _blocks_in(messages: int, per_block: int, per_message: int, num_blocks: int) -> int:
+    if per_message > 1:
+        return min(max(messages - 1, 0) * per_message, num_blocks)
     return max(messages - 1, 0) // per_block if per_block else 0
 
 
-def _assemble(msgs: list[bytes], done: Prefilled, per_block: int, dest: Path) -> None:
+def _assemble(msgs: list[bytes], done: Prefilled, dest: Path) -> None:
     header = done.header
     n, bb = header.num_blocks, header.block_bytes
     try:
@@ -197,9 +244,13 @@ def _assemble(msgs: list[bytes], done: Prefilled, per_block: int, dest: Path) ->
         with open(tmp, "wb") as f:
             head = blockfile.encode_header(header)
             f.write(blockfile.MAGIC + len(head).to_bytes(4, "little") + head)
+            each = blocks(msgs[1:], n, bb, done.chunk_bytes, done.blocks_per_message)
             for j in range(n):
-                block = b"".join(msgs[1 + j * per_block : 1 + (j + 1) * per_block])
-                if len(block) != bb or blockfile.checksum(block) != done.checksums[j]:
+                try:
+                    block = next(each)
+                except (ValueError, StopIteration):
+                    raise TransferFailed(f"block {j + 1} of {n} is cut short") from None
+                if blockfile.checksum(block) != done.checksums[j]:
                     raise TransferFailed(f"block {j + 1} of {n} fails its checksum")
                 f.write(block)
         os.replace(tmp, dest)

@@ -5,12 +5,13 @@ on its reply subject for `Prefilled` (or an ErrorFrame). The blocks travel on th
 (`Names.kv_blocks(transfer_id)`): first a `KvBlocksHeader`, then the blocks in order, each block
 split into chunks that fit the server's max payload. `Prefilled.checksums` are taken from the
 bytes the prefill engine wrote, so the decode worker checks every block it fetched against a
-digest that came by another path.
+digest that came by another path. With one of vLLM's own connectors (`Prefilled.connector`) the
+same two messages pass, and the connectors move the bytes themselves.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from msgspec import Meta
 
@@ -36,6 +37,9 @@ class PrefillRequest(Command, kw_only=True):
     """Unix time after which nobody waits for the blocks: an older job is refused, and the block
     stream forgets blocks once they are this old anyway."""
     adapter: str | None = None
+    packed: bool = False
+    """The decode worker reads chunk messages that hold several whole blocks (`Prefilled.
+    blocks_per_message`); without it (older decode workers) every message holds one block or less."""
 
 
 class KvLayer(Tolerant, kw_only=True):
@@ -82,3 +86,14 @@ class Prefilled(Report, kw_only=True, tag_field="kind", tag="prefilled"):
     expires_at: float
     prefill_ms: float = 0.0
     publish_ms: float = 0.0
+    blocks_per_message: Annotated[int, Meta(ge=1)] = 1
+    """Whole blocks in each chunk message (the last one may hold fewer); 1: each block is split
+    into chunks of at most `chunk_bytes`."""
+    connector: str = "jetllm"
+    """The KV connector that moved the blocks: `jetllm` (through NATS, as above), or the name of
+    one of vLLM's own (e.g. NixlConnector), which moved them itself: then no block is on the
+    block subject (`messages` 0) and the decode engine needs the same connector. A decode worker
+    whose connector differs prefills the prompt itself."""
+    kv_params: dict[str, Any] | None = None
+    """What the prefill engine's connector returned for the decode engine (vLLM's
+    `kv_transfer_params`, e.g. NIXL's remote engine and block ids); None with jetllm's."""

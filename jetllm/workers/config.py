@@ -24,6 +24,9 @@ class DisaggSettings(msgspec.Struct, kw_only=True, frozen=True):
     """Seconds a decode worker gives the blocks to arrive once they are announced."""
     kv_ttl: float = 120.0
     """Seconds the block store keeps blocks nobody removed (a decode worker died, say)."""
+    connector: str = "jetllm"
+    """The engine's KV connector (`--kv-connector`): jetllm's moves blocks through NATS; with
+    one of vLLM's own, the connectors move them and the handoff messages only say so."""
     kv_store_bytes: int = 256 << 20
     """Bytes the block store holds at once; beyond it new blocks are refused (decode prefills).
     The server reserves them from its max_memory_store (1 GB in jetllm's embedded config)."""

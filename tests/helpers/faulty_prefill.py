@@ -22,13 +22,14 @@ _current: dict[str, str] = {}
 def install() -> None:
     chunks = transport.chunks
 
-    def corrupting(view, block_bytes, num_blocks, chunk):
-        second = transport.chunks_per_block(block_bytes, chunk)
-        for i, piece in enumerate(chunks(view, block_bytes, num_blocks, chunk)):
-            if i == second and "corrupt-kv" in _current.get("rid", ""):
+    def corrupting(view, block_bytes, num_blocks, chunk, per_message=1):
+        at, target = 0, block_bytes + 7  # a byte of the second block, however blocks are chunked
+        for piece in chunks(view, block_bytes, num_blocks, chunk, per_message):
+            if at <= target < at + len(piece) and "corrupt-kv" in _current.get("rid", ""):
                 flipped = bytearray(piece)
-                flipped[7] ^= 0xFF
+                flipped[target - at] ^= 0xFF
                 piece = memoryview(bytes(flipped))
+            at += len(piece)
             yield piece
 
     transport.chunks = corrupting

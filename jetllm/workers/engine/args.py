@@ -6,6 +6,7 @@ import os
 import tempfile
 from typing import Any
 
+from ...kvtransfer.params import JETLLM_CONNECTOR
 from .options import EngineOptions
 
 
@@ -104,11 +105,27 @@ def structured_outputs_config(given: Any) -> Any:
 
 
 def kv_transfer_config(opts: EngineOptions) -> Any:
-    """None without disaggregation; else jetllm's connector on its block directory."""
+    """None without disaggregation; else jetllm's connector on its block directory, or the one of
+    vLLM's own that `--kv-connector` names (both roles of a pair load it in `kv_both`: each engine
+    saves what it computes and loads what it is handed)."""
     from vllm.config import KVTransferConfig
 
     if not opts.kv_block_dir:
         return None
+    if opts.kv_connector != JETLLM_CONNECTOR:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+        known = sorted(KVConnectorFactory._registry)
+        if opts.kv_connector not in known:
+            raise ValueError(
+                f"--kv-connector {opts.kv_connector!r} is not a KV connector of this vLLM; "
+                f"give {JETLLM_CONNECTOR} or one of: {', '.join(known)}"
+            )
+        return KVTransferConfig(
+            kv_connector=opts.kv_connector,
+            kv_role="kv_both",
+            kv_connector_extra_config=dict(opts.kv_connector_config),
+        )
     return KVTransferConfig(
         kv_connector="JetllmKvConnector",
         kv_connector_module_path="jetllm.kvtransfer.connector",

@@ -114,6 +114,8 @@ class EngineStep(msgspec.Struct, kw_only=True):
     choices: list[ChoiceDelta]
     finished: bool
     cached_tokens: int = 0
+    kv_params: dict[str, Any] | None = None
+    """What the engine's KV connector returned for another engine (vLLM's kv_transfer_params)."""
 
 
 class EngineLoad(msgspec.Struct, kw_only=True):
@@ -138,7 +140,7 @@ class Engine(Protocol):
         prompt_ids: EnginePrompt,
         max_tokens: int,
         adapter: EngineAdapter | None = None,
-        kv_transfer: dict[str, str] | None = None,
+        kv_transfer: dict[str, Any] | None = None,
     ) -> AsyncGenerator[EngineStep, None]:
         """Run one request (with a loaded adapter). Cancelling the iteration aborts it inside the engine.
 

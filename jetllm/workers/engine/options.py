@@ -40,8 +40,12 @@ class EngineOptions(msgspec.Struct, kw_only=True):
     kv_events: bool = False
     """Publish KV-cache events (turns prefix caching on; the worker relays them to JetStream)."""
     kv_block_dir: str | None = None
-    """Load jetllm's KV connector, exchanging block files in this private directory (the prefill
-    and decode roles set it; the connector's module docstring says how)."""
+    """Load a KV connector (the prefill and decode roles set it): jetllm's exchanges block files in
+    this private directory (the connector's module docstring says how)."""
+    kv_connector: str = "jetllm"
+    """`jetllm`, or the name of one of vLLM's own KV connectors (NixlConnector, ExampleConnector...)."""
+    kv_connector_config: dict[str, Any] = {}
+    """That connector's `kv_connector_extra_config` (vLLM's connectors only)."""
     extra: dict[str, Any] = {}
     """Any other AsyncEngineArgs field, passed through unchanged."""
 

@@ -280,7 +280,7 @@ class VllmEngine:
         prompt_ids: EnginePrompt,
         max_tokens: int,
         adapter: EngineAdapter | None = None,
-        kv_transfer: dict[str, str] | None = None,
+        kv_transfer: dict[str, Any] | None = None,
     ) -> AsyncGenerator[EngineStep, None]:
         from vllm.exceptions import VLLMValidationError
         from vllm.inputs import tokens_input
@@ -359,7 +359,12 @@ class VllmEngine:
                     stop_reason=c.stop_reason,
                 )
             )
-        return EngineStep(choices=choices, finished=out.finished, cached_tokens=out.num_cached_tokens or 0)
+        return EngineStep(
+            choices=choices,
+            finished=out.finished,
+            cached_tokens=out.num_cached_tokens or 0,
+            kv_params=getattr(out, "kv_transfer_params", None),
+        )
 
     async def check_health(self) -> None:
         try:

@@ -5,7 +5,9 @@ no log, and computes the prompt itself when the answer does not come. So this ro
 nothing, migrates nothing and refuses a job whose `expires_at` has passed (its decode worker
 stopped waiting). The engine runs the prompt for one token with the connector saving the
 prompt's full blocks to a block file; the file goes onto the block stream, the answer says
-where and with which checksums, and the file is removed whatever happens.
+where and with which checksums, and the file is removed whatever happens. With one of vLLM's own
+connectors (`--kv-connector`) the engines' connectors move the blocks, and the answer only names
+the connector and passes on what the prefill engine's connector returned.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ from typing import Any, ClassVar
 import nats.js.errors
 
 from ...errors import EngineRequestError, RequestRejected
-from ...kvtransfer.params import SAVE, full_block_tokens
+from ...kvtransfer.blockfile import prompt_digest
+from ...kvtransfer.params import JETLLM_CONNECTOR, REMOTE_DECODE, SAVE, full_block_tokens
 from ...kvtransfer.transport import TransferFailed, publish_blocks
 from ...schemas import (
     ErrorCode,
     GenerateRequest,
     HealthCheck,
+    KvBlocksHeader,
     Prefilled,
     PrefillRequest,
     SamplingOptions,
@@ -37,7 +41,7 @@ from .generate import GenerateRole
 
 log = logging.getLogger(__name__)
 
-DISAGG_FLAGS = frozenset({"--kv-ttl", "--kv-store-bytes"})
+DISAGG_FLAGS = frozenset({"--kv-ttl", "--kv-store-bytes", "--kv-connector", "--kv-connector-config"})
 """Flags of both sides of a disaggregated fleet."""
 
 
@@ -89,6 +93,9 @@ class PrefillRole(Role):
                 f"a prompt of {len(req.prompt.token_ids)} tokens fills no {block}-token block",
                 field="$.prompt.token_ids",
             )
+        if self._settings.connector != JETLLM_CONNECTOR:
+            await self._hand_over(req, job, full_block_tokens(len(req.prompt.token_ids), block))
+            return
         if not self._store_ready:
             job.stage = "preparing the KV block store"
             s = self._settings
@@ -109,14 +116,16 @@ class PrefillRole(Role):
         try:
             job.stage = "prefilling its prompt on the engine"
             started = time.monotonic()
-            await self._prefill(req, name)
+            await self._prefill(req, {SAVE: name})
             if not path.exists():
                 raise EngineRequestError("the engine's KV connector wrote no blocks for this prompt")
             prefill_ms = (time.monotonic() - started) * 1000
             job.stage = "publishing its KV blocks"
             started = time.monotonic()
             try:
-                pub = await publish_blocks(self._ctx.nc, self._ctx.names, req.transfer_id, path)
+                pub = await publish_blocks(
+                    self._ctx.nc, self._ctx.names, req.transfer_id, path, packed=req.packed
+                )
             except TransferFailed as exc:
                 raise RequestRejected(ErrorCode.KV_TRANSFER_FAILED, str(exc)) from None
             publish_ms = (time.monotonic() - started) * 1000
@@ -139,6 +148,7 @@ class PrefillRole(Role):
                 header=pub.header,
                 checksums=pub.checksums,
                 chunk_bytes=pub.chunk_bytes,
+                blocks_per_message=pub.blocks_per_message,
                 messages=pub.messages,
                 expires_at=time.time() + self._settings.kv_ttl,
                 prefill_ms=prefill_ms,
@@ -147,7 +157,41 @@ class PrefillRole(Role):
             "prefilled",
         )
 
-    async def _prefill(self, req: PrefillRequest, name: str) -> None:
+    async def _hand_over(self, req: PrefillRequest, job: JobHandle, covered: int) -> None:
+        """With one of vLLM's own connectors: the connectors move the blocks, the answer says which
+        one did and passes on what the prefill engine's connector returned for the decode engine."""
+        await job.accept()
+        job.stage = "prefilling its prompt on the engine"
+        started = time.monotonic()
+        kv_params = await self._prefill(req, dict(REMOTE_DECODE))
+        block = self.facts.block_size or 1
+        await job.reply(
+            Prefilled(
+                request_id=req.request_id,
+                transfer_id=req.transfer_id,
+                worker=self._ctx.instance,
+                header=KvBlocksHeader(
+                    block_size=block,
+                    num_tokens=covered,
+                    num_blocks=covered // block,
+                    block_bytes=0,
+                    prompt_digest=prompt_digest(req.prompt.token_ids[:covered]),
+                    layers=[],
+                ),
+                checksums=[],
+                chunk_bytes=0,
+                messages=0,
+                expires_at=time.time() + self._settings.kv_ttl,
+                prefill_ms=(time.monotonic() - started) * 1000,
+                connector=self._settings.connector,
+                kv_params=kv_params,
+            ),
+            "prefilled",
+        )
+
+    async def _prefill(self, req: PrefillRequest, kv: dict[str, Any]) -> dict[str, Any] | None:
+        """Run the prompt for one token; returns what the engine's connector said for the decode
+        engine (vLLM's connectors), if anything."""
         one = GenerateRequest(
             request_id=req.request_id,
             model=req.model,
@@ -155,9 +199,11 @@ class PrefillRole(Role):
             sampling=SamplingOptions(temperature=0.0),
             stop=StopConditions(max_tokens=1, ignore_eos=True),
         )
-        steps: Any = self._engine.generate(one, list(req.prompt.token_ids), 1, None, {SAVE: name})
-        async for _ in steps:
-            pass
+        steps: Any = self._engine.generate(one, list(req.prompt.token_ids), 1, None, kv)
+        kv_params = None
+        async for step in steps:
+            kv_params = step.kv_params or kv_params
+        return kv_params
 
     async def canary(self, check: HealthCheck) -> Canary:
         return await self._generate.canary(check)

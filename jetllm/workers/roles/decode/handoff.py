@@ -12,11 +12,13 @@ from __future__ import annotations
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import anyio
 import msgspec
 import nats.errors
 
+from ....kvtransfer.params import JETLLM_CONNECTOR, LOAD
 from ....kvtransfer.transport import Incoming, TransferFailed, fetch_blocks, remove_blocks
 from ....schemas import (
     AcceptedFrame,
@@ -51,10 +53,18 @@ class HandoffFailed(Exception):
 
 class Handoff(msgspec.Struct, kw_only=True):
     done: Prefilled
-    path: Path
+    path: Path | None
+    """The block file to load (jetllm's connector); None when vLLM's connectors moved the blocks."""
     fetch_ms: float
     source: str
-    """"live" (received as published) or "stored" (read back from the block stream)."""
+    """"live" (received as published), "stored" (read back from the block stream), or the vLLM
+    connector that moved the blocks."""
+
+    def kv_transfer(self) -> dict[str, Any] | None:
+        """What the decode engine's connector is told for this request."""
+        if self.path is not None:
+            return {LOAD: self.path.name}
+        return self.done.kv_params
 
 
 class RemotePrefill:
@@ -97,9 +107,16 @@ class RemotePrefill:
             prompt=TokensPrompt(token_ids=prompt_ids),
             transfer_id=transfer,
             expires_at=time.time() + s.prefill_timeout,
+            packed=True,
         )
+        path = self._dir / f"{transfer}.kv"
+        ours = s.connector == JETLLM_CONNECTOR
         sub = await ctx.nc.subscribe(job.reply_to)
-        incoming = await Incoming.open(ctx.nc, ctx.names, transfer, max_bytes=s.kv_store_bytes)
+        incoming = None
+        if ours:
+            incoming = await Incoming.open(
+                ctx.nc, ctx.names, transfer, max_bytes=s.kv_store_bytes, dest=path, packed=True
+            )
         answered = False
         try:
             try:
@@ -113,7 +130,16 @@ class RemotePrefill:
                 raise HandoffFailed(f"the prefill job was not queued: {exc}", "fallback_queue") from None
             done = await self._answer(sub, job)
             answered = True
-            path = self._dir / f"{transfer}.kv"
+            if done.connector != s.connector:
+                if done.connector == JETLLM_CONNECTOR:
+                    await self._remove(transfer)
+                raise HandoffFailed(
+                    f"{done.worker} moved the blocks with the {done.connector} KV connector; this "
+                    f"worker's engine loads with {s.connector} (give both roles the same --kv-connector)",
+                    "fallback_connector",
+                )
+            if not ours:
+                return Handoff(done=done, path=None, fetch_ms=0.0, source=done.connector)
             started = time.monotonic()
             try:
                 source = await fetch_blocks(
@@ -124,21 +150,25 @@ class RemotePrefill:
                     f"the blocks from {done.worker} are unusable: {exc}", "fallback_transfer"
                 ) from None
             finally:
-                with anyio.CancelScope(shield=True):
-                    try:
-                        await remove_blocks(ctx.nc, ctx.names, transfer)
-                    except Exception:  # the stream's TTL removes them
-                        pass
+                await self._remove(transfer)
             return Handoff(done=done, path=path, fetch_ms=(time.monotonic() - started) * 1000, source=source)
         finally:
             with anyio.CancelScope(shield=True):
-                await incoming.close()
+                if incoming is not None:
+                    await incoming.close()
                 try:
                     await sub.unsubscribe()
                 except Exception:
                     pass
                 if not answered:
                     await self._cancel(job.request_id)
+
+    async def _remove(self, transfer: str) -> None:
+        with anyio.CancelScope(shield=True):
+            try:
+                await remove_blocks(self._ctx.nc, self._ctx.names, transfer)
+            except Exception:  # the stream's TTL removes them
+                pass
 
     async def _answer(self, sub: object, job: PrefillRequest) -> Prefilled:
         """The prefill worker's answer; fails on an error answer, on silence past the timeout, and

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from typing import ClassVar
 
-from ....kvtransfer.params import LOAD, full_block_tokens
+from ....kvtransfer.params import full_block_tokens
 from ....schemas import GenerateRequest
 from ...engine import EnginePrompt, PromptEmbeds
 from ...requestlog import History
@@ -55,12 +55,16 @@ class DecodeRole(GenerateRole):
             assert isinstance(prompt, list)
             try:
                 handoff = await self._remote.run(req.request_id, job.attempt, prompt)
-                kv = {LOAD: handoff.path.name}
+                kv = handoff.kv_transfer()
                 d = handoff.done
+                moved = (
+                    f"publish {d.publish_ms:.0f} ms, {handoff.source} blocks checked in {handoff.fetch_ms:.0f} ms"
+                    if handoff.path is not None
+                    else f"moved by {d.connector}"
+                )
                 job.prefill = (
                     f"remote on {d.worker} ({d.header.num_tokens} tokens in {d.header.num_blocks} blocks; "
-                    f"prefill {d.prefill_ms:.0f} ms, publish {d.publish_ms:.0f} ms, "
-                    f"{handoff.source} blocks checked in {handoff.fetch_ms:.0f} ms)"
+                    f"prefill {d.prefill_ms:.0f} ms, {moved})"
                 )
             except HandoffFailed as exc:
                 how = f"local_{exc.label}"
@@ -74,7 +78,7 @@ class DecodeRole(GenerateRole):
                 self.check_model(req)
                 return await generate(self._engine, req, job.tokens, prompt, history, adapter, kv)
         finally:
-            if handoff is not None:
+            if handoff is not None and handoff.path is not None:
                 handoff.path.unlink(missing_ok=True)
 
     async def _where(self, req: GenerateRequest, prompt: EnginePrompt, history: History) -> str:

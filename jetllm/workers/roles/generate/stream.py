@@ -4,6 +4,8 @@ step needs (count, keep, send) and nothing per token beyond the engine's own wor
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from ....schemas import Choice, GenerateRequest, Usage
@@ -27,7 +29,7 @@ async def generate(
     prompt_ids: EnginePrompt,
     history: History,
     adapter: EngineAdapter | None = None,
-    kv_transfer: dict[str, str] | None = None,
+    kv_transfer: dict[str, Any] | None = None,
 ) -> Outcome:
     """Generate (or continue) the request, streaming token frames; the caller sends the final.
 
