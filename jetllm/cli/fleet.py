@@ -27,13 +27,21 @@ def _age(ts: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
+def _cached(r: InstanceRecord) -> str:
+    return "-" if r.cached_blocks is None else str(r.cached_blocks)
+
+
 def _table(records: list[InstanceRecord]) -> str:
-    head = f"{'instance':34} {'model':16} {'role':9} {'state':9} {'ready':5} {'jobs':>9} {'blocks':>7} {'up':>7}  adapters"
+    head = (
+        f"{'instance':34} {'model':16} {'role':9} {'state':9} {'ready':5} {'jobs':>9} {'blocks':>7} "
+        f"{'cached':>7} {'up':>7}  adapters"
+    )
     lines = [head]
     for r in records:
         lines.append(
             f"{r.instance[:34]:34} {r.model[:16]:16} {r.role:9} {r.state:9} {'yes' if r.ready else 'no':5} "
-            f"{f'{r.in_flight}/{r.slots}':>9} {r.engine.num_kv_blocks or '-':>7} {_age(r.started_at):>7}  "
+            f"{f'{r.in_flight}/{r.slots}':>9} {r.engine.num_kv_blocks or '-':>7} {_cached(r):>7} "
+            f"{_age(r.started_at):>7}  "
             f"{','.join(r.adapters) or '-'}"
         )
     if not records:

@@ -18,7 +18,7 @@ import uuid
 from collections import deque
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
@@ -33,6 +33,7 @@ from nats.js.api import PubAck
 from .. import tracecontext
 from ..aio import retried
 from ..errors import PayloadTooLarge, RequestFailed
+from ..router.publish import placed_subject
 from ..schemas import (
     Cancelled,
     CancelRequest,
@@ -51,11 +52,14 @@ from ..subjects.codec import HEADER_MARGIN
 from ..subjects.connection import connect
 from ..subjects.direct import subscribe_direct
 from ..subjects.names import FRAME_BATCH_TOKEN, Names, check_role, frame_batch_subject
-from ..subjects.setup import QueuePolicy, check_server, ensure_streams
+from ..subjects.setup import QueuePolicy, check_server, ensure_routing_stream, ensure_streams
 from . import results
 from .completion import Completion, assemble
 from .embeds import embeds_store, upload
 from .sequencer import Decision, Sequencer
+
+if TYPE_CHECKING:
+    from ..router import Router
 
 log = logging.getLogger(__name__)
 _batch_decoder = codec.Decoder(FrameBatch)
@@ -136,6 +140,8 @@ class Client:
         policy: QueuePolicy | None = None,
         name: str = "jetllm-producer",
         embeds_inline_max: int | None = None,
+        router: Router | None = None,
+        via_routers: bool = False,
     ) -> None:
         self.names = Names(namespace)
         self._url = url
@@ -156,6 +162,13 @@ class Client:
         self.embeds_inline_max = embeds_inline_max
         """Embeddings bigger than this (bytes) go through the object store; None: whatever does not
         fit one message (max_payload)."""
+        if router is not None and via_routers:
+            raise ValueError("give either router (place jobs here) or via_routers (a router fleet does)")
+        self.router = router
+        """Places each job before it is published (started with the client unless already running)."""
+        self.via_routers = via_routers
+        """Publish jobs to the routing queue, for the `jetllm router` fleet to place."""
+        self._own_router = False
         self._inbox_root = ""
         self._sub: Subscription | None = None
         self._inboxes: dict[str, _Inbox] = {}
@@ -175,6 +188,11 @@ class Client:
             await check_server(self._nc)
             self.js = self._nc.jetstream(timeout=10)
             await ensure_streams(self.js, self.names, self._policy)
+            if self.via_routers:
+                await ensure_routing_stream(self.js, self.names, self._policy)
+            if self.router is not None and not self.router.started:
+                await self.router.start(self._nc, self.names)
+                self._own_router = True
             self._inbox_root = self._nc.new_inbox()  # under the identity's inbox prefix
             self._sub = await subscribe_direct(self._nc, f"{self._inbox_root}.*", self._on_frame)
             self._tg = anyio.create_task_group()
@@ -189,6 +207,9 @@ class Client:
         await self.close()
 
     async def close(self) -> None:
+        if self._own_router and self.router is not None:
+            await self.router.close()
+            self._own_router = False
         if self._tg is not None:
             self._tg.cancel_scope.cancel()
             await self._tg.__aexit__(None, None, None)
@@ -271,19 +292,26 @@ class Client:
         `role` names the job queue, one of `names.ROLES` (the queues workers consume); any other
         raises ValueError rather than publish a job nobody would take. `batch_frames`: the reader of
         `req.reply_to` also reads its `.batch` sibling (as `generate` does), so the worker may send
-        frames of several requests together.
+        frames of several requests together. With a `router`, the job goes to the instance it
+        chooses (or the shared queue); with `via_routers`, to the routing queue.
         """
         check_role(role)
         req, _ = await self.offload_embeds(req)
         data = self.encode_job(req)
+        traceparent = traceparent or tracecontext.new_traceparent()
         headers = {
             "Nats-Msg-Id": req.request_id,
             codec.CONTENT_TYPE: codec.content_type(self.encoding),
-            tracecontext.HEADER: traceparent or tracecontext.new_traceparent(),
+            tracecontext.HEADER: traceparent,
         }
         if batch_frames and req.reply_to is not None and self.encoding == "msgpack":
             headers[codec.FRAME_BATCH_HEADER] = frame_batch_subject(req.reply_to)
         subject = self.names.jobs(role, req.model)
+        if self.via_routers:
+            subject = self.names.routing(role, req.model)
+        elif self.router is not None and self.router.model == req.model:
+            placement = await self.router.place(req, traceparent=traceparent)
+            subject = placed_subject(self.names, role, req.model, placement.instance)
         return await retried(
             lambda: self.js.publish(subject, data, headers=headers, timeout=2.0),
             errors=_PUBLISH_RETRIED,

@@ -4,6 +4,7 @@ Subject tree (one namespace `<ns>` per deployment):
 
     jetllm.<ns>.jobs.<role>.<model>          work-queue stream, one shared consumer per (role, model)
     jetllm.<ns>.jobs.<role>.<model>.<more>   reserved: directed jobs and lanes (do not overlap the above)
+    jetllm.<ns>.route.<role>.<model>         jobs for a router fleet to place (work-queue stream)
     jetllm.<ns>.dlq.<role>.<model>           dead letters (limits stream)
     jetllm.<ns>.req.<request>                the request log: progress and result (limits stream)
     jetllm.<ns>.cancel.<request>             cancel a request, wherever it runs (core NATS)
@@ -121,6 +122,7 @@ class Names:
         self.adapters_store = f"JETLLM_{upper}_ADAPTERS"
         self.embeds_store = f"JETLLM_{upper}_EMBEDS"
         self.kv_blocks_stream = f"JETLLM_{upper}_KVBLOCKS"
+        self.routing_stream = f"JETLLM_{upper}_ROUTE"
         self._advisories = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self.jobs_stream}"
 
     # jobs
@@ -145,6 +147,20 @@ class Names:
 
     def directed_consumer(self, role: str, model: str, instance: str) -> str:
         return f"{self.consumer(role, model)}_i_{encode_token(instance)}"
+
+    # the routing queue: jobs that `jetllm router` instances place (docs/routing.md)
+    def routing(self, role: str, model: str) -> str:
+        """Its own stream, so the placed job can keep its request id as Nats-Msg-Id in the jobs
+        stream (one stream would take the republished job for a duplicate of the routed one)."""
+        return f"{self._root}.route.{check_name('role', role)}.{encode_token(model)}"
+
+    @property
+    def routing_all(self) -> str:
+        return f"{self._root}.route.>"
+
+    def routing_consumer(self, role: str, model: str) -> str:
+        """One durable consumer per (role, model), shared by every router: each job goes to one."""
+        return f"router_{self.consumer(role, model)}"
 
     def parse_jobs(self, subject: str) -> tuple[str, str]:
         """(role, model) of a job subject."""
@@ -233,6 +249,9 @@ class Names:
     # load reports, KV-cache events, traces
     def load(self, model: str, instance: str) -> str:
         return f"{self._root}.load.{encode_token(model)}.{encode_token(instance)}"
+
+    def load_of(self, model: str) -> str:
+        return f"{self._root}.load.{encode_token(model)}.*"
 
     @property
     def load_all(self) -> str:

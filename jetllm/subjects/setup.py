@@ -426,3 +426,24 @@ async def ensure_consumer(
     )
     await _api(lambda: js.add_consumer(names.jobs_stream, config), f"creating consumer {durable}")
     return durable
+
+
+async def ensure_routing_stream(js: JetStreamContext, names: Names, policy: QueuePolicy) -> None:
+    """The routing queue (docs/routing.md): made by routers and the producers that use them only,
+    so a namespace without a router fleet has no stream nobody reads."""
+    replicas = policy.replicas or await namespace_replicas(js, names)
+    await _ensure_stream(
+        js,
+        StreamConfig(
+            name=names.routing_stream,
+            description="jetllm routing queue: jobs a router fleet places on an instance or the shared queue",
+            subjects=[names.routing_all],
+            retention=RetentionPolicy.WORK_QUEUE,
+            storage=StorageType.MEMORY if policy.memory else StorageType.FILE,
+            num_replicas=replicas,
+            max_age=policy.max_age,
+            duplicate_window=policy.duplicate_window,
+            discard=DiscardPolicy.OLD,
+        ),
+        rescale=policy.replicas is not None,
+    )

@@ -78,6 +78,7 @@ class Reports:
             heartbeat_at=time.time(),
             expires_after=self._expires_after,
             metrics_url=self.metrics_url,
+            cached_blocks=self._kv.cached_blocks if self._kv.enabled else None,
             ready=self._lifecycle.ready,
         )
 
