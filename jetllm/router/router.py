@@ -10,15 +10,15 @@ or alone: `async with router.running(nc, names): placement = await router.place(
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import OrderedDict, deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import anyio
-from anyio.abc import TaskGroup
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
 
@@ -69,7 +69,14 @@ class RouterStats:
 
 
 def _reason_kind(why: str) -> str:
-    kinds = ("session affinity", "session start", "no cached prefix", "tie", "no load data", "no live instance")
+    kinds = (
+        "session affinity",
+        "session start",
+        "no cached prefix",
+        "tie",
+        "no load data",
+        "no live instance",
+    )
     for kind in kinds:
         if why.startswith(kind):
             return kind
@@ -115,7 +122,7 @@ class Router:
         self._ranking: tuple[float, list[Candidate], dict[str, int]] | None = None
         self._nc: NATS | None = None
         self._names: Names | None = None
-        self._tg: TaskGroup | None = None
+        self._tasks: list[asyncio.Task[None]] = []
         self._sub: Subscription | None = None
         self.feed: KvFeed | None = None
 
@@ -123,7 +130,7 @@ class Router:
 
     @property
     def started(self) -> bool:
-        return self._tg is not None
+        return bool(self._tasks)
 
     async def start(self, nc: NATS, names: Names, *, warm_timeout: float = WARM_TIMEOUT) -> None:
         """Follow the fleet; returns once the KV events stored so far are applied (a restarted
@@ -131,10 +138,17 @@ class Router:
         self._nc, self._names = nc, names
         self.feed = KvFeed(nc, names, self.model, self.index, lambda: self._hasher)
         self._sub = await nc.subscribe(names.load_of(self.model), cb=self._on_load)
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
-        self._tg.start_soon(self.feed.run)
-        self._tg.start_soon(follow_registry, nc, names, self.model, self.role, self._on_instances)
+        # plain tasks, not a task group held open across calls: a router may be started and
+        # closed from different scopes (a Client's, a test's)
+        loop = asyncio.get_running_loop()
+        self._tasks = [
+            loop.create_task(self._supervised("KV events", self.feed.run)),
+            loop.create_task(
+                self._supervised(
+                    "registry", lambda: follow_registry(nc, names, self.model, self.role, self._on_instances)
+                )
+            ),
+        ]
         with anyio.move_on_after(warm_timeout) as scope:
             await self.feed.caught_up.wait()
         if scope.cancelled_caught:
@@ -147,10 +161,25 @@ class Router:
             except Exception:
                 pass
             self._sub = None
-        if self._tg is not None:
-            self._tg.cancel_scope.cancel()
-            await self._tg.__aexit__(None, None, None)
-            self._tg = None
+        tasks, self._tasks = self._tasks, []
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            try:
+                await t
+            except asyncio.CancelledError:
+                pass
+
+    async def _supervised(self, what: str, fn: Callable[[], Awaitable[None]]) -> None:
+        """A lost connection or a bug in one feed must not stop the router: log, wait, follow again."""
+        while self._nc is not None and not self._nc.is_closed:
+            try:
+                await fn()
+            except Exception as exc:
+                if self._nc.is_closed:
+                    return
+                log.warning("router: following %s failed (%s); again in 1s", what, exc)
+            await anyio.sleep(1.0)
 
     @asynccontextmanager
     async def running(self, nc: NATS, names: Names) -> AsyncIterator[Router]:
