@@ -123,7 +123,7 @@ def test_the_shortlist_decides_as_the_whole_fleet_would():
         position = {x.instance: i for i, x in enumerate(ranked)}
         whole = [x._replace(cached_tokens=cached.get(x.instance, 0)) for x in fleet]
         prompt = rnd.choice([100, 600, 2000])
-        assert (
-            choose(prompt, shortlist(ranked, cached, position), W).instance
-            == choose(prompt, whole, W).instance
-        )
+        short = choose(prompt, shortlist(ranked, cached, position), W, cached=cached)
+        full = choose(prompt, whole, W)
+        assert short.instance == full.instance
+        assert [x.cost for x in short.scored] == [x.cost for x in full.scored]

@@ -102,7 +102,7 @@ def simulate(
         s, c = time.perf_counter_ns(), time.thread_time_ns()
         hits = index.overlap(prompt_chain)
         cached = {inst: n * BLOCK for inst, n in hits.items()}
-        choose(prompt_tokens, shortlist(ranked, cached, position), weights)
+        choose(prompt_tokens, shortlist(ranked, cached, position), weights, cached=cached)
         decide_cpu_ns.append(time.thread_time_ns() - c)
         decide_ns.append(time.perf_counter_ns() - s)
 

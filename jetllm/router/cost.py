@@ -31,6 +31,10 @@ class Weights:
     """Fewest cached tokens on the best candidate that make the job worth directing."""
 
 
+TRACED = 8
+"""Candidates a decision reports (and its trace record shows)."""
+
+
 class Candidate(NamedTuple):
     instance: str
     cached_tokens: int
@@ -42,8 +46,7 @@ class Candidate(NamedTuple):
     kv_usage: float | None = None
 
 
-@dataclass(frozen=True)
-class Scored:
+class Scored(NamedTuple):
     candidate: Candidate
     cost: float
 
@@ -54,7 +57,7 @@ class Choice:
     """None: the shared queue."""
     why: str
     scored: list[Scored] = field(default_factory=list)
-    """Every candidate with its cost, cheapest first."""
+    """The TRACED cheapest candidates with their costs, cheapest first."""
 
 
 def load_cost(c: Candidate, w: Weights) -> float:
@@ -72,13 +75,14 @@ def by_load(candidates: Sequence[Candidate], w: Weights) -> list[Candidate]:
 
 
 def shortlist(
-    ranked: Sequence[Candidate], cached: Mapping[str, int], position: Mapping[str, int], keep: int = 8
+    ranked: Sequence[Candidate], cached: Mapping[str, int], position: Mapping[str, int], keep: int = TRACED
 ) -> list[Candidate]:
     """The candidates `choose` needs to decide as if it saw all of `ranked` (sorted by `by_load`,
     `position` its index): every holder of a cached prefix, plus the `keep` least loaded others. Of
     the instances holding nothing the cheapest is the least loaded, so the rest cannot win or tie
-    first; this keeps a decision over 1,000 instances to the few that matter."""
-    out = [ranked[position[inst]]._replace(cached_tokens=n) for inst, n in cached.items() if inst in position]
+    first; this keeps a decision over 1,000 instances to the few that matter. Pass `cached` to
+    `choose` with them: the candidates are `ranked`'s own, with nothing cached."""
+    out = [ranked[at] for at in map(position.get, cached) if at is not None]
     cold = 0
     for c in ranked:
         if cold >= keep:
@@ -91,23 +95,38 @@ def shortlist(
 
 def choose(
     prompt_tokens: int,
-    candidates: list[Candidate],
+    candidates: Sequence[Candidate],
     w: Weights,
     *,
+    cached: Mapping[str, int] | None = None,
     session: str | None = None,
     new_session: bool = False,
 ) -> Choice:
-    """Where a job with `prompt_tokens` goes. When no candidate holds any of the prompt (no events,
-    or a cold cache), a job of a session goes to `session`, the instance its session last went to,
-    and the first job of a session (`new_session`) to the cheapest candidate, which it then sticks to."""
+    """Where a job with `prompt_tokens` goes. `cached`: cached tokens per instance, instead of the
+    candidates' own field (the router's shortlist passes it, to build no candidate per job).
+
+    When no candidate holds any of the prompt (no events, or a cold cache), a job of a session goes
+    to `session`, the instance its session last went to, and the first job of a session
+    (`new_session`) to the cheapest candidate, which it then sticks to."""
     if not candidates:
         return Choice(None, "no live instance")
-    scored = sorted((Scored(c, cost(c, prompt_tokens, w)) for c in candidates), key=lambda s: s.cost)
-    best_cached = max(c.cached_tokens for c in candidates)
-    if best_cached < w.min_cached:
+    get = cached.get if cached is not None else None
+    hits = [c.cached_tokens if get is None else get(c.instance, c.cached_tokens) for c in candidates]
+    q, kv, per = w.queue, w.kv, w.compute
+    costs = sorted(
+        (
+            per * max(0, prompt_tokens - hit)
+            + (q * (c.running + c.waiting) / c.slots if c.slots > 0 else 0.0)
+            + kv * (c.kv_usage or 0.0),
+            i,
+        )
+        for i, (c, hit) in enumerate(zip(candidates, hits, strict=True))
+    )
+    scored = [Scored(candidates[i]._replace(cached_tokens=hits[i]), cost) for cost, i in costs[:TRACED]]
+    if max(hits) < w.min_cached:
         if session is not None and any(c.instance == session for c in candidates):
             return Choice(session, "session affinity (no cached prefix anywhere)", scored)
-        known = next((s.candidate.instance for s in scored if s.candidate.slots > 0), None)
+        known = next((candidates[i].instance for _, i in costs if candidates[i].slots > 0), None)
         if (session is not None or new_session) and known is not None:
             return Choice(known, "session start: least loaded (no cached prefix anywhere)", scored)
         return Choice(None, "no cached prefix on any instance", scored)

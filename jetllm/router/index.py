@@ -96,7 +96,7 @@ class BlockIndex:
 
     # the holders dict
 
-    def _add(self, slot: int, key: int) -> None:
+    def _add(self, slot: int, state: _SlotState, key: int) -> None:
         holders = self._holders
         v = holders.get(key)
         if v is None:
@@ -110,11 +110,10 @@ class BlockIndex:
             if mask >> slot & 1:
                 return
             holders[key] = ~(mask | 1 << slot)
-        state = self._state(slot)
         state.held += 1
         state.log.append(key)
 
-    def _remove(self, slot: int, key: int) -> None:
+    def _remove(self, slot: int, state: _SlotState, key: int) -> None:
         holders = self._holders
         v = holders.get(key)
         if v is None:
@@ -129,7 +128,6 @@ class BlockIndex:
                 return
             mask &= ~(1 << slot)
             holders[key] = self._ints[mask.bit_length() - 1] if mask & (mask - 1) == 0 else ~mask
-        state = self._state(slot)
         state.held -= 1
         if len(state.log) > 2 * state.held + 1024:
             self._compact(slot, state)
@@ -163,13 +161,13 @@ class BlockIndex:
                         state.foreign = True
                         continue
                 for h in ev.block_hashes:
-                    self._add(slot, h)
+                    self._add(slot, state, h)
             elif isinstance(ev, KvRemoved):
                 if ev.medium not in (None, "GPU"):
                     continue
                 for h in ev.block_hashes:
                     key = state.lora.pop(h, None) if state.lora else None
-                    self._remove(slot, h if key is None else key)
+                    self._remove(slot, state, h if key is None else key)
             elif isinstance(ev, KvCleared):
                 self.clear(slot)
 
@@ -183,7 +181,7 @@ class BlockIndex:
         keys = lora_chain(ev.lora_name, ev.token_ids, ev.block_size, parent)
         for h, key in zip(ev.block_hashes, keys, strict=False):
             state.lora[h] = key
-            self._add(slot, key)
+            self._add(slot, state, key)
 
     def clear(self, slot: int) -> None:
         state = self._state(slot)
@@ -238,8 +236,9 @@ class BlockIndex:
         for s in _bits(live):
             per_slot[s] = len(chain)
         out: dict[str, int] = {}
+        slots = self._slots
         for s, n in per_slot.items():
-            inst = self.instance_of(s)
+            inst = slots[s].key[0]  # type: ignore[union-attr]
             if n > out.get(inst, 0):
                 out[inst] = n
         return out

@@ -257,7 +257,12 @@ class Router:
         if session is not None and session in position and all(c.instance != session for c in listed):
             listed.append(ranked[position[session]])
         return choose(
-            len(tokens), listed, self.weights, session=session, new_session=req.session_id is not None
+            len(tokens),
+            listed,
+            self.weights,
+            cached=cached,
+            session=session,
+            new_session=req.session_id is not None,
         )
 
     async def place(
