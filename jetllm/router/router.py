@@ -22,6 +22,7 @@ import anyio
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
 
+from ..producer.registry import instances
 from ..schemas import GenerateRequest, InstanceRecord, RouteCandidate, RouteDecision
 from ..subjects.names import Names
 from .cost import Candidate, Choice, Weights, by_load, cached_tokens, choose, shortlist
@@ -136,6 +137,11 @@ class Router:
         """Follow the fleet; returns once the KV events stored so far are applied (a restarted
         router is warm from its first job) or after `warm_timeout`."""
         self._nc, self._names = nc, names
+        try:  # the live instances now, so the first decision knows them (the watch follows)
+            live = await instances(nc.jetstream(timeout=5), names, model=self.model)
+            self._on_instances({r.instance: r for r in live if r.role == self.role})
+        except Exception as exc:
+            log.warning("router: cannot read the registry yet (%s); following it", exc)
         self.feed = KvFeed(nc, names, self.model, self.index, lambda: self._hasher)
         self._sub = await nc.subscribe(names.load_of(self.model), cb=self._on_load)
         # plain tasks, not a task group held open across calls: a router may be started and
