@@ -13,6 +13,7 @@ from jetllm.producer import Client
 from jetllm.producer.traces import trace_records
 from jetllm.router import Router, publish_directed
 from jetllm.router.service import bind, serve
+from jetllm.router.trace import route_lines
 from jetllm.schemas import (
     EngineInfo,
     GenerateRequest,
@@ -122,6 +123,9 @@ async def test_a_client_router_addresses_jobs_to_the_holder_of_their_prefix_and_
         assert [x.instance for x in route.candidates] == ["w1", "w2"]
         assert [x.cached_tokens for x in route.candidates] == [16, 0]
         assert route.why.startswith("16/18 prompt tokens cached")
+        lines = route_lines(rec)  # as `jetllm trace` shows it
+        assert lines[0].startswith("routed by r1 to w1: 16/18 prompt tokens cached")
+        assert lines[1].startswith("  w1: 16/18 prompt tokens cached, load 0+0/8")
         (rec,) = await trace_records(js, names, cold.request_id)
         assert rec.outcome == "shared" and rec.route.chosen is None
         assert rec.route.why == "no cached prefix on any instance"

@@ -14,6 +14,7 @@ from ..aio import run
 from ..producer.fleet import ask
 from ..producer.registry import instances, watch
 from ..producer.traces import trace_records
+from ..router.trace import route_lines
 from ..schemas import ControlFailed, HealthCheck, HealthReport, InstanceRecord, SleepRequest
 from ..subjects import codec
 from ..subjects.connection import connect
@@ -181,6 +182,12 @@ async def _trace(args: argparse.Namespace) -> int:
     print(f"  +{0:8.1f} ms  queued (JetStream stored the job)")
     for r in records:
         ms = lambda t: f"+{(t - t0) * 1000:8.1f} ms"  # noqa: E731
+        if r.route is not None:
+            head, *rest = route_lines(r)
+            print(f"{ms(r.ended_at)}  {head}")
+            for line in rest:
+                print(f"{'':13}  {line}")
+            continue
         print(f"{ms(r.pulled_at)}  attempt {r.attempt} pulled by {r.instance} (span {r.span_id})")
         if r.accepted_at:
             resumed = f", resuming after {r.resumed_tokens} tokens" if r.resumed_tokens else ""

@@ -62,3 +62,18 @@ async def publish_decision(
         await nc.publish(names.trace(req.request_id), codec.encode(rec))
     except Exception as exc:  # the decision stands without its record
         log.debug("routing record not published: %s", exc)
+
+
+def route_lines(rec: TraceRecord) -> list[str]:
+    """A router's record as `jetllm trace` prints it: the decision, then each candidate weighed."""
+    d = rec.route
+    if d is None:
+        return []
+    to = f"to {d.chosen}" if d.chosen is not None else "to the shared queue"
+    lines = [f"routed by {rec.instance} {to}: {d.why} (decided in {d.decision_us:.0f} us)"]
+    for c in d.candidates:
+        lines.append(
+            f"  {c.instance}: {c.cached_tokens}/{d.prompt_tokens} prompt tokens cached, "
+            f"load {c.running}+{c.waiting}/{c.slots}, cost {c.cost:.0f}"
+        )
+    return lines
