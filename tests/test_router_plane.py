@@ -12,6 +12,7 @@ import pytest
 from jetllm.producer import Client
 from jetllm.producer.traces import trace_records
 from jetllm.router import Router, publish_directed
+from jetllm.router.metrics import RouterCollector
 from jetllm.router.service import bind, serve
 from jetllm.router.trace import route_lines
 from jetllm.schemas import (
@@ -114,6 +115,10 @@ async def test_a_client_router_addresses_jobs_to_the_holder_of_their_prefix_and_
             ]
             assert router.stats.decisions == 2 and router.stats.directed == 1
             assert router.stats.hit_rate == pytest.approx(16 / 36)
+            exported = {m.name: m for m in RouterCollector(router).collect()}
+            assert exported["jetllm_router_hit_rate"].samples[0].value == pytest.approx(16 / 36)
+            reasons = {x.labels["reason"]: x.value for x in exported["jetllm_router_decisions"].samples}
+            assert reasons == {"cached prefix": 1, "no cached prefix": 1}
         assert not router.started  # the client started it, the client stopped it
 
         (rec,) = await trace_records(js, names, hot.request_id)

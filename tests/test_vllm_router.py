@@ -49,7 +49,7 @@ def fleet(nats_url, tiny_model, tmp_path_factory):
     ]
     try:
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
-            for f in [pool.submit(anyio.run, w.wait_ready, nats_url) for w in workers]:
+            for f in [pool.submit(anyio.run, w.wait_ready, nats_url, 900.0) for w in workers]:
                 f.result()
         yield namespace, workers
     finally:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from contextlib import aclosing
 
 import anyio
 import msgspec
@@ -47,7 +48,10 @@ class KvFeed:
         self.counters = {"batches": 0, "events": 0, "gaps": 0, "undecodable": 0, "resyncs_asked": 0}
         self._asked: dict[str, float] = {}
 
-    async def run(self) -> None:
+    async def run(self, stopped: Callable[[], bool] = lambda: False) -> None:
+        """Until `stopped()`: checked between messages (at least every second), so a router stops
+        without cancelling a NATS call midway (nats-py's flush leaves a cancelled future behind
+        that breaks the connection's later flushes)."""
         js = self.nc.jetstream()
         sub = await js.subscribe(
             self.names.kv_events_of(self.model),
@@ -60,7 +64,7 @@ class KvFeed:
             info = await sub.consumer_info()
             if info.num_pending == 0 and not (info.delivered and info.delivered.consumer_seq):
                 self.caught_up.set()
-            while True:
+            while not stopped():
                 try:
                     msg = await sub.next_msg(timeout=1.0)
                 except (TimeoutError, nats.errors.TimeoutError):
@@ -139,8 +143,18 @@ class LoadBook:
 
 
 async def follow_registry(
-    nc: NATS, names: Names, model: str, role: str, on_change: Callable[[dict[str, InstanceRecord]], None]
+    nc: NATS,
+    names: Names,
+    model: str,
+    role: str,
+    on_change: Callable[[dict[str, InstanceRecord]], None],
+    stopped: Callable[[], bool] = lambda: False,
 ) -> None:
-    """Calls `on_change` with the model's live instances of `role`, after every registry change."""
-    async for current in watch(nc.jetstream(timeout=5), names):
-        on_change({r.instance: r for r in current.values() if r.model == model and r.role == role})
+    """Calls `on_change` with the model's live instances of `role`, after every registry change
+    (and every second), until `stopped()`."""
+    updates = watch(nc.jetstream(timeout=5), names)
+    async with aclosing(updates):  # type: ignore[type-var]  # an async generator, typed as an iterator
+        async for current in updates:
+            if stopped():
+                return
+            on_change({r.instance: r for r in current.values() if r.model == model and r.role == role})

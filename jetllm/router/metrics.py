@@ -36,7 +36,7 @@ class RouterCollector(Collector):
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric(key, value)
             yield c
-        for name, doc, value in (
+        gauges: tuple[tuple[str, str, float], ...] = (
             ("jetllm_router_hit_rate", "Expected cached over prompt tokens, since start", s.hit_rate),
             (
                 "jetllm_router_decision_p50_us",
@@ -50,9 +50,10 @@ class RouterCollector(Collector):
             ),
             ("jetllm_router_index_blocks", "Distinct blocks in the index", r.index.blocks),
             ("jetllm_router_instances", "Live instances of the model", len(r.instances)),
-        ):
+        )
+        for name, doc, level in gauges:
             g = GaugeMetricFamily(name, doc, labels=labels)
-            g.add_metric(key, value)
+            g.add_metric(key, level)
             yield g
         if r.feed is not None:
             for name, value in r.feed.counters.items():

@@ -38,6 +38,8 @@ SESSIONS = 100_000
 """Sessions remembered for affinity (least recently used forgotten first)."""
 RANK_EVERY = 0.1
 WARM_TIMEOUT = 60.0
+STOP_WAIT = 5.0
+"""How long `close` lets the feeds finish their current NATS call before it cancels them."""
 """How long `start` waits for the stored KV events to be applied before it serves cold."""
 
 
@@ -124,6 +126,7 @@ class Router:
         self._nc: NATS | None = None
         self._names: Names | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False
         self._sub: Subscription | None = None
         self.feed: KvFeed | None = None
 
@@ -146,12 +149,15 @@ class Router:
         self._sub = await nc.subscribe(names.load_of(self.model), cb=self._on_load)
         # plain tasks, not a task group held open across calls: a router may be started and
         # closed from different scopes (a Client's, a test's)
+        self._stopping = False
+        stopped, feed = self._stopped, self.feed
         loop = asyncio.get_running_loop()
         self._tasks = [
-            loop.create_task(self._supervised("KV events", self.feed.run)),
+            loop.create_task(self._supervised("KV events", lambda: feed.run(stopped))),
             loop.create_task(
                 self._supervised(
-                    "registry", lambda: follow_registry(nc, names, self.model, self.role, self._on_instances)
+                    "registry",
+                    lambda: follow_registry(nc, names, self.model, self.role, self._on_instances, stopped),
                 )
             ),
         ]
@@ -168,24 +174,31 @@ class Router:
                 pass
             self._sub = None
         tasks, self._tasks = self._tasks, []
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            try:
-                await t
-            except asyncio.CancelledError:
-                pass
+        self._stopping = True
+        if tasks:  # they stop on their own within a second or two; cancelled only if they do not
+            _, late = await asyncio.wait(tasks, timeout=STOP_WAIT)
+            for t in late:
+                t.cancel()
+            for t in late:
+                try:
+                    await t
+                except asyncio.CancelledError:
+                    pass
+
+    def _stopped(self) -> bool:
+        return self._stopping
 
     async def _supervised(self, what: str, fn: Callable[[], Awaitable[None]]) -> None:
         """A lost connection or a bug in one feed must not stop the router: log, wait, follow again."""
-        while self._nc is not None and not self._nc.is_closed:
+        while not self._stopping and self._nc is not None and not self._nc.is_closed:
             try:
                 await fn()
             except Exception as exc:
-                if self._nc.is_closed:
+                if self._nc.is_closed or self._stopping:
                     return
                 log.warning("router: following %s failed (%s); again in 1s", what, exc)
-            await anyio.sleep(1.0)
+            if not self._stopping:
+                await anyio.sleep(1.0)
 
     @asynccontextmanager
     async def running(self, nc: NATS, names: Names) -> AsyncIterator[Router]:
