@@ -96,20 +96,21 @@ def workload() -> list[GenerateRequest]:
 
 async def caught_up(c: Client, router: Router, workers: list[WorkerProcess]) -> None:
     """Until the router applied every KV batch the workers published (and they stopped publishing)."""
-    js = c.js
-    with anyio.fail_after(30):
-        stable = 0
-        previous = None
-        while stable < 3:
-            last = {}
-            for w in workers:
-                subject = c.names.kv_events(TINY, w.instance)
-                raw = await js.get_last_msg(c.names.kv_events_stream, subject)
-                last[w.instance] = _batch.decode(raw.data).seq
-            applied = {w.instance: router.feed.last.get(w.instance) for w in workers}
-            stable = stable + 1 if last == previous and applied == last else 0
-            previous = last
-            await anyio.sleep(0.1)
+    assert router.feed is not None
+    stable, previous, applied, last = 0, None, {}, {}
+    for _ in range(300):
+        last = {}
+        for w in workers:
+            subject = c.names.kv_events(TINY, w.instance)
+            raw = await c.js.get_last_msg(c.names.kv_events_stream, subject)
+            last[w.instance] = _batch.decode(raw.data).seq
+        applied = {w.instance: router.feed.last.get(w.instance) for w in workers}
+        stable = stable + 1 if last == previous and applied == last else 0
+        if stable >= 3:
+            return
+        previous = last
+        await anyio.sleep(0.1)
+    raise AssertionError(f"router behind: stream {last}, applied {applied}, {router.feed.counters}")
 
 
 async def test_predicted_hits_equal_the_engines_cached_tokens_and_a_restarted_router_is_warm(

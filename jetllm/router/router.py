@@ -38,6 +38,7 @@ SESSIONS = 100_000
 """Sessions remembered for affinity (least recently used forgotten first)."""
 RANK_EVERY = 0.1
 WARM_TIMEOUT = 60.0
+SNAPSHOT_GRACE = 10.0
 STOP_WAIT = 5.0
 """How long `close` lets the feeds finish their current NATS call before it cancels them."""
 """How long `start` waits for the stored KV events to be applied before it serves cold."""
@@ -127,6 +128,9 @@ class Router:
         self._names: Names | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
+        self._snapshot: tuple[float, dict[str, InstanceRecord]] = (0.0, {})
+        self._watched: set[str] = set()
+        """Instances the registry watch has shown (once shown, absence from it means gone)."""
         self._sub: Subscription | None = None
         self.feed: KvFeed | None = None
 
@@ -142,7 +146,8 @@ class Router:
         self._nc, self._names = nc, names
         try:  # the live instances now, so the first decision knows them (the watch follows)
             live = await instances(nc.jetstream(timeout=5), names, model=self.model)
-            self._on_instances({r.instance: r for r in live if r.role == self.role})
+            self._snapshot = (time.monotonic(), {r.instance: r for r in live if r.role == self.role})
+            self._on_instances({})
         except Exception as exc:
             log.warning("router: cannot read the registry yet (%s); following it", exc)
         self.feed = KvFeed(nc, names, self.model, self.index, lambda: self._hasher)
@@ -211,7 +216,15 @@ class Router:
     async def _on_load(self, msg) -> None:  # type: ignore[no-untyped-def]
         self.loads.take(msg)
 
-    def _on_instances(self, current: dict[str, InstanceRecord]) -> None:
+    def _on_instances(self, watched: dict[str, InstanceRecord]) -> None:
+        """The registry watch's view. It delivers the records present at its start one at a time,
+        so an instance missing from it is gone only once the watch has shown it before; records
+        of the snapshot read at start count meanwhile (for SNAPSHOT_GRACE seconds)."""
+        at, snapshot = self._snapshot
+        if time.monotonic() - at > SNAPSHOT_GRACE:
+            snapshot = {}
+        current = {**{k: r for k, r in snapshot.items() if k not in self._watched}, **watched}
+        self._watched |= set(watched)
         for gone in set(self.instances) - set(current):
             self.index.drop(gone)
             self.loads.forget(gone)
