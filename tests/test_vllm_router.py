@@ -133,6 +133,7 @@ async def test_predicted_hits_equal_the_engines_cached_tokens_and_a_restarted_ro
                 matched += expected == done.usage.cached_tokens
                 hits += done.usage.cached_tokens > 0
                 rows.append((type(r.prompt).__name__, expected, done.usage.cached_tokens))
+            print(f"router predictions: {matched}/{len(reqs)} equal the engine's cached tokens, {hits} hits")
             assert matched >= 0.95 * len(reqs), rows
             assert hits >= len(reqs) // 3, rows  # the workload does share prefixes
 
