@@ -10,6 +10,7 @@ from ..bench import batch as bench_batch
 from ..bench import chaos as bench_chaos
 from ..bench import cluster as bench_cluster
 from ..bench import kvtransfer as bench_kv
+from ..bench import routersim as bench_router_sim
 from ..bench import run as bench
 from ..errors import JetllmError
 from . import (
@@ -22,6 +23,7 @@ from . import (
     natsconfig_cmd,
     produce,
     reference_cmd,
+    router_cmd,
     tinymodel_cmd,
     worker_cmd,
 )
@@ -44,6 +46,7 @@ def parser() -> argparse.ArgumentParser:
     fleet.register(sub)
     lora_cmd.register(sub)
     kvevents.register(sub)
+    router_cmd.register(sub)
     reference_cmd.register(sub)
     natsconfig_cmd.register(sub)
     tinymodel_cmd.register(sub)
@@ -52,6 +55,7 @@ def parser() -> argparse.ArgumentParser:
     bench_kv.register(sub)
     bench_cluster.register(sub)
     bench_batch.register(sub)
+    bench_router_sim.register(sub)
     return p
 
 

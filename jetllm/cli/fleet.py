@@ -14,6 +14,7 @@ from ..aio import run
 from ..producer.fleet import ask
 from ..producer.registry import instances, watch
 from ..producer.traces import trace_records
+from ..router.trace import route_lines
 from ..schemas import ControlFailed, HealthCheck, HealthReport, InstanceRecord, SleepRequest
 from ..subjects import codec
 from ..subjects.connection import connect
@@ -27,13 +28,21 @@ def _age(ts: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
+def _cached(r: InstanceRecord) -> str:
+    return "-" if r.cached_blocks is None else str(r.cached_blocks)
+
+
 def _table(records: list[InstanceRecord]) -> str:
-    head = f"{'instance':34} {'model':16} {'role':9} {'state':9} {'ready':5} {'jobs':>9} {'blocks':>7} {'up':>7}  adapters"
+    head = (
+        f"{'instance':34} {'model':16} {'role':9} {'state':9} {'ready':5} {'jobs':>9} {'blocks':>7} "
+        f"{'cached':>7} {'up':>7}  adapters"
+    )
     lines = [head]
     for r in records:
         lines.append(
             f"{r.instance[:34]:34} {r.model[:16]:16} {r.role:9} {r.state:9} {'yes' if r.ready else 'no':5} "
-            f"{f'{r.in_flight}/{r.slots}':>9} {r.engine.num_kv_blocks or '-':>7} {_age(r.started_at):>7}  "
+            f"{f'{r.in_flight}/{r.slots}':>9} {r.engine.num_kv_blocks or '-':>7} {_cached(r):>7} "
+            f"{_age(r.started_at):>7}  "
             f"{','.join(r.adapters) or '-'}"
         )
     if not records:
@@ -173,6 +182,12 @@ async def _trace(args: argparse.Namespace) -> int:
     print(f"  +{0:8.1f} ms  queued (JetStream stored the job)")
     for r in records:
         ms = lambda t: f"+{(t - t0) * 1000:8.1f} ms"  # noqa: E731
+        if r.route is not None:
+            head, *rest = route_lines(r)
+            print(f"{ms(r.ended_at)}  {head}")
+            for line in rest:
+                print(f"{'':13}  {line}")
+            continue
         print(
             f"{ms(r.pulled_at)}  attempt {r.attempt} pulled by {r.instance} (span {r.span_id})"
             f" from the {_queue(r.queue)}"

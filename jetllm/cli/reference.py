@@ -61,7 +61,7 @@ SECTIONS: list[tuple[str, list[type]]] = [
             s.ControlFailed,
         ],
     ),
-    ("Tracing", [s.TraceRecord]),
+    ("Tracing", [s.TraceRecord, s.RouteDecision, s.RouteCandidate]),
     ("Prefill/decode handoff", [s.PrefillRequest, s.Prefilled, s.KvBlocksHeader, s.KvLayer]),
     (
         "LoRA adapters",

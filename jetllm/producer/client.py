@@ -18,7 +18,7 @@ import uuid
 from collections import deque
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import msgspec
@@ -34,6 +34,7 @@ from nats.js.kv import KeyValue
 from .. import tracecontext
 from ..aio import retried
 from ..errors import JetStreamUnavailable, NotPermitted, PayloadTooLarge, RequestFailed
+from ..router.publish import placed_subject
 from ..schemas import (
     Cancelled,
     CancelRequest,
@@ -53,11 +54,14 @@ from ..subjects.connection import connect
 from ..subjects.direct import subscribe_direct
 from ..subjects.directed import placement
 from ..subjects.names import FRAME_BATCH_TOKEN, Names, check_role, frame_batch_subject
-from ..subjects.setup import QueuePolicy, check_server, ensure_streams
+from ..subjects.setup import QueuePolicy, check_server, ensure_routing_stream, ensure_streams
 from . import registry, results
 from .completion import Completion, assemble
 from .embeds import embeds_store, upload
 from .sequencer import Decision, Sequencer
+
+if TYPE_CHECKING:
+    from ..router import Router
 
 log = logging.getLogger(__name__)
 _batch_decoder = codec.Decoder(FrameBatch)
@@ -138,6 +142,8 @@ class Client:
         policy: QueuePolicy | None = None,
         name: str = "jetllm-producer",
         embeds_inline_max: int | None = None,
+        router: Router | None = None,
+        via_routers: bool = False,
     ) -> None:
         self.names = Names(namespace)
         self._url = url
@@ -158,6 +164,13 @@ class Client:
         self.embeds_inline_max = embeds_inline_max
         """Embeddings bigger than this (bytes) go through the object store; None: whatever does not
         fit one message (max_payload)."""
+        if router is not None and via_routers:
+            raise ValueError("give either router (place jobs here) or via_routers (a router fleet does)")
+        self.router = router
+        """Places each job before it is published (started with the client unless already running)."""
+        self.via_routers = via_routers
+        """Publish jobs to the routing queue, for the `jetllm router` fleet to place."""
+        self._own_router = False
         self._inbox_root = ""
         self._sub: Subscription | None = None
         self._inboxes: dict[str, _Inbox] = {}
@@ -178,6 +191,11 @@ class Client:
             await check_server(self._nc)
             self.js = self._nc.jetstream(timeout=10)
             await ensure_streams(self.js, self.names, self._policy)
+            if self.via_routers:
+                await ensure_routing_stream(self.js, self.names, self._policy)
+            if self.router is not None and not self.router.started:
+                await self.router.start(self._nc, self.names)
+                self._own_router = True
             self._inbox_root = self._nc.new_inbox()  # under the identity's inbox prefix
             self._sub = await subscribe_direct(self._nc, f"{self._inbox_root}.*", self._on_frame)
             self._tg = anyio.create_task_group()
@@ -192,6 +210,9 @@ class Client:
         await self.close()
 
     async def close(self) -> None:
+        if self._own_router and self.router is not None:
+            await self.router.close()
+            self._own_router = False
         if self._tg is not None:
             self._tg.cancel_scope.cancel()
             await self._tg.__aexit__(None, None, None)
@@ -277,19 +298,28 @@ class Client:
         `req.reply_to` also reads its `.batch` sibling (as `generate` does), so the worker may send
         frames of several requests together. `instance`: address the job to that worker instance
         (a router's choice); it goes to the shared queue instead when the instance is not alive
-        and serving `req.model` now, and is moved there if the instance dies before taking it.
+        and serving `req.model` now, and is moved there if the instance dies before taking it. With a
+        `router`, a job given no `instance` goes to the instance the router chooses (or the shared
+        queue); with `via_routers`, to the routing queue.
         """
         check_role(role)
         req, _ = await self.offload_embeds(req)
         data = self.encode_job(req)
+        traceparent = traceparent or tracecontext.new_traceparent()
         headers = {
             "Nats-Msg-Id": req.request_id,
             codec.CONTENT_TYPE: codec.content_type(self.encoding),
-            tracecontext.HEADER: traceparent or tracecontext.new_traceparent(),
+            tracecontext.HEADER: traceparent,
         }
         if batch_frames and req.reply_to is not None and self.encoding == "msgpack":
             headers[codec.FRAME_BATCH_HEADER] = frame_batch_subject(req.reply_to)
-        subject = await self._subject(role, req.model, req.request_id, instance)
+        if instance is None and self.via_routers:
+            subject = self.names.routing(role, req.model)
+        elif instance is None and self.router is not None and self.router.model == req.model:
+            chosen = await self.router.place(req, traceparent=traceparent)
+            subject = placed_subject(self.names, role, req.model, chosen.instance)
+        else:
+            subject = await self._subject(role, req.model, req.request_id, instance)
         return await retried(
             lambda: self.js.publish(subject, data, headers=headers, timeout=2.0),
             errors=_PUBLISH_RETRIED,

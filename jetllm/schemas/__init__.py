@@ -72,10 +72,12 @@ from .lora import (
     LoraUnload,
 )
 from .requestlog import Cancelled, Claim, Handoff, Record, Result, Step, Steps
-from .trace import TraceRecord
+from .trace import RouteCandidate, RouteDecision, TraceRecord
 
 __all__ = [
     "TraceRecord",
+    "RouteCandidate",
+    "RouteDecision",
     "SleepRequest",
     "AdapterList",
     "AdapterManifest",

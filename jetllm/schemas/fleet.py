@@ -49,6 +49,8 @@ class InstanceRecord(Report, kw_only=True):
     expires_after: float = 0.0
     """Seconds after `heartbeat_at` when this record stops counting as alive."""
     metrics_url: str | None = None
+    cached_blocks: int | None = None
+    """Prefix-cache blocks the engine holds now, as its KV-event relay counts them (None: no relay)."""
     ready: bool = False
     """Consumer bound and engine answered: the worker can take jobs (false while sleeping)."""
     directed_queue: str | None = None

@@ -168,6 +168,9 @@ class GenerateRequest(Command):
     field; a migrated request continues under the same constraint."""
     reply_to: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
     """Subject for the reply frames; None for a detached job (its result is still stored)."""
+    session_id: Annotated[str, Meta(min_length=1, max_length=128)] | None = None
+    """A conversation's id: a KV-aware router sends a session's jobs to the instance its last job
+    went to when no instance holds any of the prompt (no KV events, or a cold cache)."""
     max_migrations: Annotated[int, Meta(ge=0, le=100)] | None = None
     """How often the request may move to another worker after a worker died under it;
     None: the worker's default (--max-migrations). Planned moves (a draining worker) are free."""

@@ -4,7 +4,35 @@ the `traceparent` header of the job, its frames and its control messages."""
 
 from __future__ import annotations
 
-from .common import Report
+from .common import Report, Tolerant
+
+
+class RouteCandidate(Tolerant, kw_only=True):
+    """One instance a router weighed for a job."""
+
+    instance: str
+    cached_tokens: int
+    """Prompt tokens the router expects the instance's engine to find cached."""
+    cost: float
+    running: int = 0
+    waiting: int = 0
+    slots: int = 0
+    kv_usage: float | None = None
+
+
+class RouteDecision(Tolerant, kw_only=True):
+    """Where a router sent a job and why (the trace record of hop "router")."""
+
+    chosen: str | None
+    """The instance the job was addressed to; None: the shared queue."""
+    why: str
+    prompt_tokens: int = 0
+    expected_cached_tokens: int = 0
+    """The chosen instance's cached tokens as the router predicts them (0 for the shared queue)."""
+    candidates: list[RouteCandidate] = []
+    """Cheapest first; at most the 8 cheapest."""
+    decision_us: float = 0.0
+    """Time to decide, tokenizing included (microseconds)."""
 
 
 class TraceRecord(Report, kw_only=True):
@@ -29,6 +57,8 @@ class TraceRecord(Report, kw_only=True):
     resumed_tokens: int = 0
     completion_tokens: int = 0
     frames: int = 0
+    route: RouteDecision | None = None
+    """Set on a router's record (hop "router"): the placement decision."""
     prefill: str | None = None
     """Where the prompt was prefilled, for roles that choose: `remote on <instance> (...)`, or
     `local: <why>` (a short prompt, no prefill worker, a full prefill queue, a failed handoff)."""

@@ -5,6 +5,7 @@ Subject tree (one namespace `<ns>` per deployment):
     jetllm.<ns>.jobs.<role>.<model>          work-queue stream, one shared consumer per (role, model)
     jetllm.<ns>.jobs.<role>.<model>.i.<inst> directed jobs: one instance's own queue (its own consumer)
     jetllm.<ns>.jobs.<role>.<model>.<more>   reserved: lanes (do not overlap the above)
+    jetllm.<ns>.route.<role>.<model>         jobs for a router fleet to place (work-queue stream)
     jetllm.<ns>.dlq.<role>.<model>           dead letters (limits stream)
     jetllm.<ns>.req.<request>                the request log: progress and result (limits stream)
     jetllm.<ns>.cancelled.<request>          a producer's durable cancel (limits stream of its own)
@@ -129,6 +130,7 @@ class Names:
         self.files_store = f"JETLLM_{upper}_FILES"
         self.batches_bucket = f"JETLLM_{upper}_BATCHES"
         self.batch_queue_stream = f"JETLLM_{upper}_BATCHQ"
+        self.routing_stream = f"JETLLM_{upper}_ROUTE"
         self._advisories = f"$JS.EVENT.ADVISORY.CONSUMER.MAX_DELIVERIES.{self.jobs_stream}"
 
     # jobs
@@ -173,6 +175,20 @@ class Names:
             return parts[3], decode_token(parts[4]), decode_token(parts[6])
         except ValueError:
             return None
+
+    # the routing queue: jobs that `jetllm router` instances place (docs/routing.md)
+    def routing(self, role: str, model: str) -> str:
+        """Its own stream, so the placed job can keep its request id as Nats-Msg-Id in the jobs
+        stream (one stream would take the republished job for a duplicate of the routed one)."""
+        return f"{self._root}.route.{check_name('role', role)}.{encode_token(model)}"
+
+    @property
+    def routing_all(self) -> str:
+        return f"{self._root}.route.>"
+
+    def routing_consumer(self, role: str, model: str) -> str:
+        """One durable consumer per (role, model), shared by every router: each job goes to one."""
+        return f"router_{self.consumer(role, model)}"
 
     def parse_jobs(self, subject: str) -> tuple[str, str]:
         """(role, model) of a job subject."""
@@ -288,6 +304,9 @@ class Names:
     # load reports, KV-cache events, traces
     def load(self, model: str, instance: str) -> str:
         return f"{self._root}.load.{encode_token(model)}.{encode_token(instance)}"
+
+    def load_of(self, model: str) -> str:
+        return f"{self._root}.load.{encode_token(model)}.*"
 
     @property
     def load_all(self) -> str:

@@ -603,3 +603,26 @@ async def ensure_batch_plane(
     except nats.js.errors.APIError:  # it exists with other settings (another ack_wait): use it as it is
         await js.consumer_info(names.batch_queue_stream, names.BATCH_RUNNERS)
     return files, state
+
+
+async def ensure_routing_stream(js: JetStreamContext, names: Names, policy: QueuePolicy) -> None:
+    """The routing queue (docs/routing.md): made by routers and the producers that use them only,
+    so a namespace without a router fleet has no stream nobody reads."""
+    replicas = policy.replicas or await namespace_replicas(js, names)
+    await _ensure_stream(
+        js,
+        Wanted(
+            StreamConfig(
+                name=names.routing_stream,
+                description="jetllm routing queue: jobs a router fleet places on an instance or the shared queue",
+                subjects=[names.routing_all],
+                retention=RetentionPolicy.WORK_QUEUE,
+                storage=StorageType.MEMORY if policy.memory else StorageType.FILE,
+                num_replicas=replicas,
+                max_age=policy.setting("max_age"),
+                duplicate_window=policy.setting("duplicate_window"),
+                discard=DiscardPolicy.OLD,
+            )
+        ),
+        rescale=policy.replicas is not None,
+    )

@@ -206,6 +206,11 @@ class KvEventRelay:
         """Whether the engine publishes KV-cache events (then `run` relays them for the worker's life)."""
         return bool(self.sources)
 
+    @property
+    def cached_blocks(self) -> int:
+        """Blocks the engine holds now, every rank together (`jetllm status` shows it)."""
+        return sum(len(b.blocks) for b in self.sets.values())
+
     # the worker's side
 
     async def run(self) -> None:

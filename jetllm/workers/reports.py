@@ -80,6 +80,7 @@ class Reports:
             heartbeat_at=time.time(),
             expires_after=self._expires_after,
             metrics_url=self.metrics_url,
+            cached_blocks=self._kv.cached_blocks if self._kv.enabled else None,
             ready=self._lifecycle.ready,
             directed_queue=self._queue,
         )

@@ -1,0 +1,129 @@
+"""Where a job goes, as a table: the cost of each candidate, ties and missing data to the shared queue."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from jetllm.router.cost import Candidate, Weights, by_load, cached_tokens, choose, cost, shortlist
+
+W = Weights()
+
+
+def c(inst: str, cached: int = 0, running: int = 0, waiting: int = 0, slots: int = 8, kv=None) -> Candidate:
+    return Candidate(inst, cached, running, waiting, slots, kv)
+
+
+CASES = [
+    # (name, prompt tokens, candidates, session, chosen, why starts with)
+    ("nothing live", 100, [], None, None, "no live instance"),
+    ("nothing cached anywhere", 100, [c("a"), c("b", running=3)], None, None, "no cached prefix"),
+    ("the holder of the prefix", 1000, [c("a", cached=512), c("b")], None, "a", "512/1000"),
+    ("the longer prefix", 1000, [c("a", cached=256), c("b", cached=768)], None, "b", "768/1000"),
+    (
+        "a busy holder loses to an idle cold one",
+        600,
+        [c("a", cached=64, running=8, waiting=8), c("b")],
+        None,
+        "b",
+        "0/600",
+    ),
+    (
+        "a busy holder of a long prefix still wins",
+        4000,
+        [c("a", cached=3000, running=8, waiting=8), c("b")],
+        None,
+        "a",
+        "3000/4000",
+    ),
+    (
+        "a full cache weighs",
+        1000,
+        [c("a", cached=64, kv=1.0), c("b", cached=64, kv=0.0)],
+        None,
+        "b",
+        "64/1000",
+    ),
+    ("two equal holders tie", 1000, [c("a", cached=512), c("b", cached=512)], None, None, "tie between"),
+    (
+        "no load data for the best",
+        1000,
+        [c("a", cached=512, slots=0), c("b")],
+        None,
+        None,
+        "no load data for a",
+    ),
+    ("session affinity without events", 100, [c("a"), c("b")], "b", "b", "session affinity"),
+    ("a session whose instance is gone", 100, [c("a"), c("b", running=2)], "z", "a", "session start"),
+    ("a cached prefix beats the session", 1000, [c("a", cached=512), c("b")], "b", "a", "512/1000"),
+]
+
+
+@pytest.mark.parametrize("name,prompt,cands,session,chosen,why", CASES, ids=[x[0] for x in CASES])
+def test_choose(name, prompt, cands, session, chosen, why):
+    choice = choose(prompt, cands, W, session=session, new_session=session is not None)
+    assert choice.instance == chosen
+    assert choice.why.startswith(why), choice.why
+    assert [s.cost for s in choice.scored] == sorted(s.cost for s in choice.scored)
+
+
+@pytest.mark.parametrize(
+    "cand,prompt,expected",
+    [
+        (c("a"), 100, 100.0),
+        (c("a", cached=64), 100, 36.0),
+        (c("a", cached=64, running=4, waiting=4), 100, 36.0 + 512.0),
+        (c("a", kv=0.5), 10, 10.0 + 64.0),
+        (c("a", running=3, slots=0), 10, 10.0),  # no slots known: no load term
+    ],
+)
+def test_cost(cand, prompt, expected):
+    assert cost(cand, prompt, W) == expected
+
+
+def test_a_new_session_starts_on_the_least_loaded_instance():
+    cands = [c("a", running=4), c("b", running=1), c("c", slots=0)]
+    assert choose(100, cands, W).instance is None
+    assert choose(100, cands, W, new_session=True).instance == "b"
+    assert choose(100, [c("a", slots=0)], W, new_session=True).instance is None
+
+
+def test_weights_are_tunable():
+    cands = [c("a", cached=64, running=8), c("b")]
+    assert choose(600, cands, W).instance == "b"
+    assert choose(600, cands, Weights(queue=0.0, kv=0.0)).instance == "a"
+    assert choose(600, [c("a", cached=16), c("b")], Weights(min_cached=32)).instance is None
+
+
+@pytest.mark.parametrize(
+    "blocks,size,prompt,expected",
+    [(0, 16, 100, 0), (2, 16, 100, 32), (7, 16, 100, 96), (7, 16, 112, 96), (7, 16, 113, 112), (3, 16, 0, 0)],
+)
+def test_cached_tokens_leave_the_last_prompt_token_to_compute(blocks, size, prompt, expected):
+    assert cached_tokens(blocks, size, prompt) == expected
+
+
+def test_the_shortlist_decides_as_the_whole_fleet_would():
+    rnd = random.Random(1)
+    for _ in range(300):
+        fleet = [
+            c(
+                f"w{i}",
+                0,
+                rnd.randint(0, 8),
+                rnd.randint(0, 4),
+                rnd.choice([0, 8, 16]),
+                rnd.choice([None, rnd.random()]),
+            )
+            for i in range(40)
+        ]
+        cached = {f"w{i}": rnd.choice([16, 64, 512]) for i in rnd.sample(range(40), rnd.randint(0, 5))}
+        ranked = by_load(fleet, W)
+        position = {x.instance: i for i, x in enumerate(ranked)}
+        whole = [x._replace(cached_tokens=cached.get(x.instance, 0)) for x in fleet]
+        prompt = rnd.choice([100, 600, 2000])
+        short = choose(prompt, shortlist(ranked, cached, position), W, cached=cached)
+        full = choose(prompt, whole, W)
+        assert short.instance == full.instance
+        assert [x.cost for x in short.scored] == [x.cost for x in full.scored]
