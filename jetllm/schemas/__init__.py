@@ -35,9 +35,9 @@ from .frames import (
 from .generate import (
     ChatMessage,
     ChatPrompt,
+    ChoiceOutput,
     EmbedsDtype,
     EmbedsPrompt,
-    ChoiceOutput,
     GenerateRequest,
     GrammarOutput,
     JsonObjectOutput,

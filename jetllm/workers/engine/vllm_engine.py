@@ -24,7 +24,6 @@ from ...schemas import (
     TokensPrompt,
 )
 from .args import engine_args
-from .chatmessages import template_message
 from .base import (
     ChoiceDelta,
     EngineAdapter,
@@ -36,6 +35,7 @@ from .base import (
     LoraFacts,
     PromptEmbeds,
 )
+from .chatmessages import template_message
 from .options import EngineOptions
 from .sampling import build_sampling_params, field_of
 
