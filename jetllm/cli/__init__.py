@@ -15,6 +15,7 @@ from . import (
     demo,
     dlq,
     fleet,
+    gateway_cmd,
     kvevents,
     lora_cmd,
     natsconfig_cmd,
@@ -37,6 +38,7 @@ def parser() -> argparse.ArgumentParser:
     demo.register(sub)
     worker_cmd.register(sub)
     produce.register(sub)
+    gateway_cmd.register(sub)
     dlq.register(sub)
     fleet.register(sub)
     lora_cmd.register(sub)
