@@ -230,9 +230,12 @@ def test_completion_stream_with_usage(env):
             stream_options={"include_usage": True},
         )
     )
-    whole = sdk.completions.create(model="fake", prompt="once upon", max_tokens=5, extra_body=EXTRA)
+    whole = sdk.completions.create(
+        model="fake", prompt="once upon", max_tokens=5, extra_body={**EXTRA, "return_token_ids": True}
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
     assert chunks[-1].usage.completion_tokens == 5
+    assert len(whole.choices[0].model_extra["token_ids"]) == 5
 
 
 def test_bad_requests_are_400s_naming_the_parameter(env):

@@ -162,5 +162,9 @@ class FleetView:
             pending = int(info.num_pending or 0)
         except nats.js.errors.NotFoundError:
             pending = 0
+        except Exception as exc:  # not permitted, or NATS busy: better to queue than to refuse
+            if model not in self._depths:
+                log.warning("cannot read the queue depth of %r (%s); --max-queue is not applied", model, exc)
+            pending = 0
         self._depths[model] = (now, pending)
         return pending

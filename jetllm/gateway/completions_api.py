@@ -49,11 +49,13 @@ async def completions(request: Request) -> Response | EventStream:
                 collected.final(frame, p * n)
 
         await gw.run(jobs, on_frame)
-        return collected.completion(rid, when, body.model)
+        return collected.completion(rid, when, body.model, token_ids=body.return_token_ids)
 
     async def stream(emit: Emit) -> None:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        chunks = CompletionStream(rid, when, body.model, include_usage=include_usage)
+        chunks = CompletionStream(
+            rid, when, body.model, include_usage=include_usage, token_ids=body.return_token_ids
+        )
         total: list[Usage] = []
 
         async def on_frame(p: int, frame: TokensFrame | FinalFrame) -> None:

@@ -134,3 +134,5 @@ class CompletionRequest(_Generation, kw_only=True):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    return_token_ids: bool = False
+    """vLLM's extra: each choice (each streamed chunk) also carries its token ids."""

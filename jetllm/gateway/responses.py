@@ -92,6 +92,7 @@ class CompletionLogprobs:
 @dataclass
 class _Choice:
     text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     chars: int = 0
     chat_logprobs: list[dict[str, Any]] = field(default_factory=list)
     cmpl_logprobs: CompletionLogprobs = field(default_factory=CompletionLogprobs)
@@ -108,6 +109,7 @@ class Collected:
 
     def tokens(self, frame: TokensFrame, base: int = 0) -> None:
         c = self.choices[base + frame.index]
+        c.token_ids.extend(frame.token_ids)
         if self.logprobs:
             c.chat_logprobs.extend(chat_logprobs(frame))
             c.cmpl_logprobs.add(frame, c.chars)
@@ -147,21 +149,24 @@ class Collected:
             "usage": usage(self.usage) if self.usage else None,
         }
 
-    def completion(self, rid: str, created: int, model: str) -> dict[str, Any]:
+    def completion(self, rid: str, created: int, model: str, *, token_ids: bool = False) -> dict[str, Any]:
+        choices = []
+        for i, c in enumerate(self.choices):
+            choice: dict[str, Any] = {
+                "index": i,
+                "text": "".join(c.text),
+                "logprobs": c.cmpl_logprobs.as_dict() if self.logprobs else None,
+                "finish_reason": c.finish or "stop",
+            }
+            if token_ids:
+                choice["token_ids"] = c.token_ids
+            choices.append(choice)
         return {
             "id": rid,
             "object": "text_completion",
             "created": created,
             "model": model,
-            "choices": [
-                {
-                    "index": i,
-                    "text": "".join(c.text),
-                    "logprobs": c.cmpl_logprobs.as_dict() if self.logprobs else None,
-                    "finish_reason": c.finish or "stop",
-                }
-                for i, c in enumerate(self.choices)
-            ],
+            "choices": choices,
             "usage": usage(self.usage) if self.usage else None,
         }
 
@@ -296,9 +301,12 @@ class ChatStream:
 class CompletionStream:
     """Chunks of a streamed text completion; `base` offsets the choice indexes of one prompt."""
 
-    def __init__(self, rid: str, created: int, model: str, *, include_usage: bool) -> None:
+    def __init__(
+        self, rid: str, created: int, model: str, *, include_usage: bool, token_ids: bool = False
+    ) -> None:
         self.rid, self.created, self.model = rid, created, model
         self.include_usage = include_usage
+        self.token_ids = token_ids
         self.chars: dict[int, int] = {}
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
@@ -322,9 +330,12 @@ class CompletionStream:
             logprobs = lp.as_dict()
         text = frame.text or ""
         self.chars[i] = self.chars.get(i, 0) + len(text)
-        if not text and logprobs is None:
+        if not text and logprobs is None and not self.token_ids:
             return []
-        return [self._chunk([{"index": i, "text": text, "logprobs": logprobs, "finish_reason": None}])]
+        choice: dict[str, Any] = {"index": i, "text": text, "logprobs": logprobs, "finish_reason": None}
+        if self.token_ids:
+            choice["token_ids"] = frame.token_ids
+        return [self._chunk([choice])]
 
     def final(self, frame: FinalFrame, base: int = 0) -> list[dict[str, Any]]:
         return [
