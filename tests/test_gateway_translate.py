@@ -380,3 +380,15 @@ def test_tool_messages_reach_the_template_with_arguments_as_a_mapping():
     assistant, tool = (template_message(m) for m in prompt.messages[1:])
     assert assistant["content"] == "" and assistant["tool_calls"][0]["function"]["arguments"] == {"a": 1}
     assert tool == {"role": "tool", "content": "42", "tool_call_id": "c1"}
+
+
+def test_the_gateway_imports_neither_vllm_nor_torch():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from jetllm.gateway import create_app, GatewayConfig; create_app(GatewayConfig()); "
+        "print('vllm' in sys.modules, 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.split()
+    assert out == ["False", "False"]

@@ -41,6 +41,7 @@ def ratios(rows: list[Summary]) -> str:
     d = by.get("AsyncLLM direct")
     j = by.get("through jetllm")
     o = by.get("vLLM OpenAI server (HTTP streaming)")
+    g = by.get("jetllm gateway (HTTP streaming)")
     lines = []
     if d and j:
         lines.append(
@@ -62,6 +63,15 @@ def ratios(rows: list[Summary]) -> str:
             f"- jetllm / vLLM OpenAI server throughput: **{j.tokens_per_s / o.tokens_per_s:.3f}x** (target >= 1x)"
         )
         lines.append(f"- TTFT p50 jetllm vs OpenAI server: {j.ttft_p50_ms - o.ttft_p50_ms:+.1f} ms")
+    if g and o:
+        lines.append(
+            f"- jetllm gateway / vLLM OpenAI server throughput: **{g.tokens_per_s / o.tokens_per_s:.3f}x** "
+            "(target >= 1x)"
+        )
+        lines.append(
+            f"- TTFT p50 jetllm gateway vs OpenAI server: **{g.ttft_p50_ms - o.ttft_p50_ms:+.1f} ms** "
+            "(target <= 0)"
+        )
     return "\n".join(lines)
 
 
