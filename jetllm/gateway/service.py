@@ -106,11 +106,7 @@ class Gateway:
                         await on_frame(i, frame)
         except JetllmError as exc:
             raise from_exception(exc, retry_after=self.config.retry_after) from None
-        except (
-            nats.errors.ConnectionClosedError,
-            nats.errors.NoServersError,
-            nats.errors.TimeoutError,
-        ) as exc:
+        except nats.errors.Error as exc:  # NATS or JetStream unreachable, or a stream leader moving
             raise GatewayError(
                 503,
                 f"the gateway cannot reach NATS ({type(exc).__name__}); retry later",
