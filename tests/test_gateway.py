@@ -410,3 +410,41 @@ def test_a_worker_killed_mid_stream_is_invisible_to_the_client(nats_url, start_f
     assert killed
     assert "".join(text) == whole.choices[0].message.content
     assert last.usage.completion_tokens == 150
+
+
+def test_the_command_serves_until_terminated(nats_url):
+    import signal
+    import subprocess
+    import sys
+
+    from jetllm.natsserver import free_port
+
+    port = free_port()
+    ns = f"t{uuid.uuid4().hex[:10]}"
+    cmd = [
+        sys.executable,
+        "-m",
+        "jetllm",
+        "gateway",
+        "--nats",
+        nats_url,
+        "--namespace",
+        ns,
+        "--port",
+        str(port),
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stderr.read().decode()
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/health")
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "the gateway did not listen"
+                time.sleep(0.2)
+        assert r.status_code == 503 and r.json()["nats"] is True  # connected; no worker in this namespace
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import signal
 import sys
 from collections.abc import Iterator
 
@@ -64,6 +65,10 @@ def serve(args: argparse.Namespace, url: str) -> int:
         )
         return 1
     app = create_app(gateway_config(args, url))
+    # uvicorn stops gracefully on SIGTERM/SIGINT, then raises the signal again under the handler it
+    # found; a no-op one makes a requested stop exit 0, as a worker's does
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     uvicorn.run(app, host=args.host, port=args.http_port, log_level="warning", access_log=False)
     return 0
 
