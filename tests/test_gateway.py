@@ -339,7 +339,8 @@ def test_a_client_that_hangs_up_cancels_its_request(env):
     with httpx.Client(base_url=env.gateway.root, timeout=30) as http:
         with http.stream("POST", "/v1/chat/completions", json=body) as response:
             assert response.status_code == 200
-            for i, _ in enumerate(response.iter_lines()):
+            lines = response.iter_lines()  # kept: a dropped iterator closes the connection
+            for i, _ in enumerate(lines):
                 if i > 5:
                     break
             _wait_busy(env)

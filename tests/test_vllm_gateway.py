@@ -135,10 +135,11 @@ async def test_a_streaming_client_that_hangs_up_frees_the_engine_slot(stack):
     async with httpx.AsyncClient(base_url=stack.gateway.root, timeout=60) as http:
         async with http.stream("POST", "/v1/chat/completions", json=body) as response:
             assert response.status_code == 200
-            lines = 0
-            async for _ in response.aiter_lines():
-                lines += 1
-                if lines > 6:
+            lines = response.aiter_lines()  # kept: a dropped iterator closes the connection
+            read = 0
+            async for _ in lines:
+                read += 1
+                if read > 6:
                     break
             status = await anyio.to_thread.run_sync(stack.status, stack.worker.instance)
             assert status.engine_unfinished == 1
