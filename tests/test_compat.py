@@ -98,6 +98,10 @@ STRICT = {
     "BatchLine",
     "PrefillRequest",
     "BatchRun",
+    "ToolSpec",
+    "ToolFunction",
+    "ToolCall",
+    "ToolCallFunction",
 }
 """What a producer, operator or tool tells a worker (or `jetllm batch`): everything else is a report."""
 

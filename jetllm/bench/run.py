@@ -18,11 +18,11 @@ import msgspec
 
 from ..aio import run
 from ..workers.engine import EngineOptions
-from .targets import DISAGG_WORKERS, run_direct, run_jetllm, run_openai
+from .targets import DISAGG_WORKERS, run_direct, run_gateway, run_jetllm, run_openai
 from .workload import Summary, Workload
 
 TARGETS = ("direct", "jetllm", "openai")
-MORE_TARGETS = ("disagg",)
+MORE_TARGETS = ("disagg", "gateway")
 """Not run by default: `disagg` starts two engines (a prefill and a decode worker)."""
 
 
@@ -41,6 +41,7 @@ def ratios(rows: list[Summary]) -> str:
     d = by.get("AsyncLLM direct")
     j = by.get("through jetllm")
     o = by.get("vLLM OpenAI server (HTTP streaming)")
+    g = by.get("jetllm gateway (HTTP streaming)")
     lines = []
     if d and j:
         lines.append(
@@ -62,6 +63,15 @@ def ratios(rows: list[Summary]) -> str:
             f"- jetllm / vLLM OpenAI server throughput: **{j.tokens_per_s / o.tokens_per_s:.3f}x** (target >= 1x)"
         )
         lines.append(f"- TTFT p50 jetllm vs OpenAI server: {j.ttft_p50_ms - o.ttft_p50_ms:+.1f} ms")
+    if g and o:
+        lines.append(
+            f"- jetllm gateway / vLLM OpenAI server throughput: **{g.tokens_per_s / o.tokens_per_s:.3f}x** "
+            "(target >= 1x)"
+        )
+        lines.append(
+            f"- TTFT p50 jetllm gateway vs OpenAI server: **{g.ttft_p50_ms - o.ttft_p50_ms:+.1f} ms** "
+            "(target <= 0)"
+        )
     return "\n".join(lines)
 
 
@@ -140,6 +150,11 @@ async def _one(
             return await run_jetllm(opts, work, server.url, log_dir, _vocab(opts))
     if target == "openai":
         return await run_openai(opts, work, log_dir, _vocab(opts))
+    if target == "gateway":
+        if args.nats:
+            return await run_gateway(opts, work, args.nats, log_dir, _vocab(opts))
+        with NatsServer(log_dir / f"nats-{uuid.uuid4().hex[:6]}") as server:
+            return await run_gateway(opts, work, server.url, log_dir, _vocab(opts))
     if target == "disagg":
         label = "jetllm, prefill + decode workers"
         with NatsServer(log_dir / f"nats-{uuid.uuid4().hex[:6]}") as server:
@@ -232,7 +247,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--targets",
         default=",".join(TARGETS),
-        help="comma separated: direct,jetllm,openai (default), and disagg (a prefill and a decode worker)",
+        help="comma separated: direct,jetllm,openai (default), disagg (a prefill and a decode worker) "
+        "and gateway (a worker behind `jetllm gateway`, over HTTP as the openai target)",
     )
     p.add_argument("--requests", type=int, default=256, help="measured requests per target and round")
     p.add_argument("--concurrency", type=int, default=32, help="requests in flight at once (closed loop)")

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -91,29 +93,11 @@ DISAGG_WORKERS = (("--role", "prefill"), ("--role", "decode", "--disagg-threshol
 """The disaggregated target: a prefill and a decode worker, on the same cores as one aggregated."""
 
 
-async def run_jetllm(
-    opts: EngineOptions,
-    work: Workload,
-    url: str,
-    log_dir: Path,
-    vocab: int,
-    workers: tuple[tuple[str, ...], ...] = ((),),
-    label: str = "through jetllm",
-) -> Summary:
-    """`jetllm worker` processes (one aggregated by default; `workers` gives each one's extra
-    arguments); this process is the producer, streaming over NATS."""
-    from ..producer import Client
-    from ..producer.fleet import wait_for_workers
-    from ..producer.traces import trace_records
-    from ..schemas import (
-        GenerateRequest,
-        SamplingOptions,
-        StopConditions,
-        TokensFrame,
-        TokensPrompt,
-    )
-
-    namespace = f"bench-{uuid.uuid4().hex[:8]}"
+@contextlib.contextmanager
+def worker_processes(
+    opts: EngineOptions, url: str, namespace: str, log_dir: Path, workers: tuple[tuple[str, ...], ...]
+) -> Iterator[None]:
+    """`jetllm worker` processes for the benchmark (`workers` gives each one's extra arguments)."""
     cmd = [
         sys.executable,
         "-m",
@@ -140,6 +124,42 @@ async def run_jetllm(
         for extra, log in zip(workers, logs, strict=True)
     ]
     try:
+        yield
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc, log in zip(procs, logs, strict=True):
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            log.close()
+
+
+async def run_jetllm(
+    opts: EngineOptions,
+    work: Workload,
+    url: str,
+    log_dir: Path,
+    vocab: int,
+    workers: tuple[tuple[str, ...], ...] = ((),),
+    label: str = "through jetllm",
+) -> Summary:
+    """`jetllm worker` processes (one aggregated by default; `workers` gives each one's extra
+    arguments); this process is the producer, streaming over NATS."""
+    from ..producer import Client
+    from ..producer.fleet import wait_for_workers
+    from ..producer.traces import trace_records
+    from ..schemas import (
+        GenerateRequest,
+        SamplingOptions,
+        StopConditions,
+        TokensFrame,
+        TokensPrompt,
+    )
+
+    namespace = f"bench-{uuid.uuid4().hex[:8]}"
+    with worker_processes(opts, url, namespace, log_dir, workers):
         async with Client(url, namespace=namespace, heartbeat_timeout=60) as client:
             await wait_for_workers(client.nc, client.names, model=opts.name, count=len(workers), timeout=600)
 
@@ -165,15 +185,6 @@ async def run_jetllm(
             timings, seconds, errors = await _drive(work.prompts(vocab), work.concurrency, one)
             await anyio.sleep(0.5)  # the last trace records are published after the final frames
             hops = [r for r in await trace_records(client.js, client.names) if r.request_id in measured]
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc, log in zip(procs, logs, strict=True):
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            log.close()
     summary = summarize(label, timings, seconds, errors)
     summary.queued_p50_ms = percentile([r.pulled_at - r.queued_at for r in hops], 50) * 1000
     summary.worker_ttft_p50_ms = (
@@ -199,6 +210,68 @@ async def _wait_healthy(http: Any, base: str, proc: subprocess.Popen, log_name: 
         if time.monotonic() > deadline:
             raise TimeoutError("vLLM OpenAI server did not become healthy")
         await anyio.sleep(0.5)
+
+
+def _streamed_completion(http: Any, base: str, model: str, output_len: int) -> Any:
+    """One streamed /v1/completions request of the workload, timed (the token ids of each chunk
+    counted, as both servers send them when asked with `return_token_ids`)."""
+
+    async def one(prompt: list[int]) -> Timing:
+        body = {
+            "model": model,
+            "prompt": prompt,
+            "max_tokens": output_len,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "return_token_ids": True,
+        }
+        rec = Recorder(time.perf_counter())
+        async with http.post(f"{base}/v1/completions", json=body) as r:
+            if r.status != 200:
+                raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
+            async for raw in r.content:
+                line = raw.strip()
+                if not line.startswith(b"data:") or line == b"data: [DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                for choice in chunk.get("choices", []):
+                    ids = choice.get("token_ids")
+                    rec.chunk(time.perf_counter(), len(ids) if ids is not None else 1)
+        return rec.done(time.perf_counter())
+
+    return one
+
+
+async def run_gateway(opts: EngineOptions, work: Workload, url: str, log_dir: Path, vocab: int) -> Summary:
+    """A `jetllm worker` and `jetllm gateway` (processes), driven over HTTP exactly as vLLM's server is."""
+    import aiohttp
+
+    from ..natsserver import free_port
+
+    namespace = f"bench-{uuid.uuid4().hex[:8]}"
+    port = free_port()
+    cmd = [sys.executable, "-m", "jetllm", "gateway", "--nats", url, "--namespace", namespace]
+    log = open(log_dir / "bench-gateway.log", "wb")
+    with worker_processes(opts, url, namespace, log_dir, ((),)):
+        proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
+            conn = aiohttp.TCPConnector(limit=work.concurrency * 2)
+            async with aiohttp.ClientSession(timeout=timeout, connector=conn) as http:
+                await _wait_healthy(http, base, proc, log.name)
+                one = _streamed_completion(http, base, opts.name, work.output_len)
+                await _drive(work.prompts(vocab, work.warmup, offset=1), work.concurrency, one)
+                timings, seconds, errors = await _drive(work.prompts(vocab), work.concurrency, one)
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            log.close()
+    return summarize("jetllm gateway (HTTP streaming)", timings, seconds, errors)
 
 
 async def run_openai(opts: EngineOptions, work: Workload, log_dir: Path, vocab: int) -> Summary:
@@ -234,30 +307,7 @@ async def run_openai(opts: EngineOptions, work: Workload, log_dir: Path, vocab: 
         async with aiohttp.ClientSession(timeout=timeout, connector=conn) as http:
             await _wait_healthy(http, base, proc, log.name)
 
-            async def one(prompt: list[int]) -> Timing:
-                body = {
-                    "model": opts.name,
-                    "prompt": prompt,
-                    "max_tokens": work.output_len,
-                    "temperature": 0,
-                    "ignore_eos": True,
-                    "stream": True,
-                    "return_token_ids": True,
-                }
-                rec = Recorder(time.perf_counter())
-                async with http.post(f"{base}/v1/completions", json=body) as r:
-                    if r.status != 200:
-                        raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
-                    async for raw in r.content:
-                        line = raw.strip()
-                        if not line.startswith(b"data:") or line == b"data: [DONE]":
-                            continue
-                        chunk = json.loads(line[5:])
-                        for choice in chunk.get("choices", []):
-                            ids = choice.get("token_ids")
-                            rec.chunk(time.perf_counter(), len(ids) if ids is not None else 1)
-                return rec.done(time.perf_counter())
-
+            one = _streamed_completion(http, base, opts.name, work.output_len)
             await _drive(work.prompts(vocab, work.warmup, offset=1), work.concurrency, one)
             timings, seconds, errors = await _drive(work.prompts(vocab), work.concurrency, one)
     finally:

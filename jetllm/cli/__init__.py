@@ -18,6 +18,7 @@ from . import (
     demo,
     dlq,
     fleet,
+    gateway_cmd,
     kvevents,
     lora_cmd,
     natsconfig_cmd,
@@ -42,6 +43,7 @@ def parser() -> argparse.ArgumentParser:
     worker_cmd.register(sub)
     produce.register(sub)
     batches_cmd.register(sub)
+    gateway_cmd.register(sub)
     dlq.register(sub)
     fleet.register(sub)
     lora_cmd.register(sub)

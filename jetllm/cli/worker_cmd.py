@@ -13,6 +13,7 @@ from pathlib import Path
 from ..subjects.connection import redact
 from .common import TINY_MODEL_NAME, add_nats, json_object, nats_url, parse_kv
 from .disagg import block_dir, prefill_worker
+from .gateway_cmd import add_up_options, gateway_process
 
 log = logging.getLogger("jetllm")
 
@@ -457,15 +458,17 @@ def cmd_up(args: argparse.Namespace) -> int:
     try:
         opts = engine_options(args)
         shown = redact(url)  # a URL with a password in it is printed without
-        print(
-            f"jetllm up: NATS at {shown}  (namespace {args.namespace!r}, model {opts.name!r})\n"
-            f'  try:  jetllm generate --nats {shown} --model {opts.name} "Hello"\n'
-            f"        jetllm batch --nats {shown} --model {opts.name} prompts.jsonl -o results.jsonl\n"
-            "  Ctrl-C stops the worker and the server.",
-            file=sys.stderr,
-            flush=True,
-        )
         with contextlib.ExitStack() as stack:
+            http = stack.enter_context(gateway_process(url, args))
+            print(
+                f"jetllm up: NATS at {shown}  (namespace {args.namespace!r}, model {opts.name!r})\n"
+                f'  try:  jetllm generate --nats {shown} --model {opts.name} "Hello"\n'
+                f"        jetllm batch --nats {shown} --model {opts.name} prompts.jsonl -o results.jsonl\n"
+                + (f"        OpenAI API at {http} (any api_key)\n" if http else "")
+                + "  Ctrl-C stops the worker and the server.",
+                file=sys.stderr,
+                flush=True,
+            )
             if args.disagg:
                 stack.enter_context(prefill_worker(url, args))
             opts, config = stack.enter_context(block_dir(args.role, opts, worker_config(args)))
@@ -511,5 +514,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="a decode worker here and a prefill worker beside it (two engines): long prompts are "
         "prefilled by the prefill worker and their KV blocks come through NATS",
     )
+    add_up_options(p)
     add_worker_options(p)
     p.set_defaults(func=cmd_up)

@@ -59,6 +59,10 @@ from .generate import (
     StructuredOutput,
     TextPrompt,
     TokensPrompt,
+    ToolCall,
+    ToolCallFunction,
+    ToolFunction,
+    ToolSpec,
 )
 from .kvevents import KvCleared, KvEvent, KvEventBatch, KvRemoved, KvResync, KvStored
 from .lora import (
@@ -162,6 +166,10 @@ __all__ = [
     "TextPrompt",
     "TokensFrame",
     "TokensPrompt",
+    "ToolCall",
+    "ToolCallFunction",
+    "ToolFunction",
+    "ToolSpec",
     "Usage",
     "WorkerStatus",
 ]

@@ -19,10 +19,45 @@ RequestId = Annotated[
 TokenId = Annotated[int, Meta(ge=0)]
 
 
-class ChatMessage(Strict, kw_only=True):
+ToolName = Annotated[str, Meta(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+
+
+class ToolCallFunction(Strict, kw_only=True):
+    name: ToolName
+    arguments: str
+    """The arguments as the model wrote them: a JSON document, as text."""
+
+
+class ToolCall(Strict, kw_only=True):
+    """A tool call an assistant message made earlier in the conversation (OpenAI's shape)."""
+
+    id: Annotated[str, Meta(min_length=1, max_length=256)]
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatMessage(Strict, kw_only=True, omit_defaults=True):
     role: Annotated[str, Meta(min_length=1, max_length=64)]
-    """system, user, assistant, ... whatever the model's template knows."""
+    """system, user, assistant, tool, ... whatever the model's template knows."""
     content: str
+    tool_calls: list[ToolCall] | None = None
+    """An assistant message's calls of tools, given back to the template in later turns."""
+    tool_call_id: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    """A tool message's answer to this call."""
+
+
+class ToolFunction(Strict, kw_only=True, omit_defaults=True):
+    name: ToolName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """JSON schema of the arguments."""
+
+
+class ToolSpec(Strict, kw_only=True):
+    """A tool the model may call, rendered into the prompt by the model's chat template (OpenAI's shape)."""
+
+    type: Literal["function"] = "function"
+    function: ToolFunction
 
 
 class TokensPrompt(Strict, tag="tokens", tag_field="type"):
@@ -31,7 +66,7 @@ class TokensPrompt(Strict, tag="tokens", tag_field="type"):
     token_ids: Annotated[list[TokenId], Meta(min_length=1)]
 
 
-class ChatPrompt(Strict, tag="chat", tag_field="type"):
+class ChatPrompt(Strict, tag="chat", tag_field="type", omit_defaults=True):
     """OpenAI-style messages, rendered on the worker with the model's chat template."""
 
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
@@ -41,6 +76,9 @@ class ChatPrompt(Strict, tag="chat", tag_field="type"):
     """Let the model continue the last message instead of starting a new one."""
     template_kwargs: dict[str, Any] | None = None
     """Extra variables for the chat template (e.g. `enable_thinking`)."""
+    tools: Annotated[list[ToolSpec], Meta(max_length=128)] | None = None
+    """Tools the template describes to the model (its `tools` variable); the model's calls come
+    back as text, which the caller parses (the gateway reads Hermes-style `<tool_call>` blocks)."""
 
 
 class TextPrompt(Strict, tag="text", tag_field="type"):

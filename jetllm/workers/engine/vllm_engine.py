@@ -10,6 +10,7 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 import anyio
+import msgspec
 
 from ... import reaper
 from ...errors import EngineDead, EngineRequestError, RequestRejected
@@ -36,6 +37,7 @@ from .base import (
     LoraFacts,
     PromptEmbeds,
 )
+from .chatmessages import template_message
 from .grammarcheck import GrammarCheck
 from .options import EngineOptions
 from .sampling import build_sampling_params, field_of_error
@@ -254,7 +256,9 @@ class VllmEngine:
                 kwargs = dict(prompt.template_kwargs or {})
                 kwargs["add_generation_prompt"] = prompt.add_generation_prompt
                 kwargs["continue_final_message"] = prompt.continue_final_message
-                messages = [{"role": m.role, "content": m.content} for m in prompt.messages]
+                if prompt.tools:
+                    kwargs["tools"] = msgspec.to_builtins(prompt.tools)
+                messages = [template_message(m) for m in prompt.messages]
                 _, (rendered,) = await self.llm.renderer.render_chat_async(
                     [messages], ChatParams(chat_template_kwargs=kwargs)
                 )

@@ -1,0 +1,78 @@
+"""`POST /v1/completions`: one job per prompt, run at once; choice `i` of prompt `p` is `p * n + i`."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from ..schemas import FinalFrame, TokensFrame, Usage
+from .errors import GatewayError
+from .openai_types import CompletionRequest
+from .responses import Collected, CompletionStream, add_usage
+from .service import Gateway, answer, created, refused
+from .sse import Emit, EventStream
+from .translate import completion_jobs
+
+ENDPOINT = "completions"
+
+
+async def completions(request: Request) -> Response | EventStream:
+    gw: Gateway = request.app.state.gateway
+    arrived = time.monotonic()
+    try:
+        body: CompletionRequest = await gw.parse(request, CompletionRequest)
+        route = await gw.route(body.model)
+        jobs = completion_jobs(body, route, f"cmpl-{uuid.uuid4().hex}")
+    except GatewayError as err:
+        return refused(gw, ENDPOINT, err)
+    rid, when, n = f"cmpl-{uuid.uuid4().hex}", created(), body.n
+    first: list[float] = []
+
+    def first_token() -> None:
+        if not first:
+            first.append(time.monotonic())
+            gw.metrics.ttft.labels(ENDPOINT).observe(first[0] - arrived)
+
+    async def whole() -> dict[str, Any]:
+        collected = Collected(n * len(jobs), body.logprobs is not None)
+
+        async def on_frame(p: int, frame: TokensFrame | FinalFrame) -> None:
+            if isinstance(frame, TokensFrame):
+                first_token()
+                collected.tokens(frame, p * n)
+            else:
+                collected.final(frame, p * n)
+
+        await gw.run(jobs, on_frame)
+        return collected.completion(rid, when, body.model, token_ids=body.return_token_ids)
+
+    async def stream(emit: Emit) -> None:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        chunks = CompletionStream(
+            rid, when, body.model, include_usage=include_usage, token_ids=body.return_token_ids
+        )
+        total: list[Usage] = []
+
+        async def on_frame(p: int, frame: TokensFrame | FinalFrame) -> None:
+            if isinstance(frame, TokensFrame):
+                first_token()
+                out = chunks.tokens(frame, p * n)
+            else:
+                total[:] = [add_usage(total[0] if total else None, frame.usage)]
+                out = chunks.final(frame, p * n)
+            for chunk in out:
+                await emit(chunk)
+
+        await gw.run(jobs, on_frame)
+        if include_usage and total:
+            await emit(chunks.usage_chunk(total[0]))
+
+    return await answer(gw, request, ENDPOINT, whole, stream if body.stream else None)
+
+
+routes = [Route("/v1/completions", completions, methods=["POST"])]

@@ -1,0 +1,180 @@
+"""What every generation endpoint shares: the gateway's connections and settings, reading a
+body, routing a model, and running jobs with their failures turned into HTTP errors."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import msgspec
+import nats.errors
+from starlette.requests import Request
+from starlette.responses import Response
+
+from ..errors import JetllmError
+from ..producer import Client
+from ..schemas import ErrorFrame, FinalFrame, TokensFrame
+from .capacity import FleetView, admit
+from .errors import GatewayError, from_code, from_exception
+from .metrics import GatewayMetrics
+from .sse import Emit, EventStream, Gone, unexpected, until_disconnect
+from .translate import Job, Route, decode, param_of, too_large
+
+OnFrame = Callable[[int, TokensFrame | FinalFrame], Awaitable[None]]
+
+
+@dataclass
+class GatewayConfig:
+    nats_url: str | None = None
+    """None: $NATS_URL, else the local default (subjects/connection.py)."""
+    namespace: str = "default"
+    max_queue: int | None = None
+    """Refuse (429) a request while its model has more than this many jobs waiting; None: never."""
+    retry_after: int = 2
+    """Seconds a 429 or 503 tells the client to wait (Retry-After)."""
+    accept_timeout: float = 60.0
+    """A job no worker takes within this long is cancelled and answered 503."""
+    max_body_bytes: int = 16 << 20
+    """Bigger request bodies are refused with 413 before they are read to the end."""
+
+
+class Gateway:
+    """The connections of one gateway process; held by the app (app.state.gateway) for its life."""
+
+    def __init__(self, config: GatewayConfig, client: Client, fleet: FleetView) -> None:
+        self.config = config
+        self.client = client
+        self.fleet = fleet
+        self.metrics = GatewayMetrics()
+
+    async def body(self, request: Request) -> bytes:
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise too_large(f"the request body is {declared} bytes; the gateway takes at most {limit}")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large(f"the request body exceeds {limit} bytes, the most the gateway takes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def parse(self, request: Request, kind: type[Any]) -> Any:
+        return decode(await self.body(request), kind)
+
+    async def route(self, model: str) -> Route:
+        route = await self.fleet.route(model, self.config.retry_after)
+        if self.config.max_queue is not None:
+            depth = await self.fleet.depth(route.model)
+            admit(route.model, depth, self.config.max_queue, self.config.retry_after)
+        return route
+
+    async def run(self, jobs: Sequence[Job], on_frame: OnFrame) -> None:
+        """Run the jobs at once, handing their token and final frames on (with the job's index);
+        the first failure ends them all (each one left unfinished is cancelled on its worker)."""
+        if len(jobs) == 1:
+            await self._run_one(0, jobs[0], on_frame)
+            return
+        try:
+            async with anyio.create_task_group() as tg:
+                for i, job in enumerate(jobs):
+                    tg.start_soon(self._run_one, i, job, on_frame)
+        except BaseExceptionGroup as group:
+            first = _first(group)
+            if first is not None:
+                raise first from None
+            raise
+
+    async def _run_one(self, i: int, job: Job, on_frame: OnFrame) -> None:
+        try:
+            frames = self.client.generate(job.request, accept_timeout=self.config.accept_timeout)
+            async with aclosing(frames):
+                async for frame in frames:
+                    if isinstance(frame, ErrorFrame):
+                        raise from_code(
+                            frame.code,
+                            frame.message,
+                            param=param_of(frame.field, job.params),
+                            retry_after=self.config.retry_after,
+                        )
+                    if isinstance(frame, (TokensFrame, FinalFrame)):
+                        await on_frame(i, frame)
+        except JetllmError as exc:
+            raise from_exception(exc, retry_after=self.config.retry_after) from None
+        except nats.errors.Error as exc:  # NATS or JetStream unreachable, or a stream leader moving
+            raise GatewayError(
+                503,
+                f"the gateway cannot reach NATS ({type(exc).__name__}); retry later",
+                code="no_capacity",
+                retry_after=self.config.retry_after,
+            ) from None
+
+
+def _first(group: BaseExceptionGroup) -> GatewayError | None:
+    for exc in group.exceptions:
+        if isinstance(exc, GatewayError):
+            return exc
+        if isinstance(exc, BaseExceptionGroup):
+            found = _first(exc)
+            if found is not None:
+                return found
+    return None
+
+
+def created() -> int:
+    return int(time.time())
+
+
+def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(msgspec.json.encode(obj), status, headers, media_type="application/json")
+
+
+def error_response(err: GatewayError) -> Response:
+    return json_response(err.body(), err.status, err.headers())
+
+
+async def answer(
+    gw: Gateway,
+    request: Request,
+    endpoint: str,
+    whole: Callable[[], Awaitable[dict[str, Any]]],
+    stream: Callable[[Emit], Awaitable[None]] | None,
+) -> Response | EventStream:
+    """Run a prepared request, whole (cancelled if the client hangs up) or streamed, counting it."""
+    started = time.monotonic()
+    gw.metrics.in_flight.inc()
+
+    def ended(status: int) -> None:
+        gw.metrics.in_flight.dec()
+        gw.metrics.answered(endpoint, status, time.monotonic() - started)
+
+    if stream is not None:
+        return EventStream(stream, ended)
+    status = 500
+    try:
+        result = await until_disconnect(request.receive, whole)
+        status = 200
+        return json_response(result)
+    except GatewayError as err:
+        status = err.status
+        return error_response(err)
+    except Gone:
+        status = 499
+        return Response(status_code=499)
+    except Exception as exc:
+        failure = unexpected(exc)
+        status = failure.status
+        return error_response(failure)
+    finally:
+        ended(status)
+
+
+def refused(gw: Gateway, endpoint: str, err: GatewayError) -> Response:
+    """A request refused before any job was made."""
+    gw.metrics.answered(endpoint, err.status, 0.0)
+    return error_response(err)

@@ -1,0 +1,284 @@
+"""OpenAI request bodies to jetllm jobs, and jetllm's field paths back to OpenAI's parameter names.
+
+Pure functions: the endpoints call them, the tests table them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from ..schemas import (
+    ChatMessage,
+    ChatPrompt,
+    GenerateRequest,
+    OutputOptions,
+    Prompt,
+    SamplingOptions,
+    StopConditions,
+    StructuredOutput,
+    TextPrompt,
+    TokensPrompt,
+    ToolCall,
+    ToolCallFunction,
+)
+from . import structured, tools
+from .errors import GatewayError, invalid
+from .openai_types import ChatRequest, CompletionRequest, Message, _Generation
+
+_AT = re.compile(r"^(.*) - at `(\$[^`]*)`$")
+
+_COMMON_PARAMS = {
+    "$.sampling.": "",
+    "$.stop.": "",
+    "$.structured": "response_format",
+    "$.adapter": "model",
+    "$.model": "model",
+    "$.prompt.messages": "messages",
+    "$.prompt.tools": "tools",
+    "$.prompt.template_kwargs": "chat_template_kwargs",
+}
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a request's model runs: the served model, and the adapter when the name was one."""
+
+    model: str
+    adapter: str | None = None
+
+
+@dataclass
+class Job:
+    """A translated request: the job, how its parameters are named in the request, how tool
+    calls are read back."""
+
+    request: GenerateRequest
+    params: dict[str, str] = field(default_factory=dict)
+    """Wire field prefix -> the request's parameter, on top of the shared table."""
+    tool_plan: tools.ToolPlan = tools.ToolPlan("none")
+
+
+def param_of(path: str | None, params: dict[str, str]) -> str | None:
+    """The request parameter a jetllm field path (`$.sampling.temperature`) stands for."""
+    if not path:
+        return None
+    table = {**_COMMON_PARAMS, **params}
+    for prefix in sorted(table, key=len, reverse=True):
+        if not path.startswith(prefix):
+            continue
+        rest = path[len(prefix) :]
+        if rest and not prefix.endswith(".") and rest[0] not in ".[":
+            continue  # `$.stop.max_tokens` is not a prefix of `$.stop.max_tokens_x`
+        return table[prefix] + rest if table[prefix] else rest
+    return path.removeprefix("$.")
+
+
+def decode(body: bytes, kind: type[Any]) -> Any:
+    """The body as `kind`; a body that is not JSON, or a field of the wrong type, is a 400 naming it."""
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        m = _AT.match(message)
+        param = m.group(2).removeprefix("$.") if m else None
+        raise invalid(f"{param}: {m.group(1)}" if m else message, param or None) from None
+    except msgspec.DecodeError as exc:
+        raise invalid(f"the body is not a JSON object: {exc}", None) from None
+
+
+def validated(job: Job) -> GenerateRequest:
+    """The job as a worker would decode it: every range and pattern checked here, so a bad value
+    is a 400 naming the request's parameter before anything is queued."""
+    try:
+        return msgspec.msgpack.decode(msgspec.msgpack.encode(job.request), type=GenerateRequest)
+    except msgspec.ValidationError as exc:
+        message = str(exc)
+        m = _AT.match(message)
+        if m is None:
+            raise invalid(message, None) from None
+        param = param_of(m.group(2), job.params)
+        raise invalid(f"{param}: {m.group(1)}", param) from None
+
+
+def _sampling(body: _Generation) -> SamplingOptions:
+    return SamplingOptions(
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        seed=body.seed,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        n=body.n,
+    )
+
+
+def _stop(body: _Generation, max_tokens: int | None) -> StopConditions:
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    return StopConditions(
+        max_tokens=max_tokens,
+        min_tokens=body.min_tokens,
+        stop=stop,
+        stop_token_ids=list(body.stop_token_ids or []),
+        ignore_eos=body.ignore_eos,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+    )
+
+
+def _refuse_unsupported(body: _Generation) -> None:
+    if body.best_of is not None and body.best_of != body.n:
+        raise invalid("best_of is not supported (only best_of equal to n)", "best_of")
+    if body.logit_bias:
+        raise invalid("logit_bias is not supported", "logit_bias")
+
+
+def _content(m: Message, i: int) -> str:
+    if m.content is None:
+        return ""
+    if isinstance(m.content, str):
+        return m.content
+    texts = []
+    for j, part in enumerate(m.content):
+        if part.type != "text" or part.text is None:
+            raise invalid(
+                f"messages[{i}].content[{j}] is of type {part.type!r}; only text parts are supported",
+                f"messages[{i}].content[{j}].type",
+            )
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def _message(m: Message, i: int) -> ChatMessage:
+    calls = None
+    if m.tool_calls:
+        calls = [
+            ToolCall(id=c.id, function=ToolCallFunction(name=c.function.name, arguments=c.function.arguments))
+            for c in m.tool_calls
+        ]
+    return ChatMessage(role=m.role, content=_content(m, i), tool_calls=calls, tool_call_id=m.tool_call_id)
+
+
+def _output_constraint(
+    body: _Generation, tool_constraint: StructuredOutput | None
+) -> tuple[str, StructuredOutput] | None:
+    asked = structured.constraint(body)
+    if tool_constraint is None:
+        return asked
+    if asked is not None:
+        raise invalid(f"tool_choice and {asked[0]} both constrain the output; give one of them", asked[0])
+    return "tool_choice", tool_constraint
+
+
+def chat_job(body: ChatRequest, route: Route, request_id: str) -> Job:
+    _refuse_unsupported(body)
+    if not body.messages:
+        raise invalid("messages must not be empty", "messages")
+    tool_plan = tools.plan(body.tools, body.tool_choice)
+    tool_specs = tools.specs(body.tools) if body.tools else None
+    constraint = _output_constraint(body, tool_plan.constraint)
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    params = {
+        "$.output.logprobs": "top_logprobs",
+        "$.prompt": "messages",
+        "$.stop.max_tokens": "max_completion_tokens"
+        if body.max_completion_tokens is not None
+        else "max_tokens",
+    }
+    if constraint is not None:
+        params["$.structured"] = constraint[0]
+    prompt = ChatPrompt(
+        messages=[_message(m, i) for i, m in enumerate(body.messages)],
+        add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message,
+        template_kwargs=body.chat_template_kwargs,
+        tools=tool_specs,
+    )
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    if body.top_logprobs is not None and not body.logprobs:
+        raise invalid("top_logprobs needs logprobs: true", "top_logprobs")
+    job = Job(
+        _job(body, route, request_id, prompt, max_tokens, logprobs, constraint),
+        params,
+        tool_plan,
+    )
+    job.request = validated(job)
+    return job
+
+
+def completion_prompts(prompt: str | list[Any]) -> list[Prompt]:
+    """One jetllm prompt per prompt of the request: text, token ids, or a list of either."""
+    if isinstance(prompt, str):
+        return [TextPrompt(text=prompt)]
+    if not prompt:
+        raise invalid("prompt must not be empty", "prompt")
+    if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return [TokensPrompt(token_ids=list(prompt))]
+    out: list[Prompt] = []
+    for i, p in enumerate(prompt):
+        if isinstance(p, str):
+            out.append(TextPrompt(text=p))
+        elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p):
+            out.append(TokensPrompt(token_ids=p))
+        else:
+            raise invalid(f"prompt[{i}] must be a string or a non-empty list of token ids", f"prompt[{i}]")
+    return out
+
+
+def completion_jobs(body: CompletionRequest, route: Route, request_id: str) -> list[Job]:
+    """One job per prompt; with several prompts, choice indexes run prompt by prompt (as OpenAI's)."""
+    _refuse_unsupported(body)
+    if body.echo:
+        raise invalid("echo is not supported", "echo")
+    if body.suffix is not None:
+        raise invalid("suffix is not supported", "suffix")
+    constraint = _output_constraint(body, None)
+    params = {
+        "$.output.logprobs": "logprobs",
+        "$.prompt": "prompt",
+        "$.prompt.text": "prompt",
+        "$.prompt.token_ids": "prompt",
+    }
+    if constraint is not None:
+        params["$.structured"] = constraint[0]
+    prompts = completion_prompts(body.prompt)
+    jobs = []
+    for i, prompt in enumerate(prompts):
+        rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+        job = Job(_job(body, route, rid, prompt, body.max_tokens, body.logprobs, constraint), params)
+        job.request = validated(job)
+        jobs.append(job)
+    return jobs
+
+
+def _job(
+    body: _Generation,
+    route: Route,
+    request_id: str,
+    prompt: Prompt,
+    max_tokens: int | None,
+    logprobs: int | None,
+    constraint: tuple[str, StructuredOutput] | None,
+) -> GenerateRequest:
+    if isinstance(prompt, TokensPrompt):  # as vLLM's server: token prompts still answer in text
+        output = OutputOptions(text=True, logprobs=logprobs, skip_special_tokens=body.skip_special_tokens)
+    else:
+        output = OutputOptions(logprobs=logprobs, skip_special_tokens=body.skip_special_tokens)
+    return GenerateRequest(
+        request_id=request_id,
+        model=route.model,
+        adapter=route.adapter,
+        prompt=prompt,
+        sampling=_sampling(body),
+        stop=_stop(body, max_tokens),
+        output=output,
+        structured=constraint[1] if constraint else None,
+    )
+
+
+def too_large(message: str) -> GatewayError:
+    return GatewayError(413, message, code="request_too_large")

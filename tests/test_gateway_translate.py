@@ -1,0 +1,394 @@
+"""The gateway's pure decisions, tabled: OpenAI bodies to jobs, field paths to parameters, tool
+calls read back, ErrorCode to HTTP status, which model a name routes to, stream chunks."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import msgspec
+import pytest
+
+from jetllm.gateway import capacity, tools, translate
+from jetllm.gateway.errors import STATUS, GatewayError, from_code
+from jetllm.gateway.openai_types import ChatRequest, CompletionRequest
+from jetllm.gateway.responses import ChatStream, Collected
+from jetllm.schemas import (
+    ChoiceOutput,
+    ErrorCode,
+    FinalFrame,
+    GrammarOutput,
+    InstanceRecord,
+    JsonObjectOutput,
+    JsonSchemaOutput,
+    RegexOutput,
+    TextPrompt,
+    TokensFrame,
+    TokensPrompt,
+    Usage,
+)
+from jetllm.schemas.frames import Choice
+from jetllm.workers.engine.chatmessages import template_message
+
+ROUTE = translate.Route("m")
+USER = [{"role": "user", "content": "hi"}]
+
+
+def chat(**body) -> translate.Job:
+    raw = msgspec.json.encode({"model": "m", "messages": USER, **body})
+    return translate.chat_job(translate.decode(raw, ChatRequest), ROUTE, "r1")
+
+
+def refused(**body) -> GatewayError:
+    with pytest.raises(GatewayError) as info:
+        chat(**body)
+    return info.value
+
+
+@pytest.mark.parametrize(
+    ("body", "check"),
+    [
+        ({"max_tokens": 5}, lambda r: r.stop.max_tokens == 5),
+        ({"max_tokens": 5, "max_completion_tokens": 7}, lambda r: r.stop.max_tokens == 7),
+        ({"stop": "x"}, lambda r: r.stop.stop == ["x"]),
+        ({"stop": ["x", "y"]}, lambda r: r.stop.stop == ["x", "y"]),
+        ({"temperature": 0.5, "top_p": 0.9, "top_k": 5, "min_p": 0.1}, lambda r: r.sampling.top_k == 5),
+        (
+            {"repetition_penalty": 1.1, "presence_penalty": 1, "frequency_penalty": -1},
+            lambda r: r.sampling.presence_penalty == 1,
+        ),
+        ({"seed": 7, "n": 3, "temperature": 1}, lambda r: (r.sampling.seed, r.sampling.n) == (7, 3)),
+        ({"logprobs": True}, lambda r: r.output.logprobs == 0),
+        ({"logprobs": True, "top_logprobs": 4}, lambda r: r.output.logprobs == 4),
+        ({}, lambda r: r.output.logprobs is None and r.structured is None),
+        ({"response_format": {"type": "text"}}, lambda r: r.structured is None),
+        ({"response_format": {"type": "json_object"}}, lambda r: r.structured == JsonObjectOutput()),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "a", "schema": {"type": "object"}},
+                }
+            },
+            lambda r: r.structured == JsonSchemaOutput(json_schema={"type": "object"}),
+        ),
+        (
+            {"guided_json": '{"type": "string"}'},
+            lambda r: r.structured == JsonSchemaOutput(json_schema={"type": "string"}),
+        ),
+        ({"guided_regex": "a+"}, lambda r: r.structured == RegexOutput(pattern="a+")),
+        ({"guided_choice": ["a", "b"]}, lambda r: r.structured == ChoiceOutput(choices=["a", "b"])),
+        ({"guided_grammar": "root ::= 'a'"}, lambda r: r.structured == GrammarOutput(grammar="root ::= 'a'")),
+        ({"structured_outputs": {"regex": "b+"}}, lambda r: r.structured == RegexOutput(pattern="b+")),
+        ({"ignore_eos": True, "min_tokens": 2}, lambda r: r.stop.ignore_eos and r.stop.min_tokens == 2),
+        (
+            {"chat_template_kwargs": {"enable_thinking": False}},
+            lambda r: r.prompt.template_kwargs == {"enable_thinking": False},
+        ),
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                    }
+                ]
+            },
+            lambda r: r.prompt.messages[0].content == "ab",
+        ),
+        ({"unknown_field": {"deep": [1]}}, lambda r: r.model == "m"),
+    ],
+)
+def test_chat_bodies_become_jobs(body, check):
+    assert check(chat(**body).request)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"temperature": "hot"}, "temperature"),
+        ({"temperature": 2.5}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"n": 0}, "n"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_completion_tokens": 0}, "max_completion_tokens"),
+        ({"stop": [""]}, "stop[0]"),
+        ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"content": "x"}]}, "messages[0]"),
+        ({"best_of": 3}, "best_of"),
+        ({"logit_bias": {"1": 2}}, "logit_bias"),
+        ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+        ({"guided_json": "{not json"}, "guided_json"),
+        ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": "sometimes"}, "tool_choice"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+            "tool_choice.function.name",
+        ),
+        ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools[0].function.name"),
+    ],
+)
+def test_bad_chat_bodies_name_the_parameter(body, param):
+    err = refused(**body)
+    assert (err.status, err.param) == (400, param), err.message
+    assert err.body()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [
+        ("abc", [TextPrompt(text="abc")]),
+        ([1, 2], [TokensPrompt(token_ids=[1, 2])]),
+        (["a", "b"], [TextPrompt(text="a"), TextPrompt(text="b")]),
+        ([[1], [2, 3]], [TokensPrompt(token_ids=[1]), TokensPrompt(token_ids=[2, 3])]),
+    ],
+)
+def test_completion_prompts(prompt, expected):
+    assert translate.completion_prompts(prompt) == expected
+
+
+def test_completion_jobs_one_per_prompt_with_their_own_ids():
+    body = msgspec.json.decode(
+        json.dumps({"model": "m", "prompt": ["a", "b"], "logprobs": 2, "max_tokens": 3}),
+        type=CompletionRequest,
+    )
+    jobs = translate.completion_jobs(body, translate.Route("base", "ad"), "c1")
+    assert [j.request.request_id for j in jobs] == ["c1-0", "c1-1"]
+    assert all(j.request.model == "base" and j.request.adapter == "ad" for j in jobs)
+    assert jobs[0].request.output.logprobs == 2 and jobs[0].request.stop.max_tokens == 3
+
+
+@pytest.mark.parametrize(
+    ("path", "params", "param"),
+    [
+        ("$.sampling.temperature", {}, "temperature"),
+        ("$.stop.max_tokens", {"$.stop.max_tokens": "max_completion_tokens"}, "max_completion_tokens"),
+        ("$.stop.stop[1]", {}, "stop[1]"),
+        ("$.output.logprobs", {"$.output.logprobs": "top_logprobs"}, "top_logprobs"),
+        ("$.prompt.messages[2].content", {"$.prompt": "messages"}, "messages[2].content"),
+        ("$.prompt", {"$.prompt": "messages"}, "messages"),
+        ("$.prompt.text", {"$.prompt": "prompt", "$.prompt.text": "prompt"}, "prompt"),
+        ("$.structured.json_schema", {"$.structured": "guided_json"}, "guided_json.json_schema"),
+        ("$.adapter", {}, "model"),
+        ("$.somewhere_new", {}, "somewhere_new"),
+        (None, {}, None),
+    ],
+)
+def test_field_paths_become_parameters(path, params, param):
+    assert translate.param_of(path, params) == param
+
+
+@pytest.mark.parametrize(
+    ("text", "content", "calls"),
+    [
+        ("plain answer", "plain answer", []),
+        (
+            '<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>',
+            None,
+            [tools.ParsedCall("f", '{"x": 1}')],
+        ),
+        (
+            'Let me look.\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n'
+            '<tool_call>{"name": "g", "arguments": "{\\"y\\": 2}"}</tool_call>',
+            "Let me look.",
+            [tools.ParsedCall("f", "{}"), tools.ParsedCall("g", '{"y": 2}')],
+        ),
+        ("<tool_call>not json</tool_call>", "<tool_call>not json</tool_call>", []),
+        ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
+    ],
+)
+def test_hermes_tool_calls(text, content, calls):
+    assert tools.parse_hermes(text) == (content, calls)
+
+
+def test_tool_choice_plans_and_their_constraints():
+    fs = [
+        msgspec.convert(
+            {"function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {}}}}}, tools.Tool
+        ),
+        msgspec.convert({"function": {"name": "g"}}, tools.Tool),
+    ]
+    assert tools.plan(None, None).mode == "none"
+    assert tools.plan(fs, None).mode == "auto"
+    assert tools.plan(fs, "none").mode == "none"
+    named = tools.plan(fs, msgspec.convert({"function": {"name": "f"}}, tools.NamedToolChoice))
+    assert named.named == "f" and named.constraint.json_schema["properties"] == {"a": {}}
+    required = tools.plan(fs, "required")
+    assert required.constraint.json_schema["minItems"] == 1
+    assert tools.calls(named, '{"a": 1}') == (None, [tools.ParsedCall("f", '{"a": 1}')])
+    assert tools.calls(required, '[{"name": "g", "parameters": {}}]') == (None, [tools.ParsedCall("g", "{}")])
+    assert tools.calls(required, "oops") == ("oops", [])
+
+
+def test_every_error_code_has_a_status_and_capacity_errors_say_when_to_retry():
+    for code in ErrorCode:
+        assert code in STATUS, code
+    assert from_code(ErrorCode.TIMEOUT, "x", retry_after=4).headers() == {"Retry-After": "4"}
+    assert from_code(ErrorCode.INVALID_REQUEST, "x").headers() == {}
+    assert from_code(ErrorCode("from_the_future"), "x").status == 500
+
+
+def _instance(name: str, model: str, *, adapters=(), state="serving", ready=True) -> InstanceRecord:
+    return InstanceRecord(
+        instance=name,
+        role="generate",
+        model=model,
+        state=state,
+        ready=ready,
+        adapters=list(adapters),
+        heartbeat_at=time.time(),
+        expires_after=10,
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "live", "known", "outcome"),
+    [
+        ("m", [_instance("a", "m")], [], translate.Route("m")),
+        ("ad", [_instance("a", "m", adapters=["ad"])], [], translate.Route("m", "ad")),
+        ("m", [_instance("a", "m", adapters=["m"])], [], translate.Route("m")),
+        ("m", [_instance("a", "m", state="sleeping", ready=False)], [], 503),
+        ("m", [_instance("a", "m", state="draining")], [], 503),
+        ("m", [], ["m"], 503),
+        ("x", [_instance("a", "m")], ["m"], 404),
+    ],
+)
+def test_which_model_a_name_routes_to(name, live, known, outcome):
+    if isinstance(outcome, int):
+        with pytest.raises(GatewayError) as info:
+            capacity.resolve(name, live, known, retry_after=2)
+        assert info.value.status == outcome
+        assert ("Retry-After" in info.value.headers()) == (outcome == 503)
+    else:
+        assert capacity.resolve(name, live, known, retry_after=2) == outcome
+
+
+@pytest.mark.parametrize(
+    ("depth", "limit", "refused"),
+    [(0, None, False), (99, None, False), (3, 3, False), (4, 3, True), (1, 0, True)],
+)
+def test_a_deep_queue_is_a_429(depth, limit, refused):
+    if refused:
+        with pytest.raises(GatewayError) as info:
+            capacity.admit("m", depth, limit, retry_after=1)
+        assert info.value.status == 429 and info.value.headers() == {"Retry-After": "1"}
+    else:
+        capacity.admit("m", depth, limit, retry_after=1)
+
+
+def test_models_list_adapters_under_their_base():
+    found = capacity.models(
+        [_instance("a", "m", adapters=["ad"]), _instance("b", "m"), _instance("c", "z", state="sleeping")]
+    )
+    assert [(m["id"], m["parent"]) for m in found] == [("m", None), ("ad", "m")]
+
+
+def _tokens(index: int, text: str, seq: int) -> TokensFrame:
+    return TokensFrame(
+        seq=seq, token_ids=[seq], index=index, text=text, logprobs=[-0.5], top_logprobs=[{seq: -0.5, 9: -1.0}]
+    )
+
+
+def _final(*reasons: str) -> FinalFrame:
+    return FinalFrame(
+        seq=99,
+        request_id="r",
+        choices=[Choice(index=i, finish_reason=r, completion_tokens=1) for i, r in enumerate(reasons)],
+        usage=Usage(prompt_tokens=3, completion_tokens=2, cached_tokens=1),
+    )
+
+
+def test_a_whole_chat_answer_with_logprobs_and_usage():
+    c = Collected(1, logprobs=True)
+    c.tokens(_tokens(0, "he", 1))
+    c.tokens(_tokens(0, "llo", 2))
+    c.final(_final("length"))
+    out = c.chat("id", 1, "m", tools.ToolPlan("none"))
+    (choice,) = out["choices"]
+    assert (
+        choice["message"] == {"role": "assistant", "content": "hello"} and choice["finish_reason"] == "length"
+    )
+    assert [e["token"] for e in choice["logprobs"]["content"]] == ["token_id:1", "token_id:2"]
+    assert choice["logprobs"]["content"][0]["top_logprobs"][1] == {
+        "token": "token_id:9",
+        "logprob": -1.0,
+        "bytes": None,
+    }
+    assert out["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "total_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 1},
+    }
+    cmpl = c.completion("id", 1, "m")["choices"][0]
+    assert cmpl["text"] == "hello" and cmpl["logprobs"]["text_offset"] == [0, 2]
+
+
+def test_streamed_hermes_calls_hold_back_a_tag_and_send_the_calls_at_the_end():
+    s = ChatStream("id", 1, "m", 1, tools.ToolPlan("auto"), include_usage=False)
+    pieces = ["Sure", " <tool", '_call>{"name": "f", ', '"arguments": {"a": 1}}</tool_call>']
+    chunks = [
+        c for i, p in enumerate(pieces) for c in s.tokens(TokensFrame(seq=i + 1, token_ids=[1], text=p))
+    ]
+    chunks += s.final(_final("stop"))
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("content") or "" for d in deltas) == "Sure "
+    (calls,) = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+    assert calls[0]["function"] == {"name": "f", "arguments": '{"a": 1}'} and calls[0]["index"] == 0
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_a_named_tool_streams_its_arguments():
+    s = ChatStream("id", 1, "m", 1, tools.ToolPlan("named", named="f"), include_usage=True)
+    chunks = [
+        c
+        for i, p in enumerate(['{"a"', ": 1}"])
+        for c in s.tokens(TokensFrame(seq=i + 1, token_ids=[1], text=p))
+    ]
+    calls = [
+        c["choices"][0]["delta"]["tool_calls"][0] for c in chunks if "tool_calls" in c["choices"][0]["delta"]
+    ]
+    assert calls[0]["function"]["name"] == "f"
+    assert "".join(c["function"]["arguments"] for c in calls) == '{"a": 1}'
+    assert all(c["usage"] is None for c in chunks)
+
+
+def test_tool_messages_reach_the_template_with_arguments_as_a_mapping():
+    job = chat(
+        messages=[
+            {"role": "user", "content": "hi"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
+                ],
+            },
+            {"role": "tool", "content": "42", "tool_call_id": "c1"},
+        ],
+        tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+    )
+    prompt = job.request.prompt
+    assert prompt.tools[0].function.name == "f"
+    assistant, tool = (template_message(m) for m in prompt.messages[1:])
+    assert assistant["content"] == "" and assistant["tool_calls"][0]["function"]["arguments"] == {"a": 1}
+    assert tool == {"role": "tool", "content": "42", "tool_call_id": "c1"}
+
+
+def test_the_gateway_imports_neither_vllm_nor_torch():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from jetllm.gateway import create_app, GatewayConfig; create_app(GatewayConfig()); "
+        "print('vllm' in sys.modules, 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.split()
+    assert out == ["False", "False"]
