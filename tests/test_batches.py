@@ -442,3 +442,23 @@ async def test_jetllm_batch_detaches_follows_and_downloads(api, nats_url, namesp
     ]
     missing = await anyio.run_process([*base, "--follow", "batch_0000000000"], cwd=ROOT, env=env, check=False)
     assert missing.returncode == 1 and "no batch with id" in missing.stderr.decode()
+
+
+def raw_http(service: BatchService) -> httpx.AsyncClient:
+    app = Starlette(routes=files_api.routes(service) + batches_api.routes(service))
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway")
+
+
+async def test_a_huge_batch_request_body_is_refused_before_it_is_read_whole(api):
+    _, _, service = api
+
+    async def chunked():  # no content-length: refused as it arrives
+        for _ in range(64):
+            yield b" " * (64 << 10)
+
+    async with raw_http(service) as http:
+        declared = await http.post("/v1/batches", content=b"{" + b" " * (2 << 20) + b"}")
+        streamed = await http.post("/v1/batches", content=chunked())
+    for answer in (declared, streamed):
+        assert answer.status_code == 413
+        assert "POST /v1/files" in answer.json()["error"]["message"]

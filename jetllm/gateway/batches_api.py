@@ -8,13 +8,37 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..batches.service import ApiError, BatchService, batch_object
+from ..batches.service import ApiError, BatchService, TooLarge, batch_object
 from .api_errors import answers_errors
+
+MAX_BODY_BYTES = 1 << 20
+"""Largest JSON body of a batches request: a create names a file and takes small metadata, so a
+body past this is refused while it arrives, never read whole."""
+
+
+async def _body(request: Request) -> bytes:
+    def too_large(size: str) -> TooLarge:
+        return TooLarge(
+            f"the request body is {size} bytes; at most {MAX_BODY_BYTES} are accepted here (the lines "
+            "of a batch go in an uploaded file: POST /v1/files)"
+        )
+
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large(declared)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_large(f"more than {MAX_BODY_BYTES}")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 async def _json(request: Request) -> dict:
     try:
-        body = json.loads(await request.body() or b"null")
+        body = json.loads(await _body(request) or b"null")
     except ValueError as exc:
         raise ApiError(f"the request body is not JSON: {exc}") from None
     if not isinstance(body, dict):
