@@ -462,3 +462,15 @@ async def test_a_huge_batch_request_body_is_refused_before_it_is_read_whole(api)
     for answer in (declared, streamed):
         assert answer.status_code == 413
         assert "POST /v1/files" in answer.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "field, value", [("completion_window", 24), ("completion_window", ["24h"]), ("metadata", "x")]
+)
+async def test_batch_fields_of_the_wrong_type_are_a_400_naming_the_field(api, field, value):
+    _, _, service = api
+    body = {"input_file_id": "file-x", "endpoint": CHAT, "completion_window": "24h", field: value}
+    async with raw_http(service) as http:
+        answer = await http.post("/v1/batches", json=body)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == field

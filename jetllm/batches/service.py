@@ -177,6 +177,8 @@ class BatchService:
             raise ApiError(
                 f"endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}", param="endpoint"
             )
+        if not isinstance(completion_window, str):
+            raise ApiError("completion_window must be a string such as '24h'", param="completion_window")
         try:
             window = plan.parse_window(completion_window)
         except ValueError as exc:
