@@ -17,6 +17,7 @@ import openai
 import pytest
 from starlette.applications import Starlette
 
+from jetllm.batches import lines as lines_module
 from jetllm.batches import plan
 from jetllm.batches.lines import BadInput, line_request_id, parse_input
 from jetllm.batches.openai_lines import CHAT, COMPLETIONS, BadBody, to_request
@@ -474,3 +475,12 @@ async def test_batch_fields_of_the_wrong_type_are_a_400_naming_the_field(api, fi
         answer = await http.post("/v1/batches", json=body)
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"]["param"] == field
+
+
+def test_an_input_file_with_more_requests_than_a_batch_takes_is_refused_naming_the_line(monkeypatch):
+    monkeypatch.setattr(lines_module, "MAX_LINES", 3)
+    assert len(parse_input(jsonl([chat_line(i) for i in range(3)]), CHAT)) == 3
+    with pytest.raises(BadInput) as info:
+        parse_input(b"\n" + jsonl([chat_line(i) for i in range(4)]), CHAT)
+    assert info.value.line == 5 and "at most 3 requests" in info.value.message
+    assert "split" in info.value.message

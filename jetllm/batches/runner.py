@@ -186,17 +186,17 @@ class _HeldBatch:
 
     async def _read_finished(self, lines: list[InputLine]) -> None:
         """Results of lines an earlier runner saw finish: read, never run again."""
-        limiter = anyio.Semaphore(32)
+        todo = iter(lines)
 
-        async def one(line: InputLine) -> None:
-            async with limiter:
+        async def reader() -> None:  # a few readers share the lines: no task per line
+            for line in todo:
                 found = await self.client.result(line_request_id(self.id, line.line))
-            if found is not None:
-                self.outcomes[line.line] = found
+                if found is not None:
+                    self.outcomes[line.line] = found
 
         async with anyio.create_task_group() as tg:
-            for line in lines:
-                tg.start_soon(one, line)
+            for _ in range(min(32, len(lines))):
+                tg.start_soon(reader)
         if self.outcomes:
             log.info("batch %s: %d of %d lines had finished already", self.id, len(self.outcomes), len(lines))
 
