@@ -22,7 +22,7 @@ from jetllm.batches import plan
 from jetllm.batches.lines import BadInput, line_request_id, parse_input
 from jetllm.batches.openai_lines import CHAT, COMPLETIONS, BadBody, to_request
 from jetllm.batches.runner import BatchRunner
-from jetllm.batches.service import BatchService
+from jetllm.batches.service import BatchService, TooLarge
 from jetllm.gateway import batches_api, files_api
 from jetllm.producer import Client
 from jetllm.schemas import ChatPrompt, TextPrompt, TokensPrompt
@@ -484,3 +484,16 @@ def test_an_input_file_with_more_requests_than_a_batch_takes_is_refused_naming_t
         parse_input(b"\n" + jsonl([chat_line(i) for i in range(4)]), CHAT)
     assert info.value.line == 5 and "at most 3 requests" in info.value.message
     assert "split" in info.value.message
+
+
+async def test_an_input_object_larger_than_an_upload_may_be_is_not_read(api):
+    """Objects can reach the files store other than through the upload (any identity that may
+    write it): the gateway and the runner read an input file only after checking its size."""
+    _, _, service = api
+    data = jsonl([chat_line(i) for i in range(2)]) * 1
+    data += b" " * (service.max_file_bytes + 1 - len(data))
+    await service.upload(data[: service.max_file_bytes], "ok.jsonl", "batch", "file-big")
+    await service.files.put("file-big", data, meta=(await service.files.get_info("file-big")))
+    with pytest.raises(TooLarge) as info:
+        await service.create("file-big", CHAT)
+    assert info.value.param == "input_file_id" and "--max-file-bytes" in info.value.message

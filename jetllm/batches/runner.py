@@ -24,7 +24,7 @@ from ..producer import Client
 from ..schemas import BatchIssue, BatchRun, BatchState, ErrorFrame, Record, RequestCounts, Result
 from ..subjects import codec
 from . import plan
-from .lines import BadInput, InputLine, line_request_id, parse_input
+from .lines import BadInput, InputLine, line_request_id
 from .openai_lines import response_body, to_request
 from .service import ApiError, BatchService
 
@@ -152,7 +152,7 @@ class _HeldBatch:
         if action == "skip":
             return
         try:
-            lines = parse_input(await self.service.content(state.input_file_id), state.endpoint)
+            lines = await self.service.input_lines(state.input_file_id, state.endpoint)
         except (BadInput, ApiError) as exc:
             await self._fail(exc.message, getattr(exc, "line", None), exc.param)
             return

@@ -24,7 +24,7 @@ from ..subjects import codec
 from ..subjects.names import Names
 from ..subjects.setup import ensure_batch_plane
 from . import plan
-from .lines import BadInput, parse_input
+from .lines import BadInput, InputLine, parse_input
 from .openai_lines import ENDPOINTS
 
 DEFAULT_MAX_FILE_BYTES = 100 << 20
@@ -140,7 +140,10 @@ class BatchService:
             info = await self.files.get_info(file_id)
         except (nats.js.errors.ObjectNotFoundError, nats.js.errors.NotFoundError):
             raise NotFound(f"no file with id {file_id!r}", param="file_id") from None
-        return FileInfo(file_id, _meta(info.description, info.size or 0))
+        meta = _meta(info.description, info.size or 0)
+        if info.size is not None and meta.bytes != info.size:  # the description is only what a writer said
+            meta = msgspec.structs.replace(meta, bytes=info.size)
+        return FileInfo(file_id, meta)
 
     async def content(self, file_id: str) -> bytes:
         try:
@@ -148,6 +151,19 @@ class BatchService:
         except (nats.js.errors.ObjectNotFoundError, nats.js.errors.NotFoundError):
             raise NotFound(f"no file with id {file_id!r}", param="file_id") from None
         return bytes(got.data or b"")
+
+    async def input_lines(self, file_id: str, endpoint: str) -> list[InputLine]:
+        """A batch's input, checked (raises BadInput naming the line): its size before it is read,
+        as the files store may hold objects that did not come through `upload`."""
+        info = await self.file(file_id)
+        if info.meta.bytes > self.max_file_bytes:
+            raise TooLarge(
+                f"input file {file_id} is {info.meta.bytes} bytes; a batch input is at most "
+                f"{self.max_file_bytes} (--max-file-bytes): split it into several files",
+                param="input_file_id",
+            )
+        data = await self.content(file_id)
+        return parse_input(data, endpoint)
 
     async def list_files(self, purpose: str | None = None) -> list[FileInfo]:
         """Newest first."""
@@ -194,7 +210,7 @@ class BatchService:
                 f"file {input_file_id} has purpose {f.meta.purpose!r}, not 'batch'", param="input_file_id"
             )
         try:
-            lines = parse_input(await self.content(input_file_id), endpoint)
+            lines = await self.input_lines(input_file_id, endpoint)
         except BadInput as exc:
             raise ApiError(
                 f"input file {input_file_id}: {exc.message}", param=exc.param or "input_file_id"
