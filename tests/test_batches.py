@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from starlette.applications import Starlette
 
 from jetllm.batches import lines as lines_module
 from jetllm.batches import plan
+from jetllm.batches import service as service_module
 from jetllm.batches.lines import BadInput, line_request_id, parse_input
 from jetllm.batches.openai_lines import CHAT, COMPLETIONS, BadBody, to_request
 from jetllm.batches.runner import BatchRunner
@@ -484,6 +486,31 @@ def test_an_input_file_with_more_requests_than_a_batch_takes_is_refused_naming_t
         parse_input(b"\n" + jsonl([chat_line(i) for i in range(4)]), CHAT)
     assert info.value.line == 5 and "at most 3 requests" in info.value.message
     assert "split" in info.value.message
+
+
+async def test_checking_an_input_file_does_not_stop_the_gateways_event_loop(api, monkeypatch):
+    sdk, _, service = api
+    f = await sdk.files.create(file=("in.jsonl", jsonl([chat_line(1)])), purpose="batch")
+    real = service_module.parse_input
+
+    def slow_parse(data, endpoint):  # a file of 100 MiB takes seconds to check
+        time.sleep(1.0)
+        return real(data, endpoint)
+
+    monkeypatch.setattr(service_module, "parse_input", slow_parse)
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            await anyio.sleep(0.05)
+            ticks += 1
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ticker)
+        await service.create(f.id, CHAT)
+        tg.cancel_scope.cancel()
+    assert ticks >= 10
 
 
 async def test_an_input_object_larger_than_an_upload_may_be_is_not_read(api):
