@@ -524,3 +524,17 @@ async def test_an_input_object_larger_than_an_upload_may_be_is_not_read(api):
     with pytest.raises(TooLarge) as info:
         await service.create("file-big", CHAT)
     assert info.value.param == "input_file_id" and "--max-file-bytes" in info.value.message
+
+
+async def test_an_unreadable_batch_message_never_ends_the_runner_even_when_it_cannot_be_dropped():
+    class Unreadable:
+        data = b"not a batch"
+
+        async def term(self):
+            raise ConnectionError("server away")
+
+    runner = BatchRunner(None, None)  # type: ignore[arg-type]  # not reached for an unreadable message
+    free = anyio.Semaphore(1)
+    await free.acquire()
+    await runner._hold(Unreadable(), free)  # type: ignore[arg-type]
+    assert free.value == 1  # its slot is free for the next batch

@@ -101,7 +101,10 @@ class BatchRunner:
                 batch_id = _run_decoder.decode(msg.data).batch_id
             except Exception as exc:  # nobody can run it; no message from outside stops the runner
                 log.warning("dropping an unreadable batch message: %s", exc)
-                await msg.term()
+                try:
+                    await msg.term()
+                except Exception as term_exc:  # it comes back after ack_wait and is dropped then
+                    log.warning("could not drop the unreadable batch message: %s", term_exc)
                 return
             failed = False
             async with anyio.create_task_group() as tg:
