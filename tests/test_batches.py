@@ -538,3 +538,25 @@ async def test_an_unreadable_batch_message_never_ends_the_runner_even_when_it_ca
     await free.acquire()
     await runner._hold(Unreadable(), free)  # type: ignore[arg-type]
     assert free.value == 1  # its slot is free for the next batch
+
+
+async def test_an_upload_without_a_length_is_refused_while_it_arrives(api):
+    """Without a content-length, the file part is cut off at the limit, not spooled to disk whole."""
+    _, _, service = api
+    sent = 0
+
+    async def body():
+        nonlocal sent
+        yield b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        yield b'--b\r\nContent-Disposition: form-data; name="file"; filename="a.jsonl"\r\n\r\n'
+        for _ in range(256):  # 16 MiB against a limit of 64 KiB
+            sent += 64 << 10
+            yield b"x" * (64 << 10)
+        yield b"\r\n--b--\r\n"
+
+    async with raw_http(service) as http:
+        answer = await http.post(
+            "/v1/files", content=body(), headers={"content-type": "multipart/form-data; boundary=b"}
+        )
+    assert answer.status_code == 413 and "--max-file-bytes" in answer.json()["error"]["message"]
+    assert sent < 1 << 20

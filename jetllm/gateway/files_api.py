@@ -2,26 +2,52 @@
 
 from __future__ import annotations
 
-from starlette.datastructures import UploadFile
+from starlette.datastructures import FormData, UploadFile
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import Message
 
 from ..batches.service import ApiError, BatchService, TooLarge, file_object
 from .api_errors import answers_errors
 
 
+def _too_large(size: str, max_file_bytes: int) -> TooLarge:
+    return TooLarge(
+        f"upload is {size} bytes; this server takes files of at most {max_file_bytes} bytes "
+        "(--max-file-bytes): split the batch into several files",
+        param="file",
+    )
+
+
+async def _form(request: Request, max_file_bytes: int) -> FormData:
+    """The upload's form, refused with a 413 once its body passes the limit (with or without a
+    content-length: a file part is never spooled to disk whole)."""
+    limit = max_file_bytes + (64 << 10)  # the file, and the form around it
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > limit:
+        raise _too_large(size, max_file_bytes)
+    received = 0
+
+    async def counted() -> Message:
+        nonlocal received
+        message = await request.receive()
+        if message["type"] == "http.request":
+            received += len(message.get("body", b""))
+            if received > limit:
+                raise _too_large(f"more than {limit}", max_file_bytes)
+        return message
+
+    return await Request(request.scope, counted).form(
+        max_files=1, max_fields=8, max_part_size=max_file_bytes + 1
+    )
+
+
 def routes(service: BatchService) -> list[Route]:
     @answers_errors
     async def upload(request: Request) -> Response:
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > service.max_file_bytes + (64 << 10):
-            raise TooLarge(
-                f"upload is {size} bytes; this server takes files of at most {service.max_file_bytes} bytes "
-                "(--max-file-bytes): split the batch into several files",
-                param="file",
-            )
-        async with request.form(max_files=1, max_fields=8, max_part_size=service.max_file_bytes + 1) as form:
+        form = await _form(request, service.max_file_bytes)
+        try:
             file = form.get("file")
             purpose = form.get("purpose")
             if not isinstance(file, UploadFile):
@@ -30,6 +56,8 @@ def routes(service: BatchService) -> list[Route]:
                 raise ApiError('the multipart field `purpose` is required ("batch")', param="purpose")
             data = await file.read(service.max_file_bytes + 1)
             info = await service.upload(data, file.filename or "upload.jsonl", purpose)
+        finally:
+            await form.close()
         return JSONResponse(file_object(info))
 
     @answers_errors
