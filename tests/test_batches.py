@@ -560,3 +560,11 @@ async def test_an_upload_without_a_length_is_refused_while_it_arrives(api):
         )
     assert answer.status_code == 413 and "--max-file-bytes" in answer.json()["error"]["message"]
     assert sent < 1 << 20
+
+
+async def test_a_malformed_upload_is_a_400_naming_the_file_field(api):
+    _, _, service = api
+    async with raw_http(service) as http:
+        answer = await http.post("/v1/files", content=b"x", headers={"content-type": "multipart/form-data"})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == "file" and "multipart" in answer.json()["error"]["message"]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from starlette.datastructures import FormData, UploadFile
+from starlette.exceptions import HTTPException
+from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -22,7 +24,7 @@ def _too_large(size: str, max_file_bytes: int) -> TooLarge:
 
 async def _form(request: Request, max_file_bytes: int) -> FormData:
     """The upload's form, refused with a 413 once its body passes the limit (with or without a
-    content-length: a file part is never spooled to disk whole)."""
+    content-length: a file part is never spooled to disk whole), a 400 when it is not a form."""
     limit = max_file_bytes + (64 << 10)  # the file, and the form around it
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > limit:
@@ -38,9 +40,17 @@ async def _form(request: Request, max_file_bytes: int) -> FormData:
                 raise _too_large(f"more than {limit}", max_file_bytes)
         return message
 
-    return await Request(request.scope, counted).form(
-        max_files=1, max_fields=8, max_part_size=max_file_bytes + 1
-    )
+    try:
+        return await Request(request.scope, counted).form(
+            max_files=1, max_fields=8, max_part_size=max_file_bytes + 1
+        )
+    except (MultiPartException, HTTPException) as exc:
+        detail = getattr(exc, "message", None) or getattr(exc, "detail", "")
+        raise ApiError(
+            f"the upload is not a valid multipart form ({detail}): send the fields `file` and "
+            "`purpose` as multipart/form-data",
+            param="file",
+        ) from None
 
 
 def routes(service: BatchService) -> list[Route]:
