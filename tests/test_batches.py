@@ -568,3 +568,22 @@ async def test_a_malformed_upload_is_a_400_naming_the_file_field(api):
         answer = await http.post("/v1/files", content=b"x", headers={"content-type": "multipart/form-data"})
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"]["param"] == "file" and "multipart" in answer.json()["error"]["message"]
+
+
+async def test_a_batch_whose_output_is_larger_than_an_upload_may_be_completes(api, nats_url, namespace):
+    """--max-file-bytes bounds what clients upload, not what a batch answers: an output file past it
+    is written, not refused (which put the batch back in the queue to fail the same way forever)."""
+    sdk, client, service = api
+    lines = [chat_line(i, max_tokens=200) for i in range(80)]
+    f = await sdk.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+    batch = await sdk.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+    async with (
+        inproc_worker(nats_url, FakeEngine(), namespace=namespace, slots=8),
+        anyio.create_task_group() as tg,
+    ):
+        tg.start_soon(BatchRunner(client, service, window=8, ack_wait=ACK_WAIT).serve)
+        done = await wait_status(sdk, batch.id, {"completed", "failed"}, timeout=45)
+        tg.cancel_scope.cancel()
+    assert (done.status, done.request_counts.completed) == ("completed", 80), done.errors
+    output = await sdk.files.retrieve(done.output_file_id)
+    assert output.bytes > service.max_file_bytes

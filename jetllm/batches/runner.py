@@ -319,9 +319,9 @@ class _HeldBatch:
         out_id, err_id = output_files(self.id)
         tail = self.id.removeprefix("batch_")
         if out:
-            await self.service.upload(b"".join(out), f"batch_{tail}_output.jsonl", "batch_output", out_id)
+            await self.service.write_output(out_id, f"batch_{tail}_output.jsonl", b"".join(out))
         if errors:
-            await self.service.upload(b"".join(errors), f"batch_{tail}_errors.jsonl", "batch_output", err_id)
+            await self.service.write_output(err_id, f"batch_{tail}_errors.jsonl", b"".join(errors))
         final = counts(len(lines), self.outcomes)
         final.failed = final.total - final.completed
         now = int(time.time())

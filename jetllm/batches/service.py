@@ -129,7 +129,14 @@ class BatchService:
                 "(--max-file-bytes): split the batch into several files",
                 param="file",
             )
-        fid = file_id or f"file-{uuid.uuid4().hex[:24]}"
+        return await self._put(file_id or f"file-{uuid.uuid4().hex[:24]}", data, filename, purpose)
+
+    async def write_output(self, file_id: str, filename: str, data: bytes) -> FileInfo:
+        """A batch's output or error file, written by its runner: any size (--max-file-bytes bounds
+        what clients send, not what a batch answers)."""
+        return await self._put(file_id, data, filename, "batch_output")
+
+    async def _put(self, fid: str, data: bytes, filename: str, purpose: str) -> FileInfo:
         meta = FileMeta(filename=filename, purpose=purpose, created_at=int(time.time()), bytes=len(data))
         await self.files.put(
             fid, data, meta=ObjectMeta(name=fid, description=msgspec.json.encode(meta).decode())
