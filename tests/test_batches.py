@@ -587,3 +587,25 @@ async def test_a_batch_whose_output_is_larger_than_an_upload_may_be_completes(ap
     assert (done.status, done.request_counts.completed) == ("completed", 80), done.errors
     output = await sdk.files.retrieve(done.output_file_id)
     assert output.bytes > service.max_file_bytes
+
+
+@pytest.mark.parametrize("path", ["/v1/batches/batch_{}", "/v1/files/file-{}", "/v1/files/file-{}/content"])
+@pytest.mark.parametrize("tail", ["x" * 5000, "." * 20_000])
+async def test_an_id_from_a_url_that_no_batch_or_file_can_have_is_a_short_404(api, path, tail):
+    """Not a 500 when the id no longer fits a NATS message once encoded, and not an error echoing
+    the whole id back."""
+    _, _, service = api
+    async with raw_http(service) as http:
+        answer = await http.get(path.format(tail))
+    assert answer.status_code == 404, answer.text[:300]
+    error = answer.json()["error"]
+    assert len(error["message"]) < 300 and error["param"] in ("batch_id", "file_id")
+
+
+async def test_an_input_file_id_that_no_file_can_have_is_a_short_404(api):
+    _, _, service = api
+    async with raw_http(service) as http:
+        answer = await http.post("/v1/batches", json={"input_file_id": "." * 900_000, "endpoint": CHAT})
+    assert answer.status_code == 404, answer.text[:300]
+    error = answer.json()["error"]
+    assert len(error["message"]) < 300 and error["param"] == "input_file_id"

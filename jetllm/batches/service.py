@@ -7,6 +7,7 @@ entry of `<NS>_BATCHES`, a batch to run a message on the batch queue. Any gatewa
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -59,7 +60,20 @@ class TooLarge(ApiError):
     status = 413
 
 
+_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+"""Every batch and file id this service makes has this shape: an id from a URL or a body that
+has not is unknown without asking NATS, and is named in the answer only in part."""
+
 _meta_decoder = msgspec.json.Decoder(FileMeta)
+
+
+def _known_shape(value: str, kind: str, param: str) -> str:
+    if not _ID.fullmatch(value):
+        shown = value if len(value) <= 64 else f"{value[:64]}... ({len(value)} characters)"
+        raise NotFound(f"no {kind} with id {shown!r}", param=param)
+    return value
+
+
 _state_decoder = msgspec.json.Decoder(BatchState)
 
 
@@ -143,17 +157,19 @@ class BatchService:
         )
         return FileInfo(fid, meta)
 
-    async def file(self, file_id: str) -> FileInfo:
+    async def file(self, file_id: str, param: str = "file_id") -> FileInfo:
+        _known_shape(file_id, "file", param)
         try:
             info = await self.files.get_info(file_id)
         except (nats.js.errors.ObjectNotFoundError, nats.js.errors.NotFoundError):
-            raise NotFound(f"no file with id {file_id!r}", param="file_id") from None
+            raise NotFound(f"no file with id {file_id!r}", param=param) from None
         meta = _meta(info.description, info.size or 0)
         if info.size is not None and meta.bytes != info.size:  # the description is only what a writer said
             meta = msgspec.structs.replace(meta, bytes=info.size)
         return FileInfo(file_id, meta)
 
     async def content(self, file_id: str) -> bytes:
+        _known_shape(file_id, "file", "file_id")
         try:
             got = await self.files.get(file_id)
         except (nats.js.errors.ObjectNotFoundError, nats.js.errors.NotFoundError):
@@ -164,7 +180,7 @@ class BatchService:
         """A batch's input, checked (raises BadInput naming the line): its size before it is read,
         as the files store may hold objects that did not come through `upload`, and its lines in
         a thread, as checking 100 MiB of JSON takes seconds."""
-        info = await self.file(file_id)
+        info = await self.file(file_id, param="input_file_id")
         if info.meta.bytes > self.max_file_bytes:
             raise TooLarge(
                 f"input file {file_id} is {info.meta.bytes} bytes; a batch input is at most "
@@ -213,7 +229,7 @@ class BatchService:
             and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
         ):
             raise ApiError("metadata must map strings to strings", param="metadata")
-        f = await self.file(input_file_id)
+        f = await self.file(input_file_id, param="input_file_id")
         if f.meta.purpose != "batch":
             raise ApiError(
                 f"file {input_file_id} has purpose {f.meta.purpose!r}, not 'batch'", param="input_file_id"
@@ -248,6 +264,7 @@ class BatchService:
         return (await self._entry(batch_id))[0]
 
     async def _entry(self, batch_id: str) -> tuple[BatchState, int]:
+        _known_shape(batch_id, "batch", "batch_id")
         try:
             entry = await self.states.get(self.names.batch_key(batch_id))
         except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError, ValueError):
