@@ -609,3 +609,23 @@ async def test_an_input_file_id_that_no_file_can_have_is_a_short_404(api):
     assert answer.status_code == 404, answer.text[:300]
     error = answer.json()["error"]
     assert len(error["message"]) < 300 and error["param"] == "input_file_id"
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        {f"k{i}": "v" for i in range(17)},
+        {"k" * 65: "v"},
+        {"k": "v" * 513},
+        {f"k{i}": "v" * 512 for i in range(16)} | {"big": "v" * 900_000},
+    ],
+)
+async def test_batch_metadata_past_openais_limits_is_a_400_naming_it(api, metadata):
+    sdk, _, service = api
+    f = await sdk.files.create(file=("in.jsonl", jsonl([chat_line(1)])), purpose="batch")
+    async with raw_http(service) as http:
+        answer = await http.post(
+            "/v1/batches", json={"input_file_id": f.id, "endpoint": CHAT, "metadata": metadata}
+        )
+    assert answer.status_code == 400, answer.text[:300]
+    assert answer.json()["error"]["param"] == "metadata" and "16" in answer.json()["error"]["message"]

@@ -224,11 +224,7 @@ class BatchService:
             window = plan.parse_window(completion_window)
         except ValueError as exc:
             raise ApiError(str(exc), param="completion_window") from None
-        if metadata is not None and not (
-            isinstance(metadata, dict)
-            and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
-        ):
-            raise ApiError("metadata must map strings to strings", param="metadata")
+        _check_metadata(metadata)
         f = await self.file(input_file_id, param="input_file_id")
         if f.meta.purpose != "batch":
             raise ApiError(
@@ -326,6 +322,32 @@ class BatchService:
             return msgspec.structs.replace(state, status="cancelling", cancelling_at=now)
 
         return await self.update(batch_id, change)
+
+
+MAX_METADATA = (16, 64, 512)
+"""OpenAI's limits on a batch's metadata: pairs, characters of a key, characters of a value. Every
+read of a batch (and each listing) carries it."""
+
+
+def _check_metadata(metadata: object) -> None:
+    pairs, key_chars, value_chars = MAX_METADATA
+    if metadata is None:
+        return
+    if not (
+        isinstance(metadata, dict)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
+    ):
+        raise ApiError("metadata must map strings to strings", param="metadata")
+    if (
+        len(metadata) > pairs
+        or any(len(k) > key_chars for k in metadata)
+        or any(len(v) > value_chars for v in metadata.values())
+    ):
+        raise ApiError(
+            f"metadata takes at most {pairs} pairs, keys of at most {key_chars} characters and values of "
+            f"at most {value_chars}",
+            param="metadata",
+        )
 
 
 def _meta(description: str | None, size: int) -> FileMeta:
