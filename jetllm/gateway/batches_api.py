@@ -10,6 +10,7 @@ from starlette.routing import Route
 
 from ..batches.service import ApiError, BatchService, TooLarge, batch_object
 from .api_errors import answers_errors
+from .bodies import limited
 
 MAX_BODY_BYTES = 1 << 20
 """Largest JSON body of a batches request: a create names a file and takes small metadata, so a
@@ -23,17 +24,7 @@ async def _body(request: Request) -> bytes:
             "of a batch go in an uploaded file: POST /v1/files)"
         )
 
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise too_large(declared)
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise too_large(f"more than {MAX_BODY_BYTES}")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    return await limited(request, MAX_BODY_BYTES, too_large).body()
 
 
 async def _json(request: Request) -> dict:

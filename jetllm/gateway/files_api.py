@@ -8,10 +8,10 @@ from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import Message
 
 from ..batches.service import ApiError, BatchService, TooLarge, file_object
 from .api_errors import answers_errors
+from .bodies import limited
 
 
 def _too_large(size: str, max_file_bytes: int) -> TooLarge:
@@ -26,24 +26,9 @@ async def _form(request: Request, max_file_bytes: int) -> FormData:
     """The upload's form, refused with a 413 once its body passes the limit (with or without a
     content-length: a file part is never spooled to disk whole), a 400 when it is not a form."""
     limit = max_file_bytes + (64 << 10)  # the file, and the form around it
-    size = request.headers.get("content-length")
-    if size is not None and size.isdigit() and int(size) > limit:
-        raise _too_large(size, max_file_bytes)
-    received = 0
-
-    async def counted() -> Message:
-        nonlocal received
-        message = await request.receive()
-        if message["type"] == "http.request":
-            received += len(message.get("body", b""))
-            if received > limit:
-                raise _too_large(f"more than {limit}", max_file_bytes)
-        return message
-
+    counted = limited(request, limit, lambda size: _too_large(size, max_file_bytes))
     try:
-        return await Request(request.scope, counted).form(
-            max_files=1, max_fields=8, max_part_size=max_file_bytes + 1
-        )
+        return await counted.form(max_files=1, max_fields=8, max_part_size=max_file_bytes + 1)
     except (MultiPartException, HTTPException) as exc:
         detail = getattr(exc, "message", None) or getattr(exc, "detail", "")
         raise ApiError(
