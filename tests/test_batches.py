@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -17,11 +18,13 @@ import openai
 import pytest
 from starlette.applications import Starlette
 
+from jetllm.batches import lines as lines_module
 from jetllm.batches import plan
+from jetllm.batches import service as service_module
 from jetllm.batches.lines import BadInput, line_request_id, parse_input
 from jetllm.batches.openai_lines import CHAT, COMPLETIONS, BadBody, to_request
 from jetllm.batches.runner import BatchRunner
-from jetllm.batches.service import BatchService
+from jetllm.batches.service import BatchService, TooLarge
 from jetllm.gateway import batches_api, files_api
 from jetllm.producer import Client
 from jetllm.schemas import ChatPrompt, TextPrompt, TokensPrompt
@@ -442,3 +445,187 @@ async def test_jetllm_batch_detaches_follows_and_downloads(api, nats_url, namesp
     ]
     missing = await anyio.run_process([*base, "--follow", "batch_0000000000"], cwd=ROOT, env=env, check=False)
     assert missing.returncode == 1 and "no batch with id" in missing.stderr.decode()
+
+
+def raw_http(service: BatchService) -> httpx.AsyncClient:
+    app = Starlette(routes=files_api.routes(service) + batches_api.routes(service))
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway")
+
+
+async def test_a_huge_batch_request_body_is_refused_before_it_is_read_whole(api):
+    _, _, service = api
+
+    async def chunked():  # no content-length: refused as it arrives
+        for _ in range(64):
+            yield b" " * (64 << 10)
+
+    async with raw_http(service) as http:
+        declared = await http.post("/v1/batches", content=b"{" + b" " * (2 << 20) + b"}")
+        streamed = await http.post("/v1/batches", content=chunked())
+    for answer in (declared, streamed):
+        assert answer.status_code == 413
+        assert "POST /v1/files" in answer.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "field, value", [("completion_window", 24), ("completion_window", ["24h"]), ("metadata", "x")]
+)
+async def test_batch_fields_of_the_wrong_type_are_a_400_naming_the_field(api, field, value):
+    _, _, service = api
+    body = {"input_file_id": "file-x", "endpoint": CHAT, "completion_window": "24h", field: value}
+    async with raw_http(service) as http:
+        answer = await http.post("/v1/batches", json=body)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == field
+
+
+def test_an_input_file_with_more_requests_than_a_batch_takes_is_refused_naming_the_line(monkeypatch):
+    monkeypatch.setattr(lines_module, "MAX_LINES", 3)
+    assert len(parse_input(jsonl([chat_line(i) for i in range(3)]), CHAT)) == 3
+    with pytest.raises(BadInput) as info:
+        parse_input(b"\n" + jsonl([chat_line(i) for i in range(4)]), CHAT)
+    assert info.value.line == 5 and "at most 3 requests" in info.value.message
+    assert "split" in info.value.message
+
+
+async def test_checking_an_input_file_does_not_stop_the_gateways_event_loop(api, monkeypatch):
+    sdk, _, service = api
+    f = await sdk.files.create(file=("in.jsonl", jsonl([chat_line(1)])), purpose="batch")
+    real = service_module.parse_input
+
+    def slow_parse(data, endpoint):  # a file of 100 MiB takes seconds to check
+        time.sleep(1.0)
+        return real(data, endpoint)
+
+    monkeypatch.setattr(service_module, "parse_input", slow_parse)
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            await anyio.sleep(0.05)
+            ticks += 1
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ticker)
+        await service.create(f.id, CHAT)
+        tg.cancel_scope.cancel()
+    assert ticks >= 10
+
+
+async def test_an_input_object_larger_than_an_upload_may_be_is_not_read(api):
+    """Objects can reach the files store other than through the upload (any identity that may
+    write it): the gateway and the runner read an input file only after checking its size."""
+    _, _, service = api
+    data = jsonl([chat_line(i) for i in range(2)]) * 1
+    data += b" " * (service.max_file_bytes + 1 - len(data))
+    await service.upload(data[: service.max_file_bytes], "ok.jsonl", "batch", "file-big")
+    await service.files.put("file-big", data, meta=(await service.files.get_info("file-big")))
+    with pytest.raises(TooLarge) as info:
+        await service.create("file-big", CHAT)
+    assert info.value.param == "input_file_id" and "--max-file-bytes" in info.value.message
+
+
+async def test_an_unreadable_batch_message_never_ends_the_runner_even_when_it_cannot_be_dropped():
+    class Unreadable:
+        data = b"not a batch"
+
+        async def term(self):
+            raise ConnectionError("server away")
+
+    runner = BatchRunner(None, None)  # type: ignore[arg-type]  # not reached for an unreadable message
+    free = anyio.Semaphore(1)
+    await free.acquire()
+    await runner._hold(Unreadable(), free)  # type: ignore[arg-type]
+    assert free.value == 1  # its slot is free for the next batch
+
+
+async def test_an_upload_without_a_length_is_refused_while_it_arrives(api):
+    """Without a content-length, the file part is cut off at the limit, not spooled to disk whole."""
+    _, _, service = api
+    sent = 0
+
+    async def body():
+        nonlocal sent
+        yield b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        yield b'--b\r\nContent-Disposition: form-data; name="file"; filename="a.jsonl"\r\n\r\n'
+        for _ in range(256):  # 16 MiB against a limit of 64 KiB
+            sent += 64 << 10
+            yield b"x" * (64 << 10)
+        yield b"\r\n--b--\r\n"
+
+    async with raw_http(service) as http:
+        answer = await http.post(
+            "/v1/files", content=body(), headers={"content-type": "multipart/form-data; boundary=b"}
+        )
+    assert answer.status_code == 413 and "--max-file-bytes" in answer.json()["error"]["message"]
+    assert sent < 1 << 20
+
+
+async def test_a_malformed_upload_is_a_400_naming_the_file_field(api):
+    _, _, service = api
+    async with raw_http(service) as http:
+        answer = await http.post("/v1/files", content=b"x", headers={"content-type": "multipart/form-data"})
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["param"] == "file" and "multipart" in answer.json()["error"]["message"]
+
+
+async def test_a_batch_whose_output_is_larger_than_an_upload_may_be_completes(api, nats_url, namespace):
+    """--max-file-bytes bounds what clients upload, not what a batch answers: an output file past it
+    is written, not refused (which put the batch back in the queue to fail the same way forever)."""
+    sdk, client, service = api
+    lines = [chat_line(i, max_tokens=200) for i in range(80)]
+    f = await sdk.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+    batch = await sdk.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+    async with (
+        inproc_worker(nats_url, FakeEngine(), namespace=namespace, slots=8),
+        anyio.create_task_group() as tg,
+    ):
+        tg.start_soon(BatchRunner(client, service, window=8, ack_wait=ACK_WAIT).serve)
+        done = await wait_status(sdk, batch.id, {"completed", "failed"}, timeout=45)
+        tg.cancel_scope.cancel()
+    assert (done.status, done.request_counts.completed) == ("completed", 80), done.errors
+    output = await sdk.files.retrieve(done.output_file_id)
+    assert output.bytes > service.max_file_bytes
+
+
+@pytest.mark.parametrize("path", ["/v1/batches/batch_{}", "/v1/files/file-{}", "/v1/files/file-{}/content"])
+@pytest.mark.parametrize("tail", ["x" * 5000, "." * 20_000])
+async def test_an_id_from_a_url_that_no_batch_or_file_can_have_is_a_short_404(api, path, tail):
+    """Not a 500 when the id no longer fits a NATS message once encoded, and not an error echoing
+    the whole id back."""
+    _, _, service = api
+    async with raw_http(service) as http:
+        answer = await http.get(path.format(tail))
+    assert answer.status_code == 404, answer.text[:300]
+    error = answer.json()["error"]
+    assert len(error["message"]) < 300 and error["param"] in ("batch_id", "file_id")
+
+
+async def test_an_input_file_id_that_no_file_can_have_is_a_short_404(api):
+    _, _, service = api
+    async with raw_http(service) as http:
+        answer = await http.post("/v1/batches", json={"input_file_id": "." * 900_000, "endpoint": CHAT})
+    assert answer.status_code == 404, answer.text[:300]
+    error = answer.json()["error"]
+    assert len(error["message"]) < 300 and error["param"] == "input_file_id"
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        {f"k{i}": "v" for i in range(17)},
+        {"k" * 65: "v"},
+        {"k": "v" * 513},
+        {f"k{i}": "v" * 512 for i in range(16)} | {"big": "v" * 900_000},
+    ],
+)
+async def test_batch_metadata_past_openais_limits_is_a_400_naming_it(api, metadata):
+    sdk, _, service = api
+    f = await sdk.files.create(file=("in.jsonl", jsonl([chat_line(1)])), purpose="batch")
+    async with raw_http(service) as http:
+        answer = await http.post(
+            "/v1/batches", json={"input_file_id": f.id, "endpoint": CHAT, "metadata": metadata}
+        )
+    assert answer.status_code == 400, answer.text[:300]
+    assert answer.json()["error"]["param"] == "metadata" and "16" in answer.json()["error"]["message"]

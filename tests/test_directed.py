@@ -195,6 +195,7 @@ def test_queue_of(subject, headers, queue):
         (N.jobs("generate", "m") + ".x.w1", None),
         (Names("u").directed_jobs("generate", "m", "w1"), None),
         (N.jobs("generate", "m") + ".i.bad token", None),
+        (N.directed_jobs("generate", "m", "w1").replace(".generate.", ".Not_A-Role."), None),
     ],
 )
 def test_parse_directed(subject, parsed):
@@ -427,3 +428,17 @@ async def test_jetllm_generate_addresses_an_instance_and_jetllm_trace_says_so(
     assert await anyio.to_thread.run_sync(lambda: cli("trace", rid)) == 0
     shown = capsys.readouterr().out
     assert f"pulled by {target}" in shown and "from the directed queue" in shown, shown
+
+
+async def test_a_directed_subject_with_a_bad_role_does_not_stop_the_sweep(nats_url, namespace):
+    """Producers may publish anywhere under `jobs.>`: a job on `jobs.<not a role>.<model>.i.<x>`
+    is left where it is, and the directed jobs of gone instances still move."""
+    names = Names(namespace)
+    async with inproc_worker(nats_url, FakeEngine(), namespace=namespace, instance="wa") as w:
+        poison = names.directed_jobs("generate", "fake", "gone").replace(".generate.", ".Not_A-Role.")
+        await w.ctx.js.publish(poison, b"job", headers={MSG_ID: "poison"})
+        await w.ctx.js.publish(
+            names.directed_jobs("generate", "fake", "gone"), b"job", headers={MSG_ID: "r-1"}
+        )
+        assert await w.sweeper.sweep() == 1
+        assert await w.sweeper.sweep() == 0

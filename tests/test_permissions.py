@@ -144,6 +144,31 @@ MAY = [
     ("read another identity's inbox", "subscribe", "_INBOX.bob.x.y", []),
     ("read every inbox", "subscribe", "_INBOX.>", []),
     ("read its own inbox", "subscribe", "_INBOX.alice.x.y", ["producer", "router", "worker", "admin"]),
+    # the OpenAI files and batches are the router's (a gateway and its batch runners)
+    ("queue a batch", "publish", N.batch_queue("batch_1"), ["router", "admin"]),
+    (
+        "write a batch's state",
+        "publish",
+        f"$KV.{N.batches_bucket}.{N.batch_key('batch_1')}",
+        ["router", "admin"],
+    ),
+    ("put a file", "publish", f"$O.{N.files_store}.M.abc", ["router", "admin"]),
+    (
+        "take a batch",
+        "publish",
+        f"{JS}.CONSUMER.MSG.NEXT.{N.batch_queue_stream}.{N.BATCH_RUNNERS}",
+        ["router", "admin"],
+    ),
+    (
+        "hold a batch",
+        "publish",
+        f"$JS.ACK.{N.batch_queue_stream}.batch-runners.1.2.3.4.5",
+        ["router", "admin"],
+    ),
+    ("hear a line's result", "subscribe", N.request_log("batch-1-1"), ["router", "admin"]),
+    ("make the files store", "publish", f"{JS}.STREAM.CREATE.OBJ_{N.files_store}", ["router", "admin"]),
+    ("delete the batch queue", "publish", f"{JS}.STREAM.DELETE.{N.batch_queue_stream}", ["admin"]),
+    ("rescale the batch states", "publish", f"{JS}.STREAM.UPDATE.KV_{N.batches_bucket}", ["worker", "admin"]),
 ]
 
 

@@ -4,6 +4,7 @@ server refuses nothing on them), and every refusal becomes one clear error, at o
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -19,6 +20,9 @@ import numpy as np
 import pytest
 
 from jetllm import embeds_prompt, tinymodel
+from jetllm.batches.openai_lines import CHAT
+from jetllm.batches.runner import BatchRunner
+from jetllm.batches.service import BatchService
 from jetllm.errors import ConnectRefused, NotPermitted, RequestFailed
 from jetllm.natsserver import NatsServer
 from jetllm.producer import Client, deadletters
@@ -154,6 +158,47 @@ async def test_a_producer_generates_cancels_runs_a_batch_and_sends_embeddings_th
         )
         assert (summary.lines, summary.errors) == (5, 0), summary
     assert only_expected(secured.refusals_since(start)) == []
+
+
+async def test_a_gateway_and_its_batch_runner_run_a_batch_under_the_router_identity(secured, ns):
+    """The files store, the batch states, the batch queue and its consumer, and the results of
+    the lines: everything the OpenAI files and batches need, and nothing refused on the way."""
+    start = secured.log_offset()
+    async with inproc_worker(secured.url("worker"), FakeEngine(), namespace=ns):
+        async with Client(secured.url("router"), namespace=ns) as c:
+            service = await BatchService.open(c.js, c.names, ack_wait=2.0)
+            lines = [
+                {
+                    "custom_id": f"r{i}",
+                    "method": "POST",
+                    "url": CHAT,
+                    "body": {
+                        "model": "fake",
+                        "messages": [{"role": "user", "content": f"line {i}"}],
+                        "max_tokens": 4,
+                    },
+                }
+                for i in range(3)
+            ]
+            up = await service.upload(
+                b"".join(json.dumps(x).encode() + b"\n" for x in lines), "in.jsonl", "batch"
+            )
+            batch = await service.create(up.id, CHAT)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(BatchRunner(c, service, ack_wait=2.0).serve)
+                with anyio.fail_after(60):
+                    while (batch := await service.get(batch.id)).status not in ("completed", "failed"):
+                        await anyio.sleep(0.1)
+                tg.cancel_scope.cancel()
+            assert (batch.status, batch.request_counts.completed) == ("completed", 3), batch.errors
+            assert batch.output_file_id is not None
+            out = await service.content(batch.output_file_id)
+            assert [json.loads(x)["custom_id"] for x in out.splitlines()] == ["r0", "r1", "r2"]
+            assert [f.id for f in await service.list_files("batch_output")] == [batch.output_file_id]
+            assert [b.id for b in (await service.list())[0]] == [batch.id]
+            await service.delete_file(up.id)
+    refusals = secured.refusals_since(start)
+    assert only_expected(refusals) == [], refusals
 
 
 async def first_tokens(c: Client, request_id: str) -> None:

@@ -11,6 +11,10 @@ from .openai_lines import BadBody, to_request
 
 _json = msgspec.json.Decoder()
 
+MAX_LINES = 50_000
+"""Requests in one batch, OpenAI's limit: a runner holds every line and its result until the
+batch ends, so a file of tiny lines must not make that unbounded."""
+
 
 class InputLine(msgspec.Struct, frozen=True):
     line: int
@@ -43,6 +47,11 @@ def parse_input(data: bytes, endpoint: str) -> list[InputLine]:
         if not raw.strip():
             continue
         where = f"line {n}"
+        if len(lines) == MAX_LINES:
+            raise BadInput(
+                f"{where}: a batch takes at most {MAX_LINES} requests; split the file into several batches",
+                line=n,
+            )
         try:
             obj = _json.decode(raw)
         except msgspec.DecodeError as exc:

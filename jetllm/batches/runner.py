@@ -24,7 +24,7 @@ from ..producer import Client
 from ..schemas import BatchIssue, BatchRun, BatchState, ErrorFrame, Record, RequestCounts, Result
 from ..subjects import codec
 from . import plan
-from .lines import BadInput, InputLine, line_request_id, parse_input
+from .lines import BadInput, InputLine, line_request_id
 from .openai_lines import response_body, to_request
 from .service import ApiError, BatchService
 
@@ -101,7 +101,10 @@ class BatchRunner:
                 batch_id = _run_decoder.decode(msg.data).batch_id
             except Exception as exc:  # nobody can run it; no message from outside stops the runner
                 log.warning("dropping an unreadable batch message: %s", exc)
-                await msg.term()
+                try:
+                    await msg.term()
+                except Exception as term_exc:  # it comes back after ack_wait and is dropped then
+                    log.warning("could not drop the unreadable batch message: %s", term_exc)
                 return
             failed = False
             async with anyio.create_task_group() as tg:
@@ -152,7 +155,7 @@ class _HeldBatch:
         if action == "skip":
             return
         try:
-            lines = parse_input(await self.service.content(state.input_file_id), state.endpoint)
+            lines = await self.service.input_lines(state.input_file_id, state.endpoint)
         except (BadInput, ApiError) as exc:
             await self._fail(exc.message, getattr(exc, "line", None), exc.param)
             return
@@ -186,17 +189,17 @@ class _HeldBatch:
 
     async def _read_finished(self, lines: list[InputLine]) -> None:
         """Results of lines an earlier runner saw finish: read, never run again."""
-        limiter = anyio.Semaphore(32)
+        todo = iter(lines)
 
-        async def one(line: InputLine) -> None:
-            async with limiter:
+        async def reader() -> None:  # a few readers share the lines: no task per line
+            for line in todo:
                 found = await self.client.result(line_request_id(self.id, line.line))
-            if found is not None:
-                self.outcomes[line.line] = found
+                if found is not None:
+                    self.outcomes[line.line] = found
 
         async with anyio.create_task_group() as tg:
-            for line in lines:
-                tg.start_soon(one, line)
+            for _ in range(min(32, len(lines))):
+                tg.start_soon(reader)
         if self.outcomes:
             log.info("batch %s: %d of %d lines had finished already", self.id, len(self.outcomes), len(lines))
 
@@ -316,9 +319,9 @@ class _HeldBatch:
         out_id, err_id = output_files(self.id)
         tail = self.id.removeprefix("batch_")
         if out:
-            await self.service.upload(b"".join(out), f"batch_{tail}_output.jsonl", "batch_output", out_id)
+            await self.service.write_output(out_id, f"batch_{tail}_output.jsonl", b"".join(out))
         if errors:
-            await self.service.upload(b"".join(errors), f"batch_{tail}_errors.jsonl", "batch_output", err_id)
+            await self.service.write_output(err_id, f"batch_{tail}_errors.jsonl", b"".join(errors))
         final = counts(len(lines), self.outcomes)
         final.failed = final.total - final.completed
         now = int(time.time())

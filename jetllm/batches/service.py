@@ -7,10 +7,12 @@ entry of `<NS>_BATCHES`, a batch to run a message on the batch queue. Any gatewa
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Callable
 
+import anyio
 import msgspec
 import nats.js.errors
 from nats.js import JetStreamContext
@@ -24,7 +26,7 @@ from ..subjects import codec
 from ..subjects.names import Names
 from ..subjects.setup import ensure_batch_plane
 from . import plan
-from .lines import BadInput, parse_input
+from .lines import BadInput, InputLine, parse_input
 from .openai_lines import ENDPOINTS
 
 DEFAULT_MAX_FILE_BYTES = 100 << 20
@@ -58,7 +60,20 @@ class TooLarge(ApiError):
     status = 413
 
 
+_ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
+"""Every batch and file id this service makes has this shape: an id from a URL or a body that
+has not is unknown without asking NATS, and is named in the answer only in part."""
+
 _meta_decoder = msgspec.json.Decoder(FileMeta)
+
+
+def _known_shape(value: str, kind: str, param: str) -> str:
+    if not _ID.fullmatch(value):
+        shown = value if len(value) <= 64 else f"{value[:64]}... ({len(value)} characters)"
+        raise NotFound(f"no {kind} with id {shown!r}", param=param)
+    return value
+
+
 _state_decoder = msgspec.json.Decoder(BatchState)
 
 
@@ -128,26 +143,52 @@ class BatchService:
                 "(--max-file-bytes): split the batch into several files",
                 param="file",
             )
-        fid = file_id or f"file-{uuid.uuid4().hex[:24]}"
+        return await self._put(file_id or f"file-{uuid.uuid4().hex[:24]}", data, filename, purpose)
+
+    async def write_output(self, file_id: str, filename: str, data: bytes) -> FileInfo:
+        """A batch's output or error file, written by its runner: any size (--max-file-bytes bounds
+        what clients send, not what a batch answers)."""
+        return await self._put(file_id, data, filename, "batch_output")
+
+    async def _put(self, fid: str, data: bytes, filename: str, purpose: str) -> FileInfo:
         meta = FileMeta(filename=filename, purpose=purpose, created_at=int(time.time()), bytes=len(data))
         await self.files.put(
             fid, data, meta=ObjectMeta(name=fid, description=msgspec.json.encode(meta).decode())
         )
         return FileInfo(fid, meta)
 
-    async def file(self, file_id: str) -> FileInfo:
+    async def file(self, file_id: str, param: str = "file_id") -> FileInfo:
+        _known_shape(file_id, "file", param)
         try:
             info = await self.files.get_info(file_id)
         except (nats.js.errors.ObjectNotFoundError, nats.js.errors.NotFoundError):
-            raise NotFound(f"no file with id {file_id!r}", param="file_id") from None
-        return FileInfo(file_id, _meta(info.description, info.size or 0))
+            raise NotFound(f"no file with id {file_id!r}", param=param) from None
+        meta = _meta(info.description, info.size or 0)
+        if info.size is not None and meta.bytes != info.size:  # the description is only what a writer said
+            meta = msgspec.structs.replace(meta, bytes=info.size)
+        return FileInfo(file_id, meta)
 
     async def content(self, file_id: str) -> bytes:
+        _known_shape(file_id, "file", "file_id")
         try:
             got = await self.files.get(file_id)
         except (nats.js.errors.ObjectNotFoundError, nats.js.errors.NotFoundError):
             raise NotFound(f"no file with id {file_id!r}", param="file_id") from None
         return bytes(got.data or b"")
+
+    async def input_lines(self, file_id: str, endpoint: str) -> list[InputLine]:
+        """A batch's input, checked (raises BadInput naming the line): its size before it is read,
+        as the files store may hold objects that did not come through `upload`, and its lines in
+        a thread, as checking 100 MiB of JSON takes seconds."""
+        info = await self.file(file_id, param="input_file_id")
+        if info.meta.bytes > self.max_file_bytes:
+            raise TooLarge(
+                f"input file {file_id} is {info.meta.bytes} bytes; a batch input is at most "
+                f"{self.max_file_bytes} (--max-file-bytes): split it into several files",
+                param="input_file_id",
+            )
+        data = await self.content(file_id)
+        return await anyio.to_thread.run_sync(parse_input, data, endpoint)
 
     async def list_files(self, purpose: str | None = None) -> list[FileInfo]:
         """Newest first."""
@@ -177,22 +218,20 @@ class BatchService:
             raise ApiError(
                 f"endpoint must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}", param="endpoint"
             )
+        if not isinstance(completion_window, str):
+            raise ApiError("completion_window must be a string such as '24h'", param="completion_window")
         try:
             window = plan.parse_window(completion_window)
         except ValueError as exc:
             raise ApiError(str(exc), param="completion_window") from None
-        if metadata is not None and not (
-            isinstance(metadata, dict)
-            and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
-        ):
-            raise ApiError("metadata must map strings to strings", param="metadata")
-        f = await self.file(input_file_id)
+        _check_metadata(metadata)
+        f = await self.file(input_file_id, param="input_file_id")
         if f.meta.purpose != "batch":
             raise ApiError(
                 f"file {input_file_id} has purpose {f.meta.purpose!r}, not 'batch'", param="input_file_id"
             )
         try:
-            lines = parse_input(await self.content(input_file_id), endpoint)
+            lines = await self.input_lines(input_file_id, endpoint)
         except BadInput as exc:
             raise ApiError(
                 f"input file {input_file_id}: {exc.message}", param=exc.param or "input_file_id"
@@ -221,6 +260,7 @@ class BatchService:
         return (await self._entry(batch_id))[0]
 
     async def _entry(self, batch_id: str) -> tuple[BatchState, int]:
+        _known_shape(batch_id, "batch", "batch_id")
         try:
             entry = await self.states.get(self.names.batch_key(batch_id))
         except (nats.js.errors.KeyNotFoundError, nats.js.errors.KeyDeletedError, ValueError):
@@ -282,6 +322,32 @@ class BatchService:
             return msgspec.structs.replace(state, status="cancelling", cancelling_at=now)
 
         return await self.update(batch_id, change)
+
+
+MAX_METADATA = (16, 64, 512)
+"""OpenAI's limits on a batch's metadata: pairs, characters of a key, characters of a value. Every
+read of a batch (and each listing) carries it."""
+
+
+def _check_metadata(metadata: object) -> None:
+    pairs, key_chars, value_chars = MAX_METADATA
+    if metadata is None:
+        return
+    if not (
+        isinstance(metadata, dict)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
+    ):
+        raise ApiError("metadata must map strings to strings", param="metadata")
+    if (
+        len(metadata) > pairs
+        or any(len(k) > key_chars for k in metadata)
+        or any(len(v) > value_chars for v in metadata.values())
+    ):
+        raise ApiError(
+            f"metadata takes at most {pairs} pairs, keys of at most {key_chars} characters and values of "
+            f"at most {value_chars}",
+            param="metadata",
+        )
 
 
 def _meta(description: str | None, size: int) -> FileMeta:

@@ -8,13 +8,28 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..batches.service import ApiError, BatchService, batch_object
+from ..batches.service import ApiError, BatchService, TooLarge, batch_object
 from .api_errors import answers_errors
+from .bodies import limited
+
+MAX_BODY_BYTES = 1 << 20
+"""Largest JSON body of a batches request: a create names a file and takes small metadata, so a
+body past this is refused while it arrives, never read whole."""
+
+
+async def _body(request: Request) -> bytes:
+    def too_large(size: str) -> TooLarge:
+        return TooLarge(
+            f"the request body is {size} bytes; at most {MAX_BODY_BYTES} are accepted here (the lines "
+            "of a batch go in an uploaded file: POST /v1/files)"
+        )
+
+    return await limited(request, MAX_BODY_BYTES, too_large).body()
 
 
 async def _json(request: Request) -> dict:
     try:
-        body = json.loads(await request.body() or b"null")
+        body = json.loads(await _body(request) or b"null")
     except ValueError as exc:
         raise ApiError(f"the request body is not JSON: {exc}") from None
     if not isinstance(body, dict):

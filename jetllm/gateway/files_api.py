@@ -2,26 +2,47 @@
 
 from __future__ import annotations
 
-from starlette.datastructures import UploadFile
+from starlette.datastructures import FormData, UploadFile
+from starlette.exceptions import HTTPException
+from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..batches.service import ApiError, BatchService, TooLarge, file_object
 from .api_errors import answers_errors
+from .bodies import limited
+
+
+def _too_large(size: str, max_file_bytes: int) -> TooLarge:
+    return TooLarge(
+        f"upload is {size} bytes; this server takes files of at most {max_file_bytes} bytes "
+        "(--max-file-bytes): split the batch into several files",
+        param="file",
+    )
+
+
+async def _form(request: Request, max_file_bytes: int) -> FormData:
+    """The upload's form, refused with a 413 once its body passes the limit (with or without a
+    content-length: a file part is never spooled to disk whole), a 400 when it is not a form."""
+    limit = max_file_bytes + (64 << 10)  # the file, and the form around it
+    counted = limited(request, limit, lambda size: _too_large(size, max_file_bytes))
+    try:
+        return await counted.form(max_files=1, max_fields=8, max_part_size=max_file_bytes + 1)
+    except (MultiPartException, HTTPException) as exc:
+        detail = getattr(exc, "message", None) or getattr(exc, "detail", "")
+        raise ApiError(
+            f"the upload is not a valid multipart form ({detail}): send the fields `file` and "
+            "`purpose` as multipart/form-data",
+            param="file",
+        ) from None
 
 
 def routes(service: BatchService) -> list[Route]:
     @answers_errors
     async def upload(request: Request) -> Response:
-        size = request.headers.get("content-length")
-        if size is not None and size.isdigit() and int(size) > service.max_file_bytes + (64 << 10):
-            raise TooLarge(
-                f"upload is {size} bytes; this server takes files of at most {service.max_file_bytes} bytes "
-                "(--max-file-bytes): split the batch into several files",
-                param="file",
-            )
-        async with request.form(max_files=1, max_fields=8, max_part_size=service.max_file_bytes + 1) as form:
+        form = await _form(request, service.max_file_bytes)
+        try:
             file = form.get("file")
             purpose = form.get("purpose")
             if not isinstance(file, UploadFile):
@@ -30,6 +51,8 @@ def routes(service: BatchService) -> list[Route]:
                 raise ApiError('the multipart field `purpose` is required ("batch")', param="purpose")
             data = await file.read(service.max_file_bytes + 1)
             info = await service.upload(data, file.filename or "upload.jsonl", purpose)
+        finally:
+            await form.close()
         return JSONResponse(file_object(info))
 
     @answers_errors

@@ -167,9 +167,13 @@ class Names:
         return f"{self._root}.jobs.*.*.i.*"
 
     def parse_directed(self, subject: str) -> tuple[str, str, str] | None:
-        """(role, model, instance) of a directed job subject; None for any other subject."""
+        """(role, model, instance) of a directed job subject; None for any other subject, and for
+        one whose role token is not a role name (producers may publish anywhere under `jobs.>`:
+        such a job has no shared queue to move to, and must not stop a sweep)."""
         parts = subject.split(".")
         if len(parts) != 7 or ".".join(parts[:3]) != f"{self._root}.jobs" or parts[5] != "i":
+            return None
+        if not _NAME.fullmatch(parts[3]):
             return None
         try:
             return parts[3], decode_token(parts[4]), decode_token(parts[6])

@@ -9,7 +9,9 @@ from the subjects the code uses. Four access roles, each allowed only what its p
   workers write), read its own frames and the request log, ping a worker it waits for, nak the job
   of a worker that died, put large embeddings in their store;
 - **router**: a producer that also reads the fleet (registry, status, load reports, KV-cache
-  events, traces) and asks instances for KV-cache snapshots;
+  events, traces) and asks instances for KV-cache snapshots; and the identity of a gateway with
+  batch runners: the OpenAI files and batches (files store, batch states, batch queue and its
+  runners' consumer), and the request log's records as they are written (`req.*`);
 - **worker**: pull and settle jobs, write the request log, dead letters, traces, its registry
   record, load reports and KV-cache events; read adapters and embeddings; answer control verbs;
   publish prefill jobs and KV blocks, and read them (prefill and decode workers); hear jobs
@@ -101,6 +103,12 @@ def plain_streams(names: Names) -> list[str]:
     ]
 
 
+def batch_streams(names: Names) -> list[str]:
+    """The OpenAI files and batches: the files store, the batch states and the batch queue (the
+    gateway and its batch runners make them; workers only rescale them)."""
+    return [_obj(names.files_store), _kv(names.batches_bucket), names.batch_queue_stream]
+
+
 def streams(names: Names) -> list[str]:
     """Every stream of the namespace, buckets and object stores included."""
     return [
@@ -109,6 +117,7 @@ def streams(names: Names) -> list[str]:
         _kv(names.lora_bucket),
         _obj(names.adapters_store),
         _obj(names.embeds_store),
+        *batch_streams(names),
     ]
 
 
@@ -149,7 +158,38 @@ def _router(n: Names, inbox: str) -> tuple[list[str], list[str]]:
         *_reader(n.traces_stream),
     ]
     sub += [n.load_all]
+    pub += _batch_plane(n)
+    # a batch runner hears its lines' results as they are written: no more than a producer may
+    # read from the request log's stream already (docs/security.md, "A router")
+    sub += [n.request_log_all]
     return pub, sub
+
+
+def _batch_plane(n: Names) -> list[str]:
+    """A gateway's OpenAI files and batches and its batch runners: make the files store, the batch
+    states and the batch queue; read and write files and states; queue batches, and take them
+    through the one runners' consumer."""
+    files, states, queue = batch_streams(n)
+    runners = n.BATCH_RUNNERS
+    return [
+        f"$O.{n.files_store}.>",
+        f"$KV.{n.batches_bucket}.>",
+        n.batch_queue_all,
+        f"$JS.ACK.{queue}.>",
+        f"{API}.STREAM.NAMES",  # nats-py finds an object's stream by subject before reading its chunks
+        *_stream(files, "CREATE", "PURGE", "MSG.GET"),  # PURGE: an object's chunks, on overwrite and delete
+        *_direct(files),
+        *_reader(files),
+        *_stream(states, "CREATE", "MSG.GET"),
+        *_direct(states),
+        *_reader(states),
+        *_stream(queue, "CREATE"),
+        f"{API}.CONSUMER.CREATE.{queue}.{runners}",
+        f"{API}.CONSUMER.CREATE.{queue}.{runners}.>",
+        f"{API}.CONSUMER.DURABLE.CREATE.{queue}.{runners}",
+        f"{API}.CONSUMER.INFO.{queue}.{runners}",
+        f"{API}.CONSUMER.MSG.NEXT.{queue}.{runners}",
+    ]
 
 
 def _worker(n: Names, inbox: str) -> tuple[list[str], list[str]]:
@@ -221,7 +261,10 @@ def _admin(n: Names, inbox: str) -> tuple[list[str], list[str]]:
         f"$KV.{n.lora_bucket}.>",
         f"$O.{n.adapters_store}.>",
         f"$O.{n.embeds_store}.>",
+        f"$O.{n.files_store}.>",
+        f"$KV.{n.batches_bucket}.>",
         f"$JS.ACK.{n.jobs_stream}.>",
+        f"$JS.ACK.{n.batch_queue_stream}.>",
         f"{API}.INFO",
         f"{API}.STREAM.NAMES",
     ]
