@@ -367,10 +367,33 @@ def start_worker(nats_url, tiny_model, tmp_path):
 
 @pytest.fixture(scope="session")
 def shared_vllm(nats_url, tiny_model, tmp_path_factory) -> Iterator[WorkerProcess]:
-    """One real vLLM worker for the tests that only need one to be there (16 slots)."""
+    """One real vLLM worker for the whole session, however many tests use it (an engine start-up
+    costs 15-40 s on CI's 2-core box): `jetllm worker` on the tiny model, 16 slots, namespace
+    `shared`, started by the first test that asks for it. It runs through
+    tests/helpers/faulty_worker.py, for test_faults.py: only a job that carries `fault-<stage>` in
+    its request id or prompt meets a fault; every other job is served by the unchanged code.
+
+    A test that needs "a worker on the tiny model" and does not kill, drain or reconfigure it
+    uses this one:
+
+        async def test_something(nats_url, shared_vllm):
+            async with Client(nats_url, namespace=shared_vllm.namespace) as c:
+                done = await c.complete(req(TINY, [5, 6, 7]))
+
+    Every test sees what the ones before it left, so: wait for every job you start; compare the
+    worker's counters (`completed`, metrics) before and after, never absolute values; give batch
+    ids a unique part; undo a pause (SIGSTOP) in `finally`. A test may start a second worker in
+    this namespace (`start_worker(shared_vllm.namespace, ...)`) to drain or kill. Tests that need
+    other flags share a module-scoped worker per file instead (test_vllm_fleet.py's `worker`)."""
     require_vllm()
     w = WorkerProcess(
-        nats_url, "shared", tiny_model, tmp_path_factory.mktemp("shared") / "worker.log", "--slots", "16"
+        nats_url,
+        "shared",
+        tiny_model,
+        tmp_path_factory.mktemp("shared") / "worker.log",
+        "--slots",
+        "16",
+        module="tests.helpers.faulty_worker",
     )
     try:
         # this fixture may be first requested from inside a running event loop
