@@ -188,6 +188,8 @@ def tiny_model() -> Path:
 class WorkerProcess:
     """`jetllm worker` as a child process, as an operator would run it."""
 
+    _terminated = False
+
     def __init__(
         self,
         url: str,
@@ -277,13 +279,18 @@ class WorkerProcess:
     def wait(self, timeout: float = 120.0) -> int:
         return self.proc.wait(timeout)
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
+    def terminate(self) -> None:
+        """SIGTERM once, not waited for (stop_all: several workers shut their engines down at once)."""
+        if self.proc.poll() is None and not self._terminated:
+            self._terminated = True
             self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                pass
+
+    def stop(self) -> None:
+        self.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            pass
         self._kill_group()  # and whatever it left behind
         self.proc.wait()
         self._log.close()
@@ -309,6 +316,15 @@ class WorkerProcess:
         import psutil
 
         return [p.pid for p in psutil.Process(self.proc.pid).children() if p.name().startswith("VLLM")]
+
+
+def stop_all(workers: list[WorkerProcess]) -> None:
+    """Stop workers side by side: each one's SIGTERM first, then the waits (an engine's shutdown
+    takes seconds, and a test's teardown need not take them one after another)."""
+    for w in workers:
+        w.terminate()
+    for w in workers:
+        w.stop()
 
 
 class FakeWorkerProcess(WorkerProcess):
@@ -344,8 +360,7 @@ def start_fake_worker(nats_url, tmp_path):
         return w
 
     yield start
-    for w in started:
-        w.stop()
+    stop_all(started)
 
 
 @pytest.fixture
@@ -361,8 +376,7 @@ def start_worker(nats_url, tiny_model, tmp_path):
         return w
 
     yield start
-    for w in started:
-        w.stop()
+    stop_all(started)
 
 
 @pytest.fixture(scope="session")

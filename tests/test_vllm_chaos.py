@@ -22,7 +22,7 @@ from jetllm.producer import Client
 from jetllm.producer.fleet import instance_status, worker_statuses
 from jetllm.schemas import AcceptedFrame, ErrorFrame, FinalFrame, SamplingOptions, StopConditions, TokensFrame
 
-from .conftest import TINY, WorkerProcess
+from .conftest import TINY, WorkerProcess, stop_all
 from .jobs import req
 
 pytestmark = [pytest.mark.anyio, pytest.mark.vllm]
@@ -136,8 +136,7 @@ def workers3(nats_url, namespace, tiny_model, tmp_path):
             )
         )
     yield ws
-    for w in ws:
-        w.stop()
+    stop_all(ws)
 
 
 async def start_all(nats_url, workers):
@@ -416,6 +415,5 @@ async def test_broker_restart_and_crash_during_batches_lose_nothing(
                 record_property("extra_runs_after_crash", completed - 32)
                 print(f"\nbroker crash: {completed - 32} request(s) ran to completion twice")
     finally:
-        for w in workers:
-            w.stop()
+        stop_all(workers)
         server.stop()
