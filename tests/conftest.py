@@ -397,8 +397,9 @@ def shared_vllm(nats_url, tiny_model, tmp_path_factory) -> Iterator[WorkerProces
     Every test sees what the ones before it left, so: wait for every job you start; compare the
     worker's counters (`completed`, metrics) before and after, never absolute values; give batch
     ids a unique part; undo a pause (SIGSTOP) in `finally`. A test may start a second worker in
-    this namespace (`start_worker(shared_vllm.namespace, ...)`) to drain or kill. Tests that need
-    other flags share a module-scoped worker per file instead (test_vllm_fleet.py's `worker`)."""
+    this namespace (`start_worker(shared_vllm.namespace, ...)`) to drain or kill, without queue
+    flags such as --ack-wait (a starting worker sets the shared queue's). Tests that need other
+    flags share a module-scoped worker per file instead (test_vllm_fleet.py's `worker`)."""
     require_vllm()
     w = WorkerProcess(
         nats_url,
