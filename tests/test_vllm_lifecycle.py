@@ -87,7 +87,7 @@ async def queued_jobs_wait_for_a_worker_and_sigterm_drains_without_losing_any(
             pytest.fail(f"8 requests never streamed: {sorted(streaming)}\n{first.log_tail()}")
         first.signal(signal.SIGTERM)
         # the next phase kills this one's engine: it checks health often, and jobs redeliver late
-        second = start_worker(namespace, "--slots", "8", "--health-interval", "0.5", "--ack-wait", "300")
+        second = start_worker(namespace, "--slots", "8", "--health-interval", "0.5", "--ack-wait", "3600")
         await second.wait_ready(nats_url)
         code = await anyio.to_thread.run_sync(first.wait, 180)
     assert code == 0, first.log_tail()
@@ -103,7 +103,8 @@ async def dead_engine_hands_jobs_back_and_the_worker_exits_nonzero(
     c: Client, nats_url: str, namespace: str, start_worker, worker: WorkerProcess
 ) -> WorkerProcess:
     """Returns the survivor, which ran the job handed back."""
-    await c.submit(req(TINY, [5, 6, 7], stop=StopConditions(max_tokens=480, ignore_eos=True)))
+    job = req(TINY, [5, 6, 7], stop=StopConditions(max_tokens=480, ignore_eos=True))
+    await c.submit(job)
     with anyio.fail_after(30):
         while (await consumer_counts(c.nc, c.names, TINY))[1] != 1:
             await anyio.sleep(0.02)
@@ -112,13 +113,16 @@ async def dead_engine_hands_jobs_back_and_the_worker_exits_nonzero(
     code = await anyio.to_thread.run_sync(worker.wait, 60)
     assert code == EXIT_ENGINE_DEAD, worker.log_tail()
     assert "engine is dead" in worker.log_tail(200)
-    # ack_wait is 300 s (a worker starting sets the queue's): only an explicit hand-back lets a new
+    # ack_wait is an hour (a worker starting sets the queue's): only an explicit hand-back lets a new
     # worker run the job now
-    survivor = start_worker(namespace, "--ack-wait", "300")
+    survivor = start_worker(namespace, "--ack-wait", "3600")
     await survivor.wait_ready(nats_url)
     with anyio.fail_after(120):
         while (await c.nc.jetstream().stream_info(c.names.jobs_stream)).state.messages:
             await anyio.sleep(0.1)
+    result = await c.result(job.request_id)  # run to the end there, not dead-lettered
+    assert result is not None and result.final is not None, result
+    assert result.worker == survivor.instance and len(result.token_ids[0]) == 480
     return survivor
 
 
