@@ -188,6 +188,8 @@ def tiny_model() -> Path:
 class WorkerProcess:
     """`jetllm worker` as a child process, as an operator would run it."""
 
+    _terminated = False
+
     def __init__(
         self,
         url: str,
@@ -277,13 +279,18 @@ class WorkerProcess:
     def wait(self, timeout: float = 120.0) -> int:
         return self.proc.wait(timeout)
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
+    def terminate(self) -> None:
+        """SIGTERM once, not waited for (stop_all: several workers shut their engines down at once)."""
+        if self.proc.poll() is None and not self._terminated:
+            self._terminated = True
             self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                pass
+
+    def stop(self) -> None:
+        self.terminate()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            pass
         self._kill_group()  # and whatever it left behind
         self.proc.wait()
         self._log.close()
@@ -309,6 +316,15 @@ class WorkerProcess:
         import psutil
 
         return [p.pid for p in psutil.Process(self.proc.pid).children() if p.name().startswith("VLLM")]
+
+
+def stop_all(workers: list[WorkerProcess]) -> None:
+    """Stop workers side by side: each one's SIGTERM first, then the waits (an engine's shutdown
+    takes seconds, and a test's teardown need not take them one after another)."""
+    for w in workers:
+        w.terminate()
+    for w in workers:
+        w.stop()
 
 
 class FakeWorkerProcess(WorkerProcess):
@@ -344,8 +360,7 @@ def start_fake_worker(nats_url, tmp_path):
         return w
 
     yield start
-    for w in started:
-        w.stop()
+    stop_all(started)
 
 
 @pytest.fixture
@@ -361,16 +376,39 @@ def start_worker(nats_url, tiny_model, tmp_path):
         return w
 
     yield start
-    for w in started:
-        w.stop()
+    stop_all(started)
 
 
 @pytest.fixture(scope="session")
 def shared_vllm(nats_url, tiny_model, tmp_path_factory) -> Iterator[WorkerProcess]:
-    """One real vLLM worker for the tests that only need one to be there (16 slots)."""
+    """One real vLLM worker for the whole session, however many tests use it (an engine start-up
+    costs 15-40 s on CI's 2-core box): `jetllm worker` on the tiny model, 16 slots, namespace
+    `shared`, started by the first test that asks for it. It runs through
+    tests/helpers/faulty_worker.py, for test_faults.py: only a job that carries `fault-<stage>` in
+    its request id or prompt meets a fault; every other job is served by the unchanged code.
+
+    A test that needs "a worker on the tiny model" and does not kill, drain or reconfigure it
+    uses this one:
+
+        async def test_something(nats_url, shared_vllm):
+            async with Client(nats_url, namespace=shared_vllm.namespace) as c:
+                done = await c.complete(req(TINY, [5, 6, 7]))
+
+    Every test sees what the ones before it left, so: wait for every job you start; compare the
+    worker's counters (`completed`, metrics) before and after, never absolute values; give batch
+    ids a unique part; undo a pause (SIGSTOP) in `finally`. A test may start a second worker in
+    this namespace (`start_worker(shared_vllm.namespace, ...)`) to drain or kill, without queue
+    flags such as --ack-wait (a starting worker sets the shared queue's). Tests that need other
+    flags share a module-scoped worker per file instead (test_vllm_fleet.py's `worker`)."""
     require_vllm()
     w = WorkerProcess(
-        nats_url, "shared", tiny_model, tmp_path_factory.mktemp("shared") / "worker.log", "--slots", "16"
+        nats_url,
+        "shared",
+        tiny_model,
+        tmp_path_factory.mktemp("shared") / "worker.log",
+        "--slots",
+        "16",
+        module="tests.helpers.faulty_worker",
     )
     try:
         # this fixture may be first requested from inside a running event loop

@@ -18,7 +18,7 @@ from jetllm.producer import Client
 from jetllm.schemas import ErrorCode, ErrorFrame, FinalFrame, TextPrompt
 from jetllm.subjects import codec
 
-from .conftest import TINY, WorkerProcess, inproc_worker, require_vllm
+from .conftest import TINY, inproc_worker
 from .fake_engine import FakeEngine
 from .helpers import faults
 from .jobs import RawInbox, consumer_counts, dead_letters, publish_raw, req, wait_dead_letter
@@ -41,28 +41,6 @@ WHILE = {
 assert set(WHILE) == set(faults.STAGES)
 
 
-@pytest.fixture(scope="module")
-def faulty_vllm(nats_url, tiny_model, tmp_path_factory):
-    require_vllm()
-    import concurrent.futures
-
-    w = WorkerProcess(
-        nats_url,
-        f"faults{uuid.uuid4().hex[:6]}",
-        tiny_model,
-        tmp_path_factory.mktemp("faults") / "worker.log",
-        "--slots",
-        "8",
-        module="tests.helpers.faulty_worker",
-    )
-    try:
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            pool.submit(anyio.run, w.wait_ready, nats_url).result()
-        yield w
-    finally:
-        w.stop()
-
-
 @pytest.fixture(params=["fake", pytest.param("vllm", marks=pytest.mark.vllm)])
 async def served(request, nats_url, namespace):
     """(client, model, worker process or None) with faults injectable on the worker."""
@@ -72,7 +50,7 @@ async def served(request, nats_url, namespace):
                 async with inproc_worker(nats_url, FakeEngine(), namespace=namespace):
                     yield c, "fake", None
     else:
-        worker = request.getfixturevalue("faulty_vllm")
+        worker = request.getfixturevalue("shared_vllm")  # it runs tests/helpers/faulty_worker.py
         async with Client(nats_url, namespace=worker.namespace) as c:
             yield c, TINY, worker
 

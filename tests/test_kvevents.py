@@ -1,5 +1,5 @@
 """The KV-event relay against a stand-in for vLLM's ZMQ publisher (same wire format), so lost
-engine batches, replays and resyncs can be produced on purpose. The real engine: test_vllm_kvevents.py."""
+engine batches, replays and resyncs can be produced on purpose. The real engine: test_vllm_fleet.py."""
 
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ import statistics
 import subprocess
 import sys
 import time
+import uuid
 
 import anyio
 import pytest
@@ -21,7 +22,7 @@ from jetllm.producer import Client
 from jetllm.producer.fleet import instance_status, worker_statuses
 from jetllm.schemas import AcceptedFrame, ErrorFrame, FinalFrame, SamplingOptions, StopConditions, TokensFrame
 
-from .conftest import TINY, WorkerProcess
+from .conftest import TINY, WorkerProcess, stop_all
 from .jobs import req
 
 pytestmark = [pytest.mark.anyio, pytest.mark.vllm]
@@ -135,8 +136,7 @@ def workers3(nats_url, namespace, tiny_model, tmp_path):
             )
         )
     yield ws
-    for w in ws:
-        w.stop()
+    stop_all(ws)
 
 
 async def start_all(nats_url, workers):
@@ -212,10 +212,10 @@ async def test_chaos_keeps_greedy_outputs_exact_and_every_delivered_sampled_toke
         )
 
 
-async def test_cancel_reaches_the_engine_and_is_not_migrated(nats_url, namespace, start_worker):
-    w = start_worker(namespace)
-    await w.wait_ready(nats_url)
-    async with Client(nats_url, namespace=namespace) as c:
+async def test_cancel_reaches_the_engine_and_is_not_migrated(nats_url, shared_vllm):
+    w = shared_vllm
+    async with Client(nats_url, namespace=w.namespace) as c:
+        completed = int((await instance_status(c.nc, c.names, w.instance)).extra["completed"])
         r = req(TINY, [7, 8, 9], stop=StopConditions(max_tokens=480, ignore_eos=True))
         async for frame in c.generate(r):
             if isinstance(frame, TokensFrame):
@@ -238,14 +238,15 @@ async def test_cancel_reaches_the_engine_and_is_not_migrated(nats_url, namespace
         result = await c.wait_result(queued.request_id, timeout=30)
         s = await instance_status(c.nc, c.names, w.instance)
     assert result.error.code.value == "cancelled"
-    assert s.extra["completed"] == "0"  # neither request ran to completion
+    assert int(s.extra["completed"]) == completed  # neither request ran to completion
 
 
-async def test_sigterm_with_long_requests_moves_them_without_an_error(nats_url, namespace, start_worker):
+async def test_sigterm_with_long_requests_moves_them_without_an_error(nats_url, shared_vllm, start_worker):
+    """The shared worker takes the jobs the drained one hands back (it is only paused meanwhile)."""
+    second = shared_vllm
+    namespace = second.namespace
     first = start_worker(namespace, "--grace-period", "0.3")
-    second = start_worker(namespace)
     await first.wait_ready(nats_url)
-    await second.wait_ready(nats_url)
     second.signal(signal.SIGSTOP)  # ready, but frozen until the first one drains
     await anyio.sleep(5)  # its outstanding pull requests expire on the server
     async with Client(nats_url, namespace=namespace) as c:
@@ -327,10 +328,12 @@ def run_batch():
 
 
 async def test_batch_killed_halfway_resumes_with_exactly_one_result_per_line(
-    nats_url, namespace, start_worker, tmp_path, run_batch
+    nats_url, shared_vllm, tmp_path, run_batch
 ):
-    w = start_worker(namespace, "--slots", "8")
-    await w.wait_ready(nats_url)
+    w, namespace = shared_vllm, shared_vllm.namespace
+    async with Client(nats_url, namespace=namespace) as c:
+        ran_before = int((await instance_status(c.nc, c.names, w.instance)).extra["completed"])
+    batch_id = f"resumable-{uuid.uuid4().hex[:8]}"
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text(
         "".join(
@@ -341,17 +344,17 @@ async def test_batch_killed_halfway_resumes_with_exactly_one_result_per_line(
             for i in range(40)
         )
     )
-    first = run_batch(nats_url, namespace, src, out)
+    first = run_batch(nats_url, namespace, src, out, batch_id)
     async with Client(nats_url, namespace=namespace) as c:
         with anyio.fail_after(120):
             while True:
                 s = await instance_status(c.nc, c.names, w.instance)
-                if int(s.extra["completed"]) >= 12:
+                if int(s.extra["completed"]) - ran_before >= 12:
                     break
                 await anyio.sleep(0.05)
     first.kill()
     first.wait()
-    second = run_batch(nats_url, namespace, src, out)
+    second = run_batch(nats_url, namespace, src, out, batch_id)
     _, err = await anyio.to_thread.run_sync(second.communicate)
     assert second.returncode == 0, err
     lines = [json.loads(x) for x in out.read_text().splitlines()]
@@ -359,7 +362,7 @@ async def test_batch_killed_halfway_resumes_with_exactly_one_result_per_line(
     assert [len(x["token_ids"]) for x in lines] == [60 + i for i in range(40)]
     async with Client(nats_url, namespace=namespace) as c:
         s = await instance_status(c.nc, c.names, w.instance)
-    assert int(s.extra["completed"]) == 40  # every line ran to completion exactly once
+    assert int(s.extra["completed"]) - ran_before == 40  # every line ran to completion exactly once
 
 
 async def test_broker_restart_and_crash_during_batches_lose_nothing(
@@ -412,6 +415,5 @@ async def test_broker_restart_and_crash_during_batches_lose_nothing(
                 record_property("extra_runs_after_crash", completed - 32)
                 print(f"\nbroker crash: {completed - 32} request(s) ran to completion twice")
     finally:
-        for w in workers:
-            w.stop()
+        stop_all(workers)
         server.stop()

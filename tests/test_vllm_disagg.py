@@ -27,7 +27,7 @@ from jetllm.schemas import (
     TokensPrompt,
 )
 
-from .conftest import TINY, WorkerProcess, require_vllm
+from .conftest import TINY, WorkerProcess, require_vllm, stop_all
 
 pytestmark = [pytest.mark.anyio, pytest.mark.vllm]
 
@@ -92,8 +92,7 @@ def disagg(nats_url, tiny_model, tmp_path_factory) -> Iterator[dict[str, WorkerP
                 pool.submit(anyio.run, w.wait_ready, nats_url, READY).result()
         yield workers
     finally:
-        for w in workers.values():
-            w.stop()
+        stop_all(list(workers.values()))
 
 
 async def run(url: str, namespace: str, req: GenerateRequest):

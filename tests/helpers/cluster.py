@@ -15,7 +15,7 @@ from nats.js import JetStreamContext
 
 from jetllm.natsserver import NatsCluster
 
-from ..conftest import FakeWorkerProcess
+from ..conftest import FakeWorkerProcess, stop_all
 
 
 @pytest.fixture
@@ -46,8 +46,7 @@ def start_cluster_worker(nats_cluster: NatsCluster, tmp_path: Path):
         return w
 
     yield start
-    for w in started:
-        w.stop()
+    stop_all(started)
 
 
 async def stream_leader(js: JetStreamContext, stream: str) -> str:
