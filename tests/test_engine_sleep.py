@@ -45,6 +45,7 @@ class FakeAsyncLLM:
             cache_config=SimpleNamespace(block_size=16, num_gpu_blocks=10),
             scheduler_config=SimpleNamespace(max_num_seqs=4),
             parallel_config=SimpleNamespace(data_parallel_size=1),
+            structured_outputs_config=SimpleNamespace(backend="xgrammar"),
         )
 
     def _record(self, *call) -> None:
