@@ -196,7 +196,7 @@ def test_a_bad_input_file_names_its_first_bad_line(content, line, param):
 async def api(nats_url, namespace):
     async with Client(nats_url, namespace=namespace, heartbeat_timeout=10) as client:
         service = await BatchService.open(client.js, client.names, ack_wait=ACK_WAIT, max_file_bytes=64 << 10)
-        app = Starlette(routes=files_api.routes(service) + batches_api.routes(service))
+        app = Starlette(routes=files_api.routes(lambda: service) + batches_api.routes(lambda: service))
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as http:
             sdk = openai.AsyncOpenAI(
@@ -448,7 +448,7 @@ async def test_jetllm_batch_detaches_follows_and_downloads(api, nats_url, namesp
 
 
 def raw_http(service: BatchService) -> httpx.AsyncClient:
-    app = Starlette(routes=files_api.routes(service) + batches_api.routes(service))
+    app = Starlette(routes=files_api.routes(lambda: service) + batches_api.routes(lambda: service))
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway")
 
 

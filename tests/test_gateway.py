@@ -3,6 +3,7 @@ against a gateway in front of light-engine workers (processes, so they can be ki
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ import openai
 import pytest
 
 from jetllm.gateway import GatewayConfig
+from jetllm.gateway.service import BatchSettings
 from jetllm.producer import Client
 from jetllm.producer.fleet import instance_status
 from jetllm.schemas import (
@@ -99,6 +101,7 @@ def env(nats_url, tmp_path_factory):
             retry_after=RETRY_AFTER,
             accept_timeout=10,
             max_body_bytes=MAX_BODY,
+            batches=BatchSettings(window=4, batches=1, ack_wait=30, max_file_bytes=1 << 20),
         )
         with GatewayThread(config) as gateway:
             yield Env(namespace, worker, gateway, nats_url)
@@ -121,6 +124,33 @@ def _record(instance: str, model: str, adapters: list[str] | None = None) -> byt
         expires_after=0,
     )
     return codec.encode(record)
+
+
+def test_a_batch_through_the_gateways_own_files_and_batches_endpoints(env):
+    """The gateway serves /v1/files and /v1/batches and runs the batch itself (its runner)."""
+    sdk = env.sdk()
+    lines = [
+        {
+            "custom_id": f"line-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": "fake", "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 3},
+        }
+        for i in range(6)
+    ]
+    data = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    uploaded = sdk.files.create(file=("in.jsonl", data), purpose="batch")
+    batch = sdk.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    deadline = time.monotonic() + 60
+    while (batch := sdk.batches.retrieve(batch.id)).status not in ("completed", "failed", "expired"):
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.2)
+    assert batch.status == "completed" and batch.request_counts.completed == 6, batch
+    out = [json.loads(x) for x in sdk.files.content(batch.output_file_id).text.splitlines()]
+    assert [o["custom_id"] for o in out] == [f"line-{i}" for i in range(6)]
+    assert all(o["response"]["status_code"] == 200 for o in out)
 
 
 def test_models_lists_what_live_workers_serve(env):

@@ -53,7 +53,7 @@ async def test_a_batch_finishes_once_per_line_after_its_runner_and_a_worker_die(
     try:
         async with Client(nats_url, namespace=namespace, heartbeat_timeout=30) as client:
             service = await BatchService.open(client.js, client.names, ack_wait=ACK_WAIT)
-            app = Starlette(routes=files_api.routes(service) + batches_api.routes(service))
+            app = Starlette(routes=files_api.routes(lambda: service) + batches_api.routes(lambda: service))
             async with httpx.AsyncClient(
                 transport=httpx.ASGITransport(app=app), base_url="http://gw"
             ) as http:

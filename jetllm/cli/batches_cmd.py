@@ -143,7 +143,7 @@ def cmd_runner(args: argparse.Namespace) -> int:
     return run(_runner, args)
 
 
-def add_runner_flags(p: argparse.ArgumentParser) -> None:
+def add_runner_flags(p: argparse._ActionsContainer) -> None:
     p.add_argument(
         "--batch-window",
         dest="window",
@@ -163,7 +163,7 @@ def add_runner_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
-def add_gateway_flags(p: argparse.ArgumentParser) -> None:
+def add_gateway_flags(p: argparse._ActionsContainer) -> None:
     """What a gateway adds for its files and batches endpoints and the runner inside it."""
     add_runner_flags(p)
     p.add_argument(
@@ -171,17 +171,6 @@ def add_gateway_flags(p: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_MAX_FILE_BYTES,
         help=f"largest file upload; more is a 413 (default: {DEFAULT_MAX_FILE_BYTES >> 20} MiB)",
-    )
-
-
-async def serve_in_gateway(client: Client, args: argparse.Namespace) -> tuple[BatchService, BatchRunner]:
-    """The service the gateway's routes take (`files_api.routes(service) + batches_api.routes(service)`)
-    and its runner, whose `serve` the gateway runs under `supervised` for its whole life."""
-    service = await BatchService.open(
-        client.js, client.names, ack_wait=args.ack_wait, max_file_bytes=args.max_file_bytes
-    )
-    return service, BatchRunner(
-        client, service, window=args.window, batches=args.batches, ack_wait=args.ack_wait
     )
 
 

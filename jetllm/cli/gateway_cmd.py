@@ -8,6 +8,7 @@ import signal
 import sys
 from collections.abc import Iterator
 
+from . import batches_cmd
 from .common import add_nats, nats_url
 
 
@@ -40,9 +41,18 @@ def add_gateway_options(p: argparse.ArgumentParser, *, port_flag: str = "--port"
 
 
 def gateway_config(args: argparse.Namespace, url: str):
-    from ..gateway import GatewayConfig
+    from ..gateway.service import BatchSettings, GatewayConfig
 
+    batches = None
+    if args.batches_api:
+        batches = BatchSettings(
+            window=args.window,
+            batches=args.batches,
+            ack_wait=args.ack_wait,
+            max_file_bytes=args.max_file_bytes,
+        )
     return GatewayConfig(
+        batches=batches,
         nats_url=url,
         namespace=args.namespace,
         max_queue=args.max_queue,
@@ -87,6 +97,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_nats(p)
     add_gateway_options(p)
+    g = p.add_argument_group("files and batches (/v1/files, /v1/batches; kept in NATS)")
+    g.add_argument(
+        "--batches-api",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="serve /v1/files and /v1/batches and run a batch runner in this gateway (default: on)",
+    )
+    batches_cmd.add_gateway_flags(g)
     p.set_defaults(func=cmd_gateway)
 
 

@@ -1,6 +1,7 @@
-"""The gateway's ASGI app: its routes, and the NATS connection and registry watch it holds for
-its life. `extra_routes` mounts more endpoint families (the files and batches APIs) beside these;
-their handlers find the gateway as `request.app.state.gateway` (its `client`, `fleet`, `config`)."""
+"""The gateway's ASGI app: its routes, and what it holds for its life: the NATS connection, the
+registry watch and, with `config.batches`, the files and batches service and a batch runner.
+`extra_routes` mounts more endpoint families beside these; their handlers find the gateway as
+`request.app.state.gateway` (its `client`, `fleet`, `config`)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute
 
+from ..aio import supervised
+from ..batches.runner import BatchRunner
+from ..batches.service import BatchService
 from ..producer import Client
 from ..subjects.names import Names
-from . import chat_api, completions_api, health_api, models_api
+from . import batches_api, chat_api, completions_api, files_api, health_api, models_api
 from .capacity import FleetView
 from .errors import GatewayError
 from .service import Gateway, GatewayConfig, error_response
@@ -32,6 +36,11 @@ async def _not_allowed(request: Request, exc: Exception) -> Response:
 
 
 def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = ()) -> Starlette:
+    opened: list[BatchService] = []  # the routes are built now, the service once NATS is up
+
+    def batch_service() -> BatchService:
+        return opened[0]
+
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with Client(config.nats_url, namespace=config.namespace, name="jetllm-gateway") as client:
@@ -40,14 +49,28 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = ())
             app.state.gateway = Gateway(config, client, fleet)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(fleet.watch)
+                if (b := config.batches) is not None:
+                    service = await BatchService.open(
+                        client.js, client.names, ack_wait=b.ack_wait, max_file_bytes=b.max_file_bytes
+                    )
+                    opened.append(service)
+                    runner = BatchRunner(
+                        client, service, window=b.window, batches=b.batches, ack_wait=b.ack_wait
+                    )
+                    tg.start_soon(supervised, "batch runner", runner.serve)
                 yield
                 tg.cancel_scope.cancel()
+
+    batch_routes = (
+        [*files_api.routes(batch_service), *batches_api.routes(batch_service)] if config.batches else []
+    )
 
     routes = [
         *models_api.routes,
         *chat_api.routes,
         *completions_api.routes,
         *health_api.routes,
+        *batch_routes,
         *extra_routes,
     ]
     return Starlette(

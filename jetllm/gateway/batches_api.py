@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -37,14 +38,14 @@ async def _json(request: Request) -> dict:
     return body
 
 
-def routes(service: BatchService) -> list[Route]:
+def routes(service: Callable[[], BatchService]) -> list[Route]:
     @answers_errors
     async def create(request: Request) -> Response:
         body = await _json(request)
         for name in ("input_file_id", "endpoint"):
             if not isinstance(body.get(name), str):
                 raise ApiError(f"{name} is required (a string)", param=name)
-        state = await service.create(
+        state = await service().create(
             body["input_file_id"],
             body["endpoint"],
             body.get("completion_window", "24h"),
@@ -54,14 +55,14 @@ def routes(service: BatchService) -> list[Route]:
 
     @answers_errors
     async def retrieve(request: Request) -> Response:
-        return JSONResponse(batch_object(await service.get(request.path_params["batch_id"])))
+        return JSONResponse(batch_object(await service().get(request.path_params["batch_id"])))
 
     @answers_errors
     async def list_batches(request: Request) -> Response:
         limit_text = request.query_params.get("limit", "20")
         if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
             raise ApiError("limit must be an integer from 1 to 100", param="limit")
-        states, more = await service.list(request.query_params.get("after"), int(limit_text))
+        states, more = await service().list(request.query_params.get("after"), int(limit_text))
         data = [batch_object(s) for s in states]
         return JSONResponse(
             {
@@ -75,7 +76,7 @@ def routes(service: BatchService) -> list[Route]:
 
     @answers_errors
     async def cancel(request: Request) -> Response:
-        return JSONResponse(batch_object(await service.cancel(request.path_params["batch_id"])))
+        return JSONResponse(batch_object(await service().cancel(request.path_params["batch_id"])))
 
     return [
         Route("/v1/batches", create, methods=["POST"]),

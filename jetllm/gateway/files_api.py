@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from starlette.datastructures import FormData, UploadFile
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
@@ -38,10 +40,10 @@ async def _form(request: Request, max_file_bytes: int) -> FormData:
         ) from None
 
 
-def routes(service: BatchService) -> list[Route]:
+def routes(service: Callable[[], BatchService]) -> list[Route]:
     @answers_errors
     async def upload(request: Request) -> Response:
-        form = await _form(request, service.max_file_bytes)
+        form = await _form(request, service().max_file_bytes)
         try:
             file = form.get("file")
             purpose = form.get("purpose")
@@ -49,8 +51,8 @@ def routes(service: BatchService) -> list[Route]:
                 raise ApiError("a multipart field `file` holding the file is required", param="file")
             if not isinstance(purpose, str):
                 raise ApiError('the multipart field `purpose` is required ("batch")', param="purpose")
-            data = await file.read(service.max_file_bytes + 1)
-            info = await service.upload(data, file.filename or "upload.jsonl", purpose)
+            data = await file.read(service().max_file_bytes + 1)
+            info = await service().upload(data, file.filename or "upload.jsonl", purpose)
         finally:
             await form.close()
         return JSONResponse(file_object(info))
@@ -58,7 +60,7 @@ def routes(service: BatchService) -> list[Route]:
     @answers_errors
     async def list_files(request: Request) -> Response:
         purpose = request.query_params.get("purpose")
-        files = await service.list_files(purpose)
+        files = await service().list_files(purpose)
         data = [file_object(f) for f in files]
         return JSONResponse(
             {
@@ -72,17 +74,17 @@ def routes(service: BatchService) -> list[Route]:
 
     @answers_errors
     async def retrieve(request: Request) -> Response:
-        return JSONResponse(file_object(await service.file(request.path_params["file_id"])))
+        return JSONResponse(file_object(await service().file(request.path_params["file_id"])))
 
     @answers_errors
     async def content(request: Request) -> Response:
-        data = await service.content(request.path_params["file_id"])
+        data = await service().content(request.path_params["file_id"])
         return Response(data, media_type="application/octet-stream")
 
     @answers_errors
     async def delete(request: Request) -> Response:
         file_id = request.path_params["file_id"]
-        await service.delete_file(file_id)
+        await service().delete_file(file_id)
         return JSONResponse({"id": file_id, "object": "file", "deleted": True})
 
     return [

@@ -40,6 +40,22 @@ class GatewayConfig:
     """A job no worker takes within this long is cancelled and answered 503."""
     max_body_bytes: int = 16 << 20
     """Bigger request bodies are refused with 413 before they are read to the end."""
+    batches: BatchSettings | None = None
+    """Serve /v1/files and /v1/batches and run a batch runner in the gateway; None: neither."""
+
+
+@dataclass(frozen=True)
+class BatchSettings:
+    """The gateway's files and batches endpoints and its batch runner (docs/operations.md)."""
+
+    window: int
+    """Jobs of one batch queued or running at once."""
+    batches: int
+    """Batches this gateway's runner runs at once."""
+    ack_wait: float
+    """Seconds after which a batch whose runner went silent goes to another runner."""
+    max_file_bytes: int
+    """The largest upload; more is a 413."""
 
 
 class Gateway:
