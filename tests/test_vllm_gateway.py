@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import json
+import time
 import uuid
 
 import anyio
 import httpx
 import openai
 import pytest
+from anyio.from_thread import start_blocking_portal
 
 from jetllm.gateway import GatewayConfig
 from jetllm.producer import Client
@@ -62,7 +64,13 @@ def stack(nats_url, tiny_model, tmp_path_factory):
     require_vllm()
     namespace = f"t{uuid.uuid4().hex[:10]}"
     logs = tmp_path_factory.mktemp("vgw")
-    worker = WorkerProcess(nats_url, namespace, tiny_model, logs / "worker0.log", "--slots", "8")
+    # compact JSON, as operations.md recommends for structured outputs: the tiny random model would
+    # otherwise pick whitespace until max_tokens
+    compact = '{"backend": "guidance", "disable_any_whitespace": true}'
+    worker = WorkerProcess(
+        nats_url, namespace, tiny_model, logs / "worker0.log", "--slots", "8",
+        "--engine-arg", f"structured_outputs_config={compact}",
+    )  # fmt: skip
     try:
         anyio.run(worker.wait_ready, nats_url, 600)
         with GatewayThread(GatewayConfig(nats_url=nats_url, namespace=namespace)) as gateway:
@@ -196,22 +204,30 @@ def test_a_worker_killed_mid_stream_does_not_break_the_stream(stack, tmp_path):
     )
     try:
         anyio.run(second.wait_ready, stack.nats_url, 600)
-        kw = {"model": TINY, "messages": USER, "max_tokens": 300, **GREEDY}
+        kw = {"model": TINY, "messages": USER, "max_tokens": 490, **GREEDY}
         whole = stack.sdk.chat.completions.create(**kw)
         stream = stack.sdk.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
-        text, killed = [], None
+        killed = None  # the worker running it, SIGKILLed as soon as it is seen running
+        with start_blocking_portal() as portal:
+            nc = portal.call(connect, stack.nats_url)
+            try:
+                deadline = time.monotonic() + 30
+                while killed is None and time.monotonic() < deadline:
+                    for w in (stack.worker, second):
+                        status = portal.call(instance_status, nc, Names(stack.namespace), w.instance)
+                        if status.engine_unfinished:
+                            w.signal(9)
+                            killed = w
+                            break
+            finally:
+                portal.call(nc.close)
+        assert killed is not None
+        text = []
         for chunk in stream:
             if chunk.choices:
                 text.append(chunk.choices[0].delta.content or "")
-            if killed is None and len(text) > 30:
-                for w in (stack.worker, second):
-                    if stack.status(w.instance).engine_unfinished:
-                        w.signal(9)
-                        killed = w
-                        break
             last = chunk
-        assert killed is not None
         assert "".join(text) == whole.choices[0].message.content
-        assert last.usage.completion_tokens == 300
+        assert last.usage.completion_tokens == 490
     finally:
         second.stop()
