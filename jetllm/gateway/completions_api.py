@@ -27,10 +27,11 @@ async def completions(request: Request) -> Response | EventStream:
     try:
         body: CompletionRequest = await gw.parse(request, CompletionRequest)
         route = await gw.route(body.model)
-        jobs = completion_jobs(body, route, f"cmpl-{uuid.uuid4().hex}")
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        jobs = completion_jobs(body, route, rid)
     except GatewayError as err:
         return refused(gw, ENDPOINT, err)
-    rid, when, n = f"cmpl-{uuid.uuid4().hex}", created(), body.n
+    when, n = created(), body.n
     first: list[float] = []
 
     def first_token() -> None:
