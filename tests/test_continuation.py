@@ -7,7 +7,13 @@ import pytest
 from jetllm.errors import RequestRejected
 from jetllm.schemas import ErrorCode, StopConditions
 from jetllm.workers.requestlog import History
-from jetllm.workers.roles.generate.continuation import already_done, check_budget, continued, max_tokens
+from jetllm.workers.roles.generate.continuation import (
+    already_done,
+    check_budget,
+    check_delivered,
+    continued,
+    max_tokens,
+)
 
 from .jobs import req
 
@@ -75,3 +81,22 @@ def test_a_continuation_runs_the_delivered_tokens_as_prompt_with_the_rest_of_the
     engine_req, prompt, budget = continued(r, [1, 2, 3], [7, 8], 10)
     assert prompt == [1, 2, 3, 7, 8] and budget == 8
     assert engine_req.stop.max_tokens == 8 and engine_req.stop.min_tokens == 2
+
+
+@pytest.mark.parametrize(
+    ("delivered", "vocab", "bad"),
+    [
+        ([5, 511], 512, None),
+        ([], 512, None),
+        ([5, 512], 512, 512),  # a forged log record: the engine would index past its embedding table
+        ([-1], 512, -1),
+        ([10**9], None, None),  # an engine that does not say its vocabulary: vLLM checks token prompts
+    ],
+)
+def test_delivered_tokens_the_model_cannot_have_produced_end_the_request(delivered, vocab, bad):
+    if bad is None:
+        check_delivered(delivered, vocab)
+        return
+    with pytest.raises(RequestRejected) as e:
+        check_delivered(delivered, vocab)
+    assert e.value.code == ErrorCode.NOT_MIGRATABLE and f"token {bad}" in str(e.value)

@@ -31,6 +31,8 @@ from jetllm.schemas import (
     TokensFrame,
     TokensPrompt,
 )
+from jetllm.schemas.requestlog import Claim, Steps
+from jetllm.subjects import codec
 from jetllm.subjects.connection import connect
 from jetllm.subjects.names import Names
 
@@ -82,8 +84,12 @@ def request(prompt, *, max_tokens=24, ignore_eos=True) -> GenerateRequest:
 
 
 async def rejected(c: Client, prompt, **kw) -> RequestFailed:
+    return await rejected_request(c, request(prompt, **kw))
+
+
+async def rejected_request(c: Client, job: GenerateRequest) -> RequestFailed:
     with pytest.raises(RequestFailed) as info:
-        await c.complete(request(prompt, **kw))
+        await c.complete(job)
     return info.value
 
 
@@ -221,6 +227,28 @@ async def test_a_drained_worker_hands_an_embeddings_request_on_and_the_output_is
     assert moved and moved[0].resumed_tokens >= 20  # it continued after delivered tokens, not from scratch
     assert [t for f in frames if isinstance(f, TokensFrame) for t in f.token_ids] == want.token_ids
     assert final.usage.prompt_tokens == len(ids)
+
+
+async def test_a_forged_log_with_a_token_outside_the_vocabulary_fails_that_request_not_the_worker(
+    nats_url, embeds_worker, table
+):
+    """vLLM does not check the token positions of a mixed embeddings prompt: before the check, a
+    log record claiming token 600 was delivered crashed the engine when the job continued from it
+    (the fuzz test found it)."""
+    ns = embeds_worker.namespace
+    names = Names(ns)
+    ids = [20, 3, 77, 5]
+    async with Client(nats_url, namespace=ns, heartbeat_timeout=30) as c:
+        job = request(embeds_prompt(table[ids]), max_tokens=8)
+        frame = TokensFrame(seq=2, attempt=1, token_ids=[600])
+        for record in (Claim(attempt=1, worker="ghost", at=0.0), Steps(attempt=1, frames=[frame])):
+            await c.js.publish(names.request_log(job.request_id), codec.encode(record))
+        with anyio.fail_after(60):  # a crashed engine leaves the job waiting for another worker
+            failed = await rejected_request(c, job)
+        assert failed.code == ErrorCode.NOT_MIGRATABLE and "token 600" in str(failed)
+        want = await c.complete(request(TokensPrompt(ids)))
+        assert (await c.complete(request(embeds_prompt(table[ids])))).token_ids == want.token_ids
+    assert embeds_worker.proc.poll() is None
 
 
 async def test_store_is_created_with_a_ttl(nats_url, namespace):

@@ -71,6 +71,22 @@ def check_migratable(n: int, delivered: int) -> None:
         )
 
 
+def check_delivered(delivered: list[int], vocab_size: int | None) -> None:
+    """The log is shared state, so its tokens are checked before the engine sees them: an id the
+    model cannot have produced means the record is not this request's (forged or corrupt), and
+    vLLM does not check the token positions of a mixed embeddings prompt (it would crash)."""
+    if not vocab_size:
+        return
+    bad = next((t for t in delivered if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise RequestRejected(
+            ErrorCode.NOT_MIGRATABLE,
+            f"the request's log says token {bad} was delivered, which this model (vocabulary "
+            f"{vocab_size}) cannot have produced; the record is not trustworthy, so the request "
+            "cannot continue from it",
+        )
+
+
 def already_done(
     req: GenerateRequest, delivered: list[int], text: str | None, max_tokens: int, eos_token_ids: list[int]
 ) -> Choice | None:

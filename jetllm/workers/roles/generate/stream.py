@@ -12,7 +12,15 @@ from ....schemas import Choice, GenerateRequest, Usage
 from ...engine import Engine, EngineAdapter, EnginePrompt
 from ...requestlog import History
 from ..base import TokenSender
-from .continuation import Replay, already_done, check_migratable, continued, how_to_continue, max_tokens
+from .continuation import (
+    Replay,
+    already_done,
+    check_delivered,
+    check_migratable,
+    continued,
+    how_to_continue,
+    max_tokens,
+)
 
 
 class Outcome(msgspec.Struct, kw_only=True):
@@ -50,6 +58,7 @@ async def generate(
     engine_req, engine_prompt, engine_max = req, prompt_ids, budget
     replay: Replay | None = None
     if delivered:
+        check_delivered(tokens[0], facts.vocab_size)
         done = already_done(req, tokens[0], texts[0] if texts else None, budget, facts.eos_token_ids)
         how = how_to_continue(req, done)
         if done is not None:
