@@ -516,3 +516,36 @@ async def test_a_request_to_a_refused_subject_fails_before_its_timeout(secured, 
             await nc.request(Names(ns).instance_control("nobody", "ping"), b"", timeout=5)
     finally:
         await nc.close()
+
+
+async def test_producers_submit_through_a_router_fleet_running_as_the_router_identity(secured, ns):
+    """The routing queue under per-role users: a router makes it and places jobs from it, a
+    producer publishes to it (Client(via_routers=True)) and a gateway reads queue depth."""
+    from jetllm.router import Router
+    from jetllm.router.service import serve
+
+    start = secured.log_offset()
+    names = Names(ns)
+    async with inproc_worker(secured.url("worker"), FakeEngine(), namespace=ns):
+        router_nc = await connect(secured.url("router"))
+        router = Router("fake", name="r1")
+        try:
+            async with anyio.create_task_group() as tg:
+                await router.start(router_nc, names)
+                ready = anyio.Event()
+                tg.start_soon(lambda: serve(router_nc, names, router, ready=ready))
+                with anyio.fail_after(10):
+                    await ready.wait()
+                async with Client(secured.url("alice"), namespace=ns, via_routers=True) as c:
+                    done = await c.complete(req("fake", [3, 1, 4], max_tokens=6))
+                    assert done.token_ids == expected_tokens([3, 1, 4], 6)
+                assert router.stats.decisions >= 1
+                info = await router_nc.jetstream().consumer_info(
+                    names.jobs_stream, names.consumer("generate", "fake")
+                )
+                assert info.num_pending == 0
+                tg.cancel_scope.cancel()
+        finally:
+            await router.close()
+            await router_nc.close()
+    assert only_expected(secured.refusals_since(start)) == []

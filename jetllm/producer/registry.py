@@ -11,6 +11,7 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
 import msgspec
 import nats.js.errors
 from nats.js import JetStreamContext
@@ -20,7 +21,6 @@ from ..schemas import InstanceRecord, ModelCard
 from ..subjects import codec
 from ..subjects.directed import record_alive
 from ..subjects.names import Names
-from ..subjects.setup import ensure_registry
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +90,18 @@ async def model_cards(js: JetStreamContext, names: Names) -> list[ModelCard]:
 
 
 async def watch(js: JetStreamContext, names: Names) -> AsyncIterator[dict[str, InstanceRecord]]:
-    """The live instances after every change (and at least every second, so expiry shows)."""
-    kv = await ensure_registry(js, names)
+    """The live instances after every change (and at least every second, so expiry shows).
+
+    Readers (a router, a gateway, `jetllm top`) open the bucket and never make it: its settings
+    are the workers', and a router or producer identity may not. Until a worker has made it, the
+    fleet is empty."""
+    while True:
+        try:
+            kv = await js.key_value(names.registry_bucket)
+            break
+        except nats.js.errors.BucketNotFoundError:
+            yield {}
+            await anyio.sleep(1.0)
     watcher = await kv.watch("i.*")
     current: dict[str, InstanceRecord] = {}
     try:

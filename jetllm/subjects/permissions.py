@@ -5,11 +5,12 @@ shows when the server refuses something both come from `permissions()`, so the t
 from the subjects the code uses. Four access roles, each allowed only what its paths need:
 
 - **producer**: submit jobs (shared or directed to one instance, whose registry record it reads
-  first) and cancel them (live and durably: `cancelled.<request>`, not the request log, which only
+  first, or to the routing queue) and cancel them (live and durably: `cancelled.<request>`, not the request log, which only
   workers write), read its own frames and the request log, ping a worker it waits for, nak the job
   of a worker that died, put large embeddings in their store;
 - **router**: a producer that also reads the fleet (registry, status, load reports, KV-cache
-  events, traces) and asks instances for KV-cache snapshots; and the identity of a gateway with
+  events, traces) and asks instances for KV-cache snapshots; `jetllm router`: makes the routing
+  queue, takes its jobs, places them and traces each placement; and the identity of a gateway with
   batch runners: the OpenAI files and batches (files store, batch states, batch queue and its
   runners' consumer), and the request log's records as they are written (`req.*`);
 - **worker**: pull and settle jobs, write the request log, dead letters, traces, its registry
@@ -109,10 +110,17 @@ def batch_streams(names: Names) -> list[str]:
     return [_obj(names.files_store), _kv(names.batches_bucket), names.batch_queue_stream]
 
 
+def part_streams(names: Names) -> list[str]:
+    """Streams made by the part of the fleet that uses them, not by the first worker: the KV
+    blocks' (prefill workers) and the routing queue (routers)."""
+    return [names.kv_blocks_stream, names.routing_stream]
+
+
 def streams(names: Names) -> list[str]:
     """Every stream of the namespace, buckets and object stores included."""
     return [
         *plain_streams(names),
+        *part_streams(names),
         _kv(names.registry_bucket),
         _kv(names.lora_bucket),
         _obj(names.adapters_store),
@@ -126,6 +134,7 @@ def _producer(n: Names, inbox: str) -> tuple[list[str], list[str]]:
     registry = _kv(n.registry_bucket)
     pub = [
         n.jobs_all,
+        n.routing_all,  # jobs for the router fleet to place (Client(via_routers=True))
         n.cancel_all,
         n.cancelled_all,  # durable cancels; the request log itself is the workers' (docs/security.md)
         n.any_instance_control("ping"),
@@ -158,11 +167,27 @@ def _router(n: Names, inbox: str) -> tuple[list[str], list[str]]:
         *_reader(n.traces_stream),
     ]
     sub += [n.load_all]
+    pub += _routing_queue(n)
     pub += _batch_plane(n)
     # a batch runner hears its lines' results as they are written: no more than a producer may
     # read from the request log's stream already (docs/security.md, "A router")
     sub += [n.request_log_all]
     return pub, sub
+
+
+def _routing_queue(n: Names) -> list[str]:
+    """`jetllm router`: make the routing queue, take jobs through the routers' consumers and ack
+    them; and a gateway's `--max-queue`, which reads how many jobs wait on the shared consumers."""
+    routing = n.routing_stream
+    return [
+        n.trace_all,  # each placement is a hop of the request's trace
+        *_stream(routing, "CREATE", "UPDATE"),
+        f"$JS.ACK.{routing}.>",
+        f"{API}.CONSUMER.DURABLE.CREATE.{routing}.*",
+        f"{API}.CONSUMER.INFO.{routing}.*",
+        f"{API}.CONSUMER.MSG.NEXT.{routing}.*",
+        f"{API}.CONSUMER.INFO.{n.jobs_stream}.*",
+    ]
 
 
 def _batch_plane(n: Names) -> list[str]:
@@ -196,7 +221,7 @@ def _worker(n: Names, inbox: str) -> tuple[list[str], list[str]]:
     jobs, requests = n.jobs_stream, n.requests_stream
     registry, lora = _kv(n.registry_bucket), _kv(n.lora_bucket)
     adapters, embeds = _obj(n.adapters_store), _obj(n.embeds_store)
-    buckets = [s for s in streams(n) if s not in plain_streams(n)]
+    buckets = [s for s in streams(n) if s not in plain_streams(n) + part_streams(n)]
     pub = [
         f"{INBOX}.>",  # frames and resume questions go to the producers' inboxes
         n.request_log_all,
@@ -237,7 +262,7 @@ def _worker(n: Names, inbox: str) -> tuple[list[str], list[str]]:
         n.jobs_of_role("prefill"),
         n.shared_jobs_all,  # directed jobs moved to the shared queues
         n.kv_blocks_all,
-        *_stream(n.kv_blocks_stream, "CREATE", "UPDATE", "INFO", "PURGE"),
+        *_stream(n.kv_blocks_stream, "CREATE", "UPDATE", "PURGE"),
         *_direct(n.kv_blocks_stream),
     ]
     sub = [
@@ -265,6 +290,7 @@ def _admin(n: Names, inbox: str) -> tuple[list[str], list[str]]:
         f"$KV.{n.batches_bucket}.>",
         f"$JS.ACK.{n.jobs_stream}.>",
         f"$JS.ACK.{n.batch_queue_stream}.>",
+        f"$JS.ACK.{n.routing_stream}.>",
         f"{API}.INFO",
         f"{API}.STREAM.NAMES",
     ]

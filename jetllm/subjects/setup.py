@@ -210,9 +210,12 @@ async def _ensure_stream(js: JetStreamContext, wanted: Wanted, *, rescale: bool)
         raise _replicas_error(exc, name, update.num_replicas or 1) from None
 
 
-async def _ensure_streams(js: JetStreamContext, streams: list[Wanted], *, rescale: bool) -> None:
+async def _ensure_streams(
+    js: JetStreamContext, streams: list[Wanted], *, rescale: bool, maker: str = "a worker"
+) -> None:
     """Create or update each stream; an identity that may not (a producer, a router) only checks
-    they exist, after one refusal, so it does not collect a refusal per stream."""
+    they exist, after one refusal, so it does not collect a refusal per stream. `maker`: who
+    creates them, for the error when they do not exist."""
     refused: NotPermitted | None = None
     for wanted in streams:
         if refused is None:
@@ -221,16 +224,16 @@ async def _ensure_streams(js: JetStreamContext, streams: list[Wanted], *, rescal
                 continue
             except NotPermitted as exc:
                 refused = exc
-        await _existing(js, wanted.config.name or "", refused)
+        await _existing(js, wanted.config.name or "", refused, maker)
 
 
-async def _existing(js: JetStreamContext, stream: str, refused: NotPermitted) -> None:
+async def _existing(js: JetStreamContext, stream: str, refused: NotPermitted, maker: str) -> None:
     try:
         await js.stream_info(stream)
     except nats.js.errors.NotFoundError:
         raise NotPermitted(
-            f"{refused.message}; stream {stream} does not exist yet: start a worker first (workers "
-            "create the streams), or run once with admin credentials",
+            f"{refused.message}; stream {stream} does not exist yet: start {maker} first (it "
+            "creates the stream), or run once with admin credentials",
             op=refused.op,
             subject=refused.subject,
         ) from None
@@ -606,23 +609,18 @@ async def ensure_batch_plane(
 
 
 async def ensure_routing_stream(js: JetStreamContext, names: Names, policy: QueuePolicy) -> None:
-    """The routing queue (docs/routing.md): made by routers and the producers that use them only,
-    so a namespace without a router fleet has no stream nobody reads."""
+    """The routing queue (docs/routing.md): made by routers (and by the producers that use them,
+    where they may), so a namespace without a router fleet has no stream nobody reads."""
     replicas = policy.replicas or await namespace_replicas(js, names)
-    await _ensure_stream(
-        js,
-        Wanted(
-            StreamConfig(
-                name=names.routing_stream,
-                description="jetllm routing queue: jobs a router fleet places on an instance or the shared queue",
-                subjects=[names.routing_all],
-                retention=RetentionPolicy.WORK_QUEUE,
-                storage=StorageType.MEMORY if policy.memory else StorageType.FILE,
-                num_replicas=replicas,
-                max_age=policy.setting("max_age"),
-                duplicate_window=policy.setting("duplicate_window"),
-                discard=DiscardPolicy.OLD,
-            )
-        ),
-        rescale=policy.replicas is not None,
+    routing = StreamConfig(
+        name=names.routing_stream,
+        description="jetllm routing queue: jobs a router fleet places on an instance or the shared queue",
+        subjects=[names.routing_all],
+        retention=RetentionPolicy.WORK_QUEUE,
+        storage=StorageType.MEMORY if policy.memory else StorageType.FILE,
+        num_replicas=replicas,
+        max_age=policy.setting("max_age"),
+        duplicate_window=policy.setting("duplicate_window"),
+        discard=DiscardPolicy.OLD,
     )
+    await _ensure_streams(js, [Wanted(routing)], rescale=policy.replicas is not None, maker="a router")
