@@ -17,21 +17,21 @@ from starlette.routing import BaseRoute
 from ..aio import supervised
 from ..batches.runner import BatchRunner
 from ..batches.service import BatchService
+from ..openai.errors import OpenAIError
 from ..producer import Client
 from ..subjects.names import Names
 from . import batches_api, chat_api, completions_api, files_api, health_api, models_api
 from .capacity import FleetView
-from .errors import GatewayError
 from .service import Gateway, GatewayConfig, error_response
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:
-    return error_response(GatewayError(404, f"no endpoint {request.url.path}", code="not_found"))
+    return error_response(OpenAIError(404, f"no endpoint {request.url.path}", code="not_found"))
 
 
 async def _not_allowed(request: Request, exc: Exception) -> Response:
     return error_response(
-        GatewayError(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed")
+        OpenAIError(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed")
     )
 
 

@@ -16,11 +16,11 @@ import anyio
 import nats.js.errors
 from nats.js import JetStreamContext
 
+from ..openai.errors import OpenAIError
+from ..openai.translate import Route
 from ..producer import registry
 from ..schemas import InstanceRecord
 from ..subjects.names import Names
-from .errors import GatewayError
-from .translate import Route
 
 log = logging.getLogger(__name__)
 
@@ -46,14 +46,14 @@ def resolve(name: str, live: Iterable[InstanceRecord], known: Iterable[str], ret
         if name in r.adapters and serving(r):
             return Route(r.model, name)
     if any(r.model == name or name in r.adapters for r in live) or name in set(known):
-        raise GatewayError(
+        raise OpenAIError(
             503,
             f"no worker is serving model {name!r} right now; retry later",
             param="model",
             code="no_capacity",
             retry_after=retry_after,
         )
-    raise GatewayError(
+    raise OpenAIError(
         404,
         f"the model {name!r} does not exist; GET /v1/models lists the models served",
         param="model",
@@ -65,7 +65,7 @@ def admit(model: str, depth: int, max_queue: int | None, retry_after: int) -> No
     """Refuse a request while its model's queue already holds more than `max_queue` jobs no worker
     has taken: waiting behind them would exceed any client's patience."""
     if max_queue is not None and depth > max_queue:
-        raise GatewayError(
+        raise OpenAIError(
             429,
             f"{depth} requests for {model!r} are waiting for a worker (the limit is --max-queue "
             f"{max_queue}); retry later",
@@ -145,7 +145,7 @@ class FleetView:
     async def route(self, name: str, retry_after: int) -> Route:
         try:
             return resolve(name, self.live(), self.known, retry_after)
-        except GatewayError:
+        except OpenAIError:
             if time.monotonic() - self._refreshed < MISS_REFRESH:
                 raise
         await self.refresh()  # a worker that came up a moment ago, or a gateway just started

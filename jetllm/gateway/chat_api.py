@@ -10,13 +10,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from ..openai.bodies import ChatRequest
+from ..openai.errors import OpenAIError
+from ..openai.responses import Collected
+from ..openai.streams import ChatStream
+from ..openai.translate import chat_job
 from ..schemas import FinalFrame, TokensFrame, Usage
-from .errors import GatewayError
-from .openai_types import ChatRequest
-from .responses import ChatStream, Collected
 from .service import Gateway, answer, created, refused
 from .sse import Emit, EventStream
-from .translate import chat_job
 
 ENDPOINT = "chat"
 
@@ -28,7 +29,7 @@ async def chat_completions(request: Request) -> Response | EventStream:
         body: ChatRequest = await gw.parse(request, ChatRequest)
         route = await gw.route(body.model)
         job = chat_job(body, route, f"chatcmpl-{uuid.uuid4().hex}")
-    except GatewayError as err:
+    except OpenAIError as err:
         return refused(gw, ENDPOINT, err)
     rid, when, n = job.request.request_id, created(), job.request.sampling.n
     first: list[float] = []

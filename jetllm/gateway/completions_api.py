@@ -10,13 +10,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from ..openai.bodies import CompletionRequest
+from ..openai.errors import OpenAIError
+from ..openai.responses import Collected, add_usage
+from ..openai.streams import CompletionStream
+from ..openai.translate import completion_jobs
 from ..schemas import FinalFrame, TokensFrame, Usage
-from .errors import GatewayError
-from .openai_types import CompletionRequest
-from .responses import Collected, CompletionStream, add_usage
 from .service import Gateway, answer, created, refused
 from .sse import Emit, EventStream
-from .translate import completion_jobs
 
 ENDPOINT = "completions"
 
@@ -29,7 +30,7 @@ async def completions(request: Request) -> Response | EventStream:
         route = await gw.route(body.model)
         rid = f"cmpl-{uuid.uuid4().hex}"
         jobs = completion_jobs(body, route, rid)
-    except GatewayError as err:
+    except OpenAIError as err:
         return refused(gw, ENDPOINT, err)
     when, n = created(), body.n
     first: list[float] = []

@@ -6,8 +6,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from ..openai.errors import OpenAIError
 from .capacity import models
-from .errors import GatewayError
 from .service import Gateway, error_response, json_response
 
 
@@ -25,7 +25,7 @@ async def get_model(request: Request) -> Response:
         if m["id"] == name:
             return json_response(m)
     return error_response(
-        GatewayError(404, f"the model {name!r} does not exist", param="model", code="model_not_found")
+        OpenAIError(404, f"the model {name!r} does not exist", param="model", code="model_not_found")
     )
 
 

@@ -16,13 +16,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from ..errors import JetllmError
+from ..openai.errors import OpenAIError, from_code, from_exception, too_large
+from ..openai.translate import Job, Route, decode, param_of
 from ..producer import Client
 from ..schemas import ErrorFrame, FinalFrame, TokensFrame
 from .capacity import FleetView, admit
-from .errors import GatewayError, from_code, from_exception
 from .metrics import GatewayMetrics
 from .sse import Emit, EventStream, Gone, unexpected, until_disconnect
-from .translate import Job, Route, decode, param_of, too_large
 
 OnFrame = Callable[[int, TokensFrame | FinalFrame], Awaitable[None]]
 
@@ -123,7 +123,7 @@ class Gateway:
         except JetllmError as exc:
             raise from_exception(exc, retry_after=self.config.retry_after) from None
         except nats.errors.Error as exc:  # NATS or JetStream unreachable, or a stream leader moving
-            raise GatewayError(
+            raise OpenAIError(
                 503,
                 f"the gateway cannot reach NATS ({type(exc).__name__}); retry later",
                 code="no_capacity",
@@ -131,9 +131,9 @@ class Gateway:
             ) from None
 
 
-def _first(group: BaseExceptionGroup) -> GatewayError | None:
+def _first(group: BaseExceptionGroup) -> OpenAIError | None:
     for exc in group.exceptions:
-        if isinstance(exc, GatewayError):
+        if isinstance(exc, OpenAIError):
             return exc
         if isinstance(exc, BaseExceptionGroup):
             found = _first(exc)
@@ -150,7 +150,7 @@ def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = 
     return Response(msgspec.json.encode(obj), status, headers, media_type="application/json")
 
 
-def error_response(err: GatewayError) -> Response:
+def error_response(err: OpenAIError) -> Response:
     return json_response(err.body(), err.status, err.headers())
 
 
@@ -176,7 +176,7 @@ async def answer(
         result = await until_disconnect(request.receive, whole)
         status = 200
         return json_response(result)
-    except GatewayError as err:
+    except OpenAIError as err:
         status = err.status
         return error_response(err)
     except Gone:
@@ -190,7 +190,7 @@ async def answer(
         ended(status)
 
 
-def refused(gw: Gateway, endpoint: str, err: GatewayError) -> Response:
+def refused(gw: Gateway, endpoint: str, err: OpenAIError) -> Response:
     """A request refused before any job was made."""
     gw.metrics.answered(endpoint, err.status, 0.0)
     return error_response(err)

@@ -17,7 +17,7 @@ import msgspec
 from anyio import CancelScope
 from starlette.types import Receive, Scope, Send
 
-from .errors import GatewayError
+from ..openai.errors import OpenAIError
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def event(obj: dict[str, Any]) -> bytes:
     return b"data: " + msgspec.json.encode(obj) + b"\n\n"
 
 
-def json_response_parts(err: GatewayError) -> tuple[dict[str, Any], dict[str, Any]]:
+def json_response_parts(err: OpenAIError) -> tuple[dict[str, Any], dict[str, Any]]:
     headers = [(b"content-type", b"application/json")]
     headers += [(k.lower().encode(), v.encode()) for k, v in err.headers().items()]
     start = {"type": "http.response.start", "status": err.status, "headers": headers}
@@ -51,9 +51,9 @@ async def _watch(receive: Receive, scope: CancelScope) -> None:
             return
 
 
-def unexpected(exc: Exception) -> GatewayError:
+def unexpected(exc: Exception) -> OpenAIError:
     log.exception("gateway request failed", exc_info=exc)
-    return GatewayError(500, f"internal error in the gateway: {type(exc).__name__}", code="internal")
+    return OpenAIError(500, f"internal error in the gateway: {type(exc).__name__}", code="internal")
 
 
 def leaf(group: BaseExceptionGroup) -> BaseException:
@@ -111,7 +111,7 @@ class EventStream:
                 try:
                     await self.produce(emit)
                     status = 200
-                except GatewayError as err:
+                except OpenAIError as err:
                     status = await self._fail(err, started, emit, send)
                 except Exception as exc:
                     status = await self._fail(unexpected(exc), started, emit, send)
@@ -131,7 +131,7 @@ class EventStream:
         finally:
             self.on_end(status)
 
-    async def _fail(self, err: GatewayError, started: bool, emit: Emit, send: Send) -> int:
+    async def _fail(self, err: OpenAIError, started: bool, emit: Emit, send: Send) -> int:
         if started:
             await emit(err.body())
             return 200

@@ -26,8 +26,8 @@ from ..schemas import (
     ToolCallFunction,
 )
 from . import structured, tools
-from .errors import GatewayError, invalid
-from .openai_types import ChatRequest, CompletionRequest, Message, _Generation
+from .bodies import ChatRequest, CompletionRequest, Message, _Generation
+from .errors import invalid
 
 _AT = re.compile(r"^(.*) - at `(\$[^`]*)`$")
 
@@ -278,7 +278,3 @@ def _job(
         output=output,
         structured=constraint[1] if constraint else None,
     )
-
-
-def too_large(message: str) -> GatewayError:
-    return GatewayError(413, message, code="request_too_large")

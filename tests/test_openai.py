@@ -1,5 +1,5 @@
-"""The gateway's pure decisions, tabled: OpenAI bodies to jobs, field paths to parameters, tool
-calls read back, ErrorCode to HTTP status, which model a name routes to, stream chunks."""
+"""OpenAI's API translated, tabled: bodies to jobs, field paths to parameters, tool calls read
+back, ErrorCode to HTTP status, stream chunks; and the gateway's pure routing decisions."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ import time
 import msgspec
 import pytest
 
-from jetllm.gateway import capacity, tools, translate
-from jetllm.gateway.errors import STATUS, GatewayError, from_code
-from jetllm.gateway.openai_types import ChatRequest, CompletionRequest
-from jetllm.gateway.responses import ChatStream, Collected
+from jetllm.gateway import capacity
+from jetllm.openai import tools, translate
+from jetllm.openai.bodies import ChatRequest, CompletionRequest
+from jetllm.openai.errors import STATUS, OpenAIError, from_code
+from jetllm.openai.responses import Collected
+from jetllm.openai.streams import ChatStream
 from jetllm.schemas import (
     ChoiceOutput,
     ErrorCode,
@@ -39,8 +41,8 @@ def chat(**body) -> translate.Job:
     return translate.chat_job(translate.decode(raw, ChatRequest), ROUTE, "r1")
 
 
-def refused(**body) -> GatewayError:
-    with pytest.raises(GatewayError) as info:
+def refused(**body) -> OpenAIError:
+    with pytest.raises(OpenAIError) as info:
         chat(**body)
     return info.value
 
@@ -262,7 +264,7 @@ def _instance(name: str, model: str, *, adapters=(), state="serving", ready=True
 )
 def test_which_model_a_name_routes_to(name, live, known, outcome):
     if isinstance(outcome, int):
-        with pytest.raises(GatewayError) as info:
+        with pytest.raises(OpenAIError) as info:
             capacity.resolve(name, live, known, retry_after=2)
         assert info.value.status == outcome
         assert ("Retry-After" in info.value.headers()) == (outcome == 503)
@@ -276,7 +278,7 @@ def test_which_model_a_name_routes_to(name, live, known, outcome):
 )
 def test_a_deep_queue_is_a_429(depth, limit, refused):
     if refused:
-        with pytest.raises(GatewayError) as info:
+        with pytest.raises(OpenAIError) as info:
             capacity.admit("m", depth, limit, retry_after=1)
         assert info.value.status == 429 and info.value.headers() == {"Retry-After": "1"}
     else:

@@ -1,5 +1,5 @@
 """Errors as OpenAI's server shows them: one JSON shape, the right status, and one table from
-jetllm's ErrorCode values to statuses."""
+jetllm's ErrorCode values to statuses, for the gateway's answers and a batch's error lines alike."""
 
 from __future__ import annotations
 
@@ -49,9 +49,10 @@ _TYPES = {
 }
 
 
-class GatewayError(Exception):
-    """A request the gateway answers with an error; `code` is an ErrorCode value or one of the
-    gateway's own (`model_not_found`, `no_capacity`, `queue_full`, `request_too_large`)."""
+class OpenAIError(Exception):
+    """A request answered with an error (by the gateway, or in a batch's error file); `code` is an
+    ErrorCode value or one of the gateway's own (`model_not_found`, `no_capacity`, `queue_full`,
+    `request_too_large`)."""
 
     def __init__(
         self,
@@ -79,15 +80,15 @@ class GatewayError(Exception):
         return {}
 
 
-def invalid(message: str, param: str | None) -> GatewayError:
-    return GatewayError(400, message, param=param, code=ErrorCode.INVALID_REQUEST.value)
+def invalid(message: str, param: str | None) -> OpenAIError:
+    return OpenAIError(400, message, param=param, code=ErrorCode.INVALID_REQUEST.value)
 
 
 def from_code(
     code: ErrorCode, message: str, *, param: str | None = None, retry_after: int = 1
-) -> GatewayError:
+) -> OpenAIError:
     status = STATUS.get(code, 500)
-    return GatewayError(
+    return OpenAIError(
         status,
         message,
         param=param,
@@ -96,6 +97,10 @@ def from_code(
     )
 
 
-def from_exception(exc: JetllmError, *, param: str | None = None, retry_after: int = 1) -> GatewayError:
+def from_exception(exc: JetllmError, *, param: str | None = None, retry_after: int = 1) -> OpenAIError:
     """A producer-side failure (publish refused, no worker took the job in time, ...)."""
     return from_code(exc.code, exc.message, param=param, retry_after=retry_after)
+
+
+def too_large(message: str) -> OpenAIError:
+    return OpenAIError(413, message, code="request_too_large")

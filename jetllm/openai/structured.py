@@ -13,8 +13,8 @@ from ..schemas import (
     RegexOutput,
     StructuredOutput,
 )
+from .bodies import ResponseFormat, StructuredOutputs, _Generation
 from .errors import invalid
-from .openai_types import ResponseFormat, StructuredOutputs, _Generation
 
 
 def _schema(value: dict[str, Any] | str, param: str) -> JsonSchemaOutput:

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..schemas import JsonSchemaOutput, ToolFunction, ToolSpec
+from .bodies import NamedToolChoice, Tool
 from .errors import invalid
-from .openai_types import NamedToolChoice, Tool
 
 _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 OPEN_TAG = "<tool_call>"
