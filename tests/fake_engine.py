@@ -2,7 +2,7 @@
 
 It mimics the parts of vLLM the worker relies on: a context limit, greedy-looking deterministic
 tokens, EOS, stop token ids, stop strings over a simple text form, min/max tokens, n choices,
-cancellation, and death. Token i of a request is (sum of the context so far) % vocab.
+log-probabilities, cancellation, and death. Token i of a request is (sum of the context so far) % vocab.
 """
 
 from __future__ import annotations
@@ -44,6 +44,15 @@ def _finish(
             if s in text:
                 return "stop", s
     return ("length", None) if produced >= max_tokens else (None, None)
+
+
+def _logprobs(req: GenerateRequest, tok: int, vocab: int) -> dict[str, Any]:
+    """Made-up but fixed log-probabilities: the token's own, then `output.logprobs` runners-up."""
+    if req.output.logprobs is None:
+        return {}
+    own = -(tok % 7) / 8
+    top = {tok: own} | {(tok + k) % vocab: own - k for k in range(1, req.output.logprobs)}
+    return {"logprobs": [own], "top_logprobs": [dict(list(top.items())[: req.output.logprobs])]}
 
 
 class FakeEngine:
@@ -149,6 +158,7 @@ class FakeEngine:
                             text=piece if want_text else None,
                             finish_reason=finish,
                             stop_reason=stop_reason,
+                            **_logprobs(req, tok, vocab),
                         )
                     )
                 yield EngineStep(choices=choices, finished=all(done))

@@ -121,3 +121,30 @@ def test_the_owner_is_the_newest_claim_until_it_ends_or_hands_back():
     assert analyze([Claim(attempt=1, worker="a", at=0), Claim(attempt=2, worker="b", at=1)]).owner == "b"
     assert analyze([Claim(attempt=1, worker="a", at=0), Handoff(attempt=1, reason="draining")]).owner is None
     assert analyze([Claim(attempt=1, worker="a", at=0), Result(attempt=1)]).owner is None
+
+
+def test_delivered_log_probabilities_are_kept_per_choice_with_where_each_frame_began():
+    """What a migrated request's Result holds of the frames earlier attempts sent."""
+
+    def frame(seq: int, index: int, tokens: list[int], text: str, top: bool = True) -> Step:
+        lps = [-1.0 * t for t in tokens]
+        tops = [{t: -1.0 * t} for t in tokens] if top else None
+        return Step(
+            attempt=1,
+            frame=TokensFrame(
+                seq=seq, index=index, token_ids=tokens, text=text, logprobs=lps, top_logprobs=tops
+            ),
+        )
+
+    h = analyze(
+        [
+            Claim(attempt=1, worker="a", at=0),
+            frame(1, 0, [1, 2], "ab"),
+            frame(2, 1, [5], "x", top=False),
+            frame(3, 0, [3], "cde"),
+        ]
+    )
+    first, second = h.logprobs(2)
+    assert (first.logprobs, first.text_offsets) == ([-1.0, -2.0, -3.0], [0, 0, 2])
+    assert first.top_logprobs == [{1: -1.0}, {2: -2.0}, {3: -3.0}]
+    assert (second.logprobs, second.top_logprobs, second.text_offsets) == ([-5.0], [{}], [0])

@@ -49,7 +49,7 @@ SECTIONS: list[tuple[str, list[type]]] = [
     ),
     ("Frame batches", [s.FrameBatch, s.BatchedFrame]),
     ("Taking a request over", [s.ResumeQuery, s.Delivered]),
-    ("Request log", [s.Claim, s.Steps, s.Step, s.Handoff, s.Cancelled, s.Result]),
+    ("Request log", [s.Claim, s.Steps, s.Step, s.Handoff, s.Cancelled, s.Result, s.ChoiceLogprobs]),
     ("Control", [s.CancelRequest, s.StatusRequest, s.WorkerStatus]),
     (
         "Fleet: registry, load, control replies",

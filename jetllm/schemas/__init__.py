@@ -75,7 +75,7 @@ from .lora import (
     LoraLoad,
     LoraUnload,
 )
-from .requestlog import Cancelled, Claim, Handoff, Record, Result, Step, Steps
+from .requestlog import Cancelled, ChoiceLogprobs, Claim, Handoff, Record, Result, Step, Steps
 from .trace import RouteCandidate, RouteDecision, TraceRecord
 
 __all__ = [
@@ -152,6 +152,7 @@ __all__ = [
     "Prompt",
     "Record",
     "Result",
+    "ChoiceLogprobs",
     "SamplingOptions",
     "StatusRequest",
     "Step",

@@ -11,7 +11,7 @@ subject of its own (`Cancelled`).
 
 from __future__ import annotations
 
-from .common import Report
+from .common import Report, Tolerant
 from .frames import ErrorFrame, FinalFrame, TokensFrame
 
 
@@ -55,6 +55,19 @@ class Cancelled(_Record, tag="cancelled"):
     reason: str | None = None
 
 
+class ChoiceLogprobs(Tolerant, kw_only=True):
+    """One choice's log-probabilities, as its token frames carried them: enough to build the
+    response a stream of those frames gave (a batch line's is built from it)."""
+
+    logprobs: list[float]
+    """Per generated token."""
+    top_logprobs: list[dict[int, float]] = []
+    """Per generated token: the most likely token ids and their log-probabilities."""
+    text_offsets: list[int] = []
+    """Per generated token: where the text of the frame that carried it begins in the choice's
+    text (OpenAI's `text_offset`, which a frame's text cannot be split further for)."""
+
+
 class Result(_Record, tag="result"):
     """How the request ended: its final frame (with the whole output) or its error frame."""
 
@@ -64,6 +77,8 @@ class Result(_Record, tag="result"):
     """All generated tokens, per choice."""
     text: list[str] | None = None
     """All generated text, per choice, when text was produced."""
+    logprobs: list[ChoiceLogprobs] | None = None
+    """Per choice, when the job asked for log-probabilities (`output.logprobs`)."""
     worker: str = ""
     migrations: int = 0
     """Times a worker died under the request and another continued it."""

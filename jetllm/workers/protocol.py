@@ -30,6 +30,7 @@ from ..errors import EngineDead, EngineRequestError, JetllmError, RequestRejecte
 from ..schemas import (
     CancelRequest,
     Choice,
+    ChoiceLogprobs,
     Claim,
     Delivered,
     ErrorCode,
@@ -268,6 +269,7 @@ class JobRun:
         *,
         token_ids: list[list[int]],
         text: list[str] | None = None,
+        logprobs: list[ChoiceLogprobs] | None = None,
         migrations: int = 0,
     ) -> None:
         d, job, frames, rid = self._d, self.job, self._frames, self.request_id
@@ -282,6 +284,7 @@ class JobRun:
                 final=final,
                 token_ids=token_ids,
                 text=text,
+                logprobs=logprobs,
                 worker=d.ctx.instance,
                 migrations=migrations,
             ),

@@ -11,7 +11,7 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 
 from ..aio import retried
-from ..schemas import Cancelled, Claim, Handoff, Record, Result, Step, Steps, TokensFrame
+from ..schemas import Cancelled, ChoiceLogprobs, Claim, Handoff, Record, Result, Step, Steps, TokensFrame
 from ..subjects import codec, streamread
 from ..subjects.names import Names
 
@@ -69,6 +69,50 @@ class History(msgspec.Struct, kw_only=True):
             if f.index < n and f.text is not None:
                 out[f.index] += f.text
         return out
+
+    def logprobs(self, n: int) -> list[ChoiceLogprobs]:
+        out = [ChoiceLogprobs(logprobs=[]) for _ in range(n)]
+        chars = [0] * n
+        for f in self.frames:
+            if f.index < n:
+                keep_logprobs(out[f.index], f.token_ids, f.logprobs, f.top_logprobs, chars[f.index])
+                chars[f.index] += len(f.text or "")
+        return out
+
+
+class KeptLogprobs:
+    """What a Result holds of its choices' log-probabilities: nothing unless the job asked."""
+
+    def __init__(self, history: History, n: int, asked: bool) -> None:
+        self.choices = history.logprobs(n) if asked else None
+
+    def add(
+        self,
+        index: int,
+        token_ids: list[int],
+        logprobs: list[float] | None,
+        top: list[dict[int, float]] | None,
+        texts: list[str] | None,
+    ) -> None:
+        """A frame about to be sent; `texts` is every choice's text before the frame's."""
+        if self.choices is not None:
+            keep_logprobs(self.choices[index], token_ids, logprobs, top, len(texts[index]) if texts else 0)
+
+
+def keep_logprobs(
+    kept: ChoiceLogprobs,
+    token_ids: list[int],
+    logprobs: list[float] | None,
+    top: list[dict[int, float]] | None,
+    offset: int,
+) -> None:
+    """Add one frame's log-probabilities to its choice's; `offset` is where the frame's text
+    begins. Missing top entries are kept as empty ones, so the lists stay per token."""
+    k = len(token_ids)
+    kept.logprobs.extend(logprobs or [])
+    tops = top or []
+    kept.top_logprobs.extend(tops[:k] + [{}] * (k - len(tops)))
+    kept.text_offsets.extend([offset] * k)
 
 
 def analyze(records: list[Record]) -> History:

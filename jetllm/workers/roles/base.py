@@ -20,7 +20,16 @@ from typing import Any, ClassVar, Protocol
 
 import msgspec
 
-from ...schemas import Choice, GenerateRequest, HealthCheck, ModelCard, Result, TokensFrame, Usage
+from ...schemas import (
+    Choice,
+    ChoiceLogprobs,
+    GenerateRequest,
+    HealthCheck,
+    ModelCard,
+    Result,
+    TokensFrame,
+    Usage,
+)
 from ...subjects import codec
 from ..config import WorkerConfig
 from ..context import WorkerContext
@@ -80,6 +89,7 @@ class JobHandle(Protocol):
         *,
         token_ids: list[list[int]],
         text: list[str] | None = None,
+        logprobs: list[ChoiceLogprobs] | None = None,
         migrations: int = 0,
     ) -> None:
         """Store the result, send the final frame, ack the job."""

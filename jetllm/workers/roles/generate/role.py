@@ -136,6 +136,7 @@ class GenerateRole(Role):
                 outcome.usage,
                 token_ids=outcome.token_ids,
                 text=outcome.text,
+                logprobs=outcome.logprobs,
                 migrations=history.deaths + history.handoffs,
             )
         finally:

@@ -8,9 +8,9 @@ from typing import Any
 
 import msgspec
 
-from ....schemas import Choice, GenerateRequest, Usage
+from ....schemas import Choice, ChoiceLogprobs, GenerateRequest, Usage
 from ...engine import Engine, EngineAdapter, EnginePrompt
-from ...requestlog import History
+from ...requestlog import History, KeptLogprobs
 from ..base import TokenSender
 from .continuation import (
     Replay,
@@ -28,6 +28,7 @@ class Outcome(msgspec.Struct, kw_only=True):
     usage: Usage
     token_ids: list[list[int]]
     text: list[str] | None
+    logprobs: list[ChoiceLogprobs] | None = None
 
 
 async def generate(
@@ -50,6 +51,7 @@ async def generate(
     budget = max_tokens(req, len(prompt_ids), facts.max_model_len)
     tokens = history.tokens(n)
     texts = history.texts(n)
+    kept = KeptLogprobs(history, n, req.output.logprobs is not None)
     counts = [len(t) for t in tokens]
     ends: dict[int, Choice] = {}
     cached = 0
@@ -79,6 +81,7 @@ async def generate(
                 if token_ids or text:
                     counts[c.index] += len(token_ids)
                     tokens[c.index].extend(token_ids)
+                    kept.add(c.index, token_ids, logprobs, top, texts)
                     if text is not None:
                         if texts is None:
                             texts = ["" for _ in range(n)]
@@ -95,4 +98,4 @@ async def generate(
         ends.get(i) or Choice(index=i, finish_reason="stop", completion_tokens=counts[i]) for i in range(n)
     ]
     usage = Usage(prompt_tokens=len(prompt_ids), completion_tokens=sum(counts), cached_tokens=cached)
-    return Outcome(choices=choices, usage=usage, token_ids=tokens, text=texts)
+    return Outcome(choices=choices, usage=usage, token_ids=tokens, text=texts, logprobs=kept.choices)
