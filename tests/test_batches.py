@@ -22,12 +22,11 @@ from jetllm.batches import lines as lines_module
 from jetllm.batches import plan
 from jetllm.batches import service as service_module
 from jetllm.batches.lines import BadInput, line_request_id, parse_input
-from jetllm.batches.openai_lines import CHAT, COMPLETIONS, BadBody, to_request
 from jetllm.batches.runner import BatchRunner
 from jetllm.batches.service import BatchService, TooLarge
 from jetllm.gateway import batches_api, files_api
+from jetllm.openai.endpoints import CHAT, COMPLETIONS, prepare
 from jetllm.producer import Client
-from jetllm.schemas import ChatPrompt, TextPrompt, TokensPrompt
 
 from .conftest import inproc_worker
 from .fake_engine import FakeEngine
@@ -115,58 +114,10 @@ def test_pages(after, limit, ids, more):
 def test_line_request_ids_are_fixed_per_line_and_valid_request_ids():
     rid = line_request_id("batch_0123abcd", 17)
     assert rid == line_request_id("batch_0123abcd", 17) != line_request_id("batch_0123abcd", 18)
-    to_request({"model": "m", "prompt": "x"}, COMPLETIONS, rid)  # passes the RequestId pattern
+    prepare(COMPLETIONS, {"model": "m", "prompt": "x"}, rid)  # passes the RequestId pattern
 
 
-# input lines and their translation
-
-
-@pytest.mark.parametrize(
-    "body, url, prompt_type, max_tokens",
-    [
-        ({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, CHAT, ChatPrompt, None),
-        (
-            {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
-            CHAT,
-            ChatPrompt,
-            None,
-        ),
-        ({"model": "m", "prompt": "hi", "max_tokens": 5}, COMPLETIONS, TextPrompt, 5),
-        ({"model": "m", "prompt": ["hi"], "max_completion_tokens": 7}, COMPLETIONS, TextPrompt, 7),
-        ({"model": "m", "prompt": [1, 2, 3]}, COMPLETIONS, TokensPrompt, None),
-    ],
-)
-def test_line_bodies_become_jobs(body, url, prompt_type, max_tokens):
-    req = to_request(body, url, "r-1")
-    assert isinstance(req.prompt, prompt_type)
-    assert req.stop.max_tokens == max_tokens
-    assert req.reply_to is None  # detached: the result is read from the request log
-
-
-def test_sampling_fields_are_carried():
-    body = {"model": "m", "prompt": "x", "temperature": 0.5, "top_p": 0.9, "seed": 3, "stop": "\n"}
-    req = to_request(body, COMPLETIONS, "r-1")
-    assert (req.sampling.temperature, req.sampling.top_p, req.sampling.seed) == (0.5, 0.9, 3)
-    assert req.stop.stop == ["\n"]
-
-
-@pytest.mark.parametrize(
-    "body, url, param",
-    [
-        ({"messages": [{"role": "user", "content": "x"}]}, CHAT, "body.model"),
-        ({"model": "m"}, CHAT, "body.messages"),
-        ({"model": "m", "prompt": ""}, COMPLETIONS, "body.prompt"),
-        ({"model": "m", "prompt": "x", "n": 2}, COMPLETIONS, "body.n"),
-        ({"model": "m", "prompt": "x", "temperature": 9}, COMPLETIONS, "body.temperature"),
-        ({"model": "m", "prompt": "x", "max_tokens": 0}, COMPLETIONS, "body.max_tokens"),
-        ({"model": "m", "prompt": "x", "logit_bias": {}}, COMPLETIONS, "body.logit_bias"),
-        ({"model": "m", "prompt": "x"}, "/v1/embeddings", "url"),
-    ],
-)
-def test_bodies_that_cannot_run_name_the_field(body, url, param):
-    with pytest.raises(BadBody) as info:
-        to_request(body, url, "r-1")
-    assert info.value.param == param
+# input files (the bodies' translation is tabled in test_openai.py)
 
 
 @pytest.mark.parametrize(

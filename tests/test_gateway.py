@@ -126,31 +126,79 @@ def _record(instance: str, model: str, adapters: list[str] | None = None) -> byt
     return codec.encode(record)
 
 
-def test_a_batch_through_the_gateways_own_files_and_batches_endpoints(env):
-    """The gateway serves /v1/files and /v1/batches and runs the batch itself (its runner)."""
+def run_batch(env: Env, endpoint: str, bodies: list[dict]) -> list[dict]:
+    """The bodies as one batch through the gateway's files and batches endpoints (run by the
+    gateway's own runner): its output lines, which must be all of them."""
     sdk = env.sdk()
     lines = [
-        {
-            "custom_id": f"line-{i}",
-            "method": "POST",
-            "url": "/v1/chat/completions",
-            "body": {"model": "fake", "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 3},
-        }
-        for i in range(6)
+        {"custom_id": f"line-{i}", "method": "POST", "url": endpoint, "body": body}
+        for i, body in enumerate(bodies)
     ]
     data = "".join(json.dumps(line) + "\n" for line in lines).encode()
     uploaded = sdk.files.create(file=("in.jsonl", data), purpose="batch")
-    batch = sdk.batches.create(
-        input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
-    )
+    batch = sdk.batches.create(input_file_id=uploaded.id, endpoint=endpoint, completion_window="24h")
     deadline = time.monotonic() + 60
     while (batch := sdk.batches.retrieve(batch.id)).status not in ("completed", "failed", "expired"):
         assert time.monotonic() < deadline, batch
         time.sleep(0.2)
-    assert batch.status == "completed" and batch.request_counts.completed == 6, batch
+    assert batch.status == "completed" and batch.request_counts.completed == len(bodies), batch
     out = [json.loads(x) for x in sdk.files.content(batch.output_file_id).text.splitlines()]
-    assert [o["custom_id"] for o in out] == [f"line-{i}" for i in range(6)]
+    assert [o["custom_id"] for o in out] == [f"line-{i}" for i in range(len(bodies))]
     assert all(o["response"]["status_code"] == 200 for o in out)
+    return out
+
+
+def test_a_batch_through_the_gateways_own_files_and_batches_endpoints(env):
+    """The gateway serves /v1/files and /v1/batches and runs the batch itself (its runner)."""
+    bodies = [
+        {"model": "fake", "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 3}
+        for i in range(6)
+    ]
+    run_batch(env, "/v1/chat/completions", bodies)
+
+
+def _comparable(body: dict) -> dict:
+    """A response without what differs between two answers to the same request: when and which."""
+    body = {k: v for k, v in body.items() if k not in ("id", "created")}
+    for choice in body["choices"]:
+        for call in (choice.get("message") or {}).get("tool_calls") or []:
+            call["id"] = "call"
+    return body
+
+
+@pytest.mark.parametrize(
+    "endpoint, bodies",
+    [
+        (
+            "/v1/chat/completions",
+            [
+                {"messages": USER, "n": 2, "logprobs": True, "top_logprobs": 2, "max_tokens": 4, **EXTRA},
+                {
+                    "messages": USER,
+                    "max_tokens": 3,
+                    "tools": [{"type": "function", "function": {"name": "f"}}],
+                    "tool_choice": {"type": "function", "function": {"name": "f"}},
+                },
+                {"messages": USER, "max_tokens": 3, "response_format": {"type": "json_object"}, "seed": 4},
+            ],
+        ),
+        ("/v1/completions", [{"prompt": "hello", "n": 2, "logprobs": 2, "max_tokens": 5, **EXTRA}]),
+    ],
+)
+def test_a_batch_line_answers_what_the_gateway_answers_online(env, endpoint, bodies):
+    bodies = [{"model": "fake", **b} for b in bodies]
+    with httpx.Client(base_url=env.gateway.root) as http:
+        online = [http.post(endpoint, json=b).json() for b in bodies]
+    out = run_batch(env, endpoint, bodies)
+    prefix = "chatcmpl-" if endpoint == "/v1/chat/completions" else "cmpl-"
+    for line, answer in zip(out, online, strict=True):
+        response = line["response"]
+        assert _comparable(response["body"]) == _comparable(answer)
+        assert response["body"]["id"] == prefix + response["request_id"] and answer["id"].startswith(prefix)
+    first = online[0]["choices"]  # what the comparison covered: two choices, log-probabilities
+    assert len(first) == 2 and (first[1]["logprobs"].get("content") or first[1]["logprobs"]["token_logprobs"])
+    if endpoint == "/v1/chat/completions":
+        assert online[1]["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "f"
 
 
 def test_models_lists_what_live_workers_serve(env):

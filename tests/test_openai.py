@@ -10,20 +10,25 @@ import msgspec
 import pytest
 
 from jetllm.gateway import capacity
-from jetllm.openai import tools, translate
+from jetllm.openai import endpoints, stored, tools, translate
 from jetllm.openai.bodies import ChatRequest, CompletionRequest
+from jetllm.openai.endpoints import CHAT, COMPLETIONS
 from jetllm.openai.errors import STATUS, OpenAIError, from_code
 from jetllm.openai.responses import Collected
 from jetllm.openai.streams import ChatStream
 from jetllm.schemas import (
+    ChatPrompt,
+    ChoiceLogprobs,
     ChoiceOutput,
     ErrorCode,
+    ErrorFrame,
     FinalFrame,
     GrammarOutput,
     InstanceRecord,
     JsonObjectOutput,
     JsonSchemaOutput,
     RegexOutput,
+    Result,
     TextPrompt,
     TokensFrame,
     TokensPrompt,
@@ -31,6 +36,7 @@ from jetllm.schemas import (
 )
 from jetllm.schemas.frames import Choice
 from jetllm.workers.engine.chatmessages import template_message
+from jetllm.workers.requestlog import keep_logprobs
 
 ROUTE = translate.Route("m")
 USER = [{"role": "user", "content": "hi"}]
@@ -119,7 +125,7 @@ def test_chat_bodies_become_jobs(body, check):
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "", "content": "x"}]}, "messages[0].role"),
-        ({"messages": [{"content": "x"}]}, "messages[0]"),
+        ({"messages": [{"content": "x"}]}, "messages[0].role"),
         ({"best_of": 3}, "best_of"),
         ({"logit_bias": {"1": 2}}, "logit_bias"),
         ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
@@ -394,3 +400,202 @@ def test_the_gateway_imports_neither_vllm_nor_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.split()
     assert out == ["False", "False"]
+
+
+# batch lines: one body of an endpoint as its one job, and its stored Result read back
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "check"),
+    [
+        (CHAT, {"messages": USER}, lambda r: isinstance(r.prompt, ChatPrompt) and r.reply_to is None),
+        (
+            CHAT,
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
+            lambda r: r.prompt.messages[0].content == "hi",
+        ),
+        (COMPLETIONS, {"prompt": "hi", "max_tokens": 5}, lambda r: r.stop.max_tokens == 5),
+        (COMPLETIONS, {"prompt": ["hi"]}, lambda r: r.prompt == TextPrompt(text="hi")),
+        (COMPLETIONS, {"prompt": [1, 2, 3]}, lambda r: r.prompt == TokensPrompt(token_ids=[1, 2, 3])),
+        (CHAT, {"messages": USER, "max_completion_tokens": 7}, lambda r: r.stop.max_tokens == 7),
+        (
+            COMPLETIONS,
+            {"prompt": "x", "temperature": 0.5, "top_p": 0.9, "seed": 3, "stop": "\n"},
+            lambda r: (
+                (r.sampling.temperature, r.sampling.top_p, r.sampling.seed, r.stop.stop)
+                == (0.5, 0.9, 3, ["\n"])
+            ),
+        ),
+        (CHAT, {"messages": USER, "n": 2, "temperature": 1}, lambda r: r.sampling.n == 2),
+        (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 3}, lambda r: r.output.logprobs == 3),
+        (COMPLETIONS, {"prompt": "x", "logprobs": 2}, lambda r: r.output.logprobs == 2),
+        (
+            CHAT,
+            {"messages": USER, "response_format": {"type": "json_object"}},
+            lambda r: r.structured == JsonObjectOutput(),
+        ),
+        (
+            CHAT,
+            {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]},
+            lambda r: r.prompt.tools[0].function.name == "f",
+        ),
+        (
+            CHAT,
+            {"messages": USER, "top_k": 4, "min_p": 0.1, "repetition_penalty": 1.2, "guided_regex": "a+"},
+            lambda r: r.sampling.top_k == 4 and r.structured == RegexOutput(pattern="a+"),
+        ),
+        (CHAT, {"messages": USER, "user": "u1", "metadata": {"a": "b"}}, lambda r: r.model == "m"),
+    ],
+)
+def test_batch_line_bodies_become_jobs_as_the_gateways(endpoint, body, check):
+    prepared = endpoints.prepare(endpoint, {"model": "m", **body}, "batch-1-1")
+    assert prepared.job.request.request_id == "batch-1-1"
+    assert check(prepared.job.request)
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "param"),
+    [
+        (CHAT, {"messages": USER}, "model"),
+        (CHAT, {"model": "m"}, "messages"),
+        (CHAT, {"model": "", "messages": USER}, "model"),
+        (COMPLETIONS, {"model": "m", "prompt": ""}, "prompt"),
+        (COMPLETIONS, {"model": "m", "prompt": "x", "temperature": 9}, "temperature"),
+        (COMPLETIONS, {"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens"),
+        (COMPLETIONS, {"model": "m", "prompt": "x", "logit_bias": {"1": 2}}, "logit_bias"),
+        (COMPLETIONS, {"model": "m", "prompt": ["a", "b"]}, "prompt"),
+        (CHAT, {"model": "m", "messages": USER, "stream": True}, "stream"),
+        (CHAT, {"model": "m", "messages": USER, "tool_choice": "required"}, "tool_choice"),
+        (CHAT, {"model": "m", "messages": USER, "response_format": {"type": "xml"}}, "response_format.type"),
+        (CHAT, [1, 2], None),
+        ("/v1/embeddings", {"model": "m", "prompt": "x"}, "url"),
+    ],
+)
+def test_batch_line_bodies_that_cannot_run_name_the_parameter(endpoint, body, param):
+    with pytest.raises(OpenAIError) as info:
+        endpoints.prepare(endpoint, body, "r-1")
+    assert (info.value.status, info.value.param) == (400, param), info.value.message
+
+
+def _worker_result(frames: list[TokensFrame], final: FinalFrame, n: int, logprobs: bool) -> Result:
+    """The Result a worker stores after sending `frames` (workers/requestlog.py keeps its parts)."""
+    texts = ["" for _ in range(n)]
+    kept = [ChoiceLogprobs(logprobs=[]) for _ in range(n)] if logprobs else None
+    for f in frames:
+        if kept is not None:
+            keep_logprobs(kept[f.index], f.token_ids, f.logprobs, f.top_logprobs, len(texts[f.index]))
+        texts[f.index] += f.text or ""
+    token_ids = [[t for f in frames if f.index == i for t in f.token_ids] for i in range(n)]
+    return Result(attempt=1, final=final, token_ids=token_ids, text=texts, logprobs=kept)
+
+
+def _streamed(prepared: endpoints.Prepared, frames: list[TokensFrame], final: FinalFrame) -> dict:
+    """The gateway's whole answer: its endpoint's Collected, fed the frames as they arrive."""
+    req = prepared.job.request
+    c = Collected(req.sampling.n, req.output.logprobs is not None)
+    for f in frames:
+        c.tokens(f)
+    c.final(final)
+    rid = endpoints.response_id(prepared.endpoint, req.request_id)
+    if prepared.endpoint == CHAT:
+        return c.chat(rid, 1, "m", prepared.job.tool_plan)
+    return c.completion(rid, 1, "m", token_ids=prepared.body.return_token_ids)
+
+
+def _frame(index: int, ids: list[int], text: str, seq: int, top: int | None = None) -> TokensFrame:
+    lps = [-0.25 * t for t in ids] if top is not None else None
+    tops = [{t: -0.25 * t, t + 1: -9.0} for t in ids][: len(ids)] if top else None
+    return TokensFrame(seq=seq, index=index, token_ids=ids, text=text, logprobs=lps, top_logprobs=tops)
+
+
+def _no_call_ids(body: dict) -> dict:
+    for choice in body.get("choices", []):
+        for call in choice.get("message", {}).get("tool_calls") or []:
+            call["id"] = "call"
+    return body
+
+
+NAMED_TOOL = {
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+    "tool_choice": {"type": "function", "function": {"name": "f"}},
+}
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "frames", "reasons"),
+    [
+        (
+            CHAT,
+            {"messages": USER, "n": 2},
+            [_frame(0, [5], "a", 1), _frame(1, [6, 7], "bc", 2)],
+            ["stop"] * 2,
+        ),
+        (
+            CHAT,
+            {"messages": USER, "logprobs": True, "top_logprobs": 2},
+            [_frame(0, [5, 6], "ab", 1, top=2), _frame(0, [7], "", 2, top=2), _frame(0, [8], "c", 3, top=2)],
+            ["length"],
+        ),
+        (
+            COMPLETIONS,
+            {"prompt": "x", "n": 2, "logprobs": 1},
+            [
+                _frame(0, [5, 6], "ab", 1, top=1),
+                _frame(1, [9], "z", 2, top=1),
+                _frame(0, [7], "cd", 3, top=1),
+                _frame(0, [8], "", 4, top=1),
+            ],
+            ["length", "stop"],
+        ),
+        (COMPLETIONS, {"prompt": [1, 2], "return_token_ids": True}, [_frame(0, [3, 4], "q", 1)], ["stop"]),
+        (
+            CHAT,
+            {"messages": USER, "response_format": {"type": "json_object"}},
+            [_frame(0, [5], '{"a": 1}', 1)],
+            ["stop"],
+        ),
+        (CHAT, {"messages": USER, **NAMED_TOOL}, [_frame(0, [5], '{"x": 2}', 1)], ["stop"]),
+        (
+            CHAT,
+            {"messages": USER, "tools": NAMED_TOOL["tools"]},
+            [_frame(0, [5], 'ok <tool_call>{"name": "f", "arguments": {}}</tool_call>', 1)],
+            ["stop"],
+        ),
+    ],
+)
+def test_a_stored_result_answers_what_the_gateway_streamed(endpoint, body, frames, reasons):
+    prepared = endpoints.prepare(endpoint, {"model": "m", **body}, "batch-1-1")
+    final = _final(*reasons)
+    result = _worker_result(frames, final, len(reasons), prepared.job.request.output.logprobs is not None)
+    status, answer = stored.response(prepared, result, 1)
+    assert status == 200
+    assert _no_call_ids(answer) == _no_call_ids(_streamed(prepared, frames, final))
+    assert answer["id"] == ("chatcmpl-" if endpoint == CHAT else "cmpl-") + "batch-1-1"
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "param"),
+    [
+        (
+            ErrorFrame(seq=9, request_id="r", code=ErrorCode.CONTEXT_LENGTH_EXCEEDED, message="long"),
+            400,
+            None,
+        ),
+        (
+            ErrorFrame(
+                seq=9, request_id="r", code=ErrorCode.INVALID_REQUEST, message="x", field="$.stop.max_tokens"
+            ),
+            400,
+            "max_completion_tokens",
+        ),
+        (ErrorFrame(seq=9, request_id="r", code=ErrorCode.MODEL_NOT_SERVED, message="x"), 404, None),
+        (ErrorFrame(seq=9, request_id="r", code=ErrorCode.TIMEOUT, message="x"), 503, None),
+        (None, 500, None),
+    ],
+)
+def test_a_failed_line_answers_the_gateways_error(error, status, param):
+    prepared = endpoints.prepare(CHAT, {"model": "m", "messages": USER, "max_completion_tokens": 3}, "r")
+    got_status, body = stored.response(prepared, Result(attempt=1, error=error), 1)
+    assert (got_status, body["error"]["param"]) == (status, param)
+    if error is not None:
+        assert body == from_code(error.code, error.message, param=param).body()

@@ -20,11 +20,11 @@ import numpy as np
 import pytest
 
 from jetllm import embeds_prompt, tinymodel
-from jetllm.batches.openai_lines import CHAT
 from jetllm.batches.runner import BatchRunner
 from jetllm.batches.service import BatchService
 from jetllm.errors import ConnectRefused, NotPermitted, RequestFailed
 from jetllm.natsserver import NatsServer
+from jetllm.openai.endpoints import CHAT
 from jetllm.producer import Client, deadletters
 from jetllm.producer.fleet import ask, worker_statuses
 from jetllm.producer.lora import LoraAdmin

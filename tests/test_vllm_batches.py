@@ -17,9 +17,9 @@ import openai
 import pytest
 from starlette.applications import Starlette
 
-from jetllm.batches.openai_lines import CHAT, to_request
 from jetllm.batches.service import BatchService
 from jetllm.gateway import batches_api, files_api
+from jetllm.openai.endpoints import CHAT, prepare
 from jetllm.producer import Client
 
 from .conftest import TINY
@@ -96,7 +96,7 @@ async def test_a_batch_finishes_once_per_line_after_its_runner_and_a_worker_die(
 
                 async def again(i: int) -> None:
                     async with limiter:
-                        req = to_request(lines[i]["body"], CHAT, f"ref-{namespace}-{i}")
+                        req = prepare(CHAT, lines[i]["body"], f"ref-{namespace}-{i}").job.request
                         reference[i] = (await client.complete(req)).text or ""
 
                 async with anyio.create_task_group() as tg:

@@ -7,7 +7,8 @@ from typing import Any
 
 import msgspec
 
-from .openai_lines import BadBody, to_request
+from ..openai.endpoints import prepare
+from ..openai.errors import OpenAIError
 
 _json = msgspec.json.Decoder()
 
@@ -37,6 +38,11 @@ def line_request_id(batch_id: str, line: int) -> str:
     """The job's request id: the same for a line whichever runner submits it, so a resumed
     runner finds the line's result (or its job, as a duplicate) instead of running it again."""
     return f"{batch_id.replace('_', '-')}-{line}"
+
+
+def in_body(param: str | None) -> str:
+    """A body's parameter as a field of its line (OpenAI's `param` for a line: `body.temperature`)."""
+    return f"body.{param}" if param else "body"
 
 
 def parse_input(data: bytes, endpoint: str) -> list[InputLine]:
@@ -81,9 +87,9 @@ def parse_input(data: bytes, endpoint: str) -> list[InputLine]:
         if unknown:
             raise BadInput(f"{where}: unknown field {sorted(unknown)[0]!r}", line=n, param=sorted(unknown)[0])
         try:
-            to_request(obj.get("body"), endpoint, line_request_id("batch_0", n))
-        except BadBody as exc:
-            raise BadInput(f"{where}: {exc.message}", line=n, param=exc.param) from None
+            prepare(endpoint, obj.get("body"), line_request_id("batch_0", n))
+        except OpenAIError as exc:
+            raise BadInput(f"{where}, body: {exc.message}", line=n, param=in_body(exc.param)) from None
         lines.append(InputLine(n, custom_id, obj["body"]))
     if not lines:
         raise BadInput("the input file has no requests")

@@ -20,12 +20,14 @@ import msgspec
 from nats.aio.msg import Msg
 
 from ..errors import JetllmError
+from ..openai import stored
+from ..openai.endpoints import prepare
+from ..openai.errors import OpenAIError
 from ..producer import Client
-from ..schemas import BatchIssue, BatchRun, BatchState, ErrorFrame, Record, RequestCounts, Result
+from ..schemas import BatchIssue, BatchRun, BatchState, ErrorCode, ErrorFrame, Record, RequestCounts, Result
 from ..subjects import codec
 from . import plan
 from .lines import BadInput, InputLine, line_request_id
-from .openai_lines import response_body, to_request
 from .service import ApiError, BatchService
 
 log = logging.getLogger(__name__)
@@ -226,10 +228,9 @@ class _HeldBatch:
                     line = pending.popleft()
                     rid = line_request_id(self.id, line.line)
                     try:
-                        await self.client.submit(to_request(line.body, endpoint, rid))
-                    except JetllmError as exc:  # this line cannot be a job (too big): it fails alone
-                        err = ErrorFrame(seq=1, request_id=rid, code=exc.code, message=exc.message)
-                        self.outcomes[line.line] = Result(attempt=0, error=err)
+                        await self.client.submit(prepare(endpoint, line.body, rid).job.request)
+                    except (JetllmError, OpenAIError) as exc:  # this line cannot be a job: it fails alone
+                        self.outcomes[line.line] = _failed(rid, exc)
                         continue
                     self.in_flight.add(line.line)
                     tg.start_soon(self._await, line.line, rid)
@@ -315,7 +316,7 @@ class _HeldBatch:
                     else msgspec.structs.replace(s, status="finalizing", finalizing_at=now)
                 ),
             )
-        out, errors = self._files(lines, state.endpoint, stop)
+        out, errors = await anyio.to_thread.run_sync(self._files, lines, state.endpoint, stop)
         out_id, err_id = output_files(self.id)
         tail = self.id.removeprefix("batch_")
         if out:
@@ -346,7 +347,8 @@ class _HeldBatch:
         self, lines: list[InputLine], endpoint: str, stop: plan.Stop
     ) -> tuple[list[bytes], list[bytes]]:
         """Lines of the output file (responses with status 200) and of the error file (the rest),
-        in input order: every input line is in exactly one of them."""
+        in input order: every input line is in exactly one of them. Run in a thread: each line's
+        body is translated again, to read its result as the gateway would."""
         out: list[bytes] = []
         errors: list[bytes] = []
         created = int(time.time())
@@ -366,7 +368,7 @@ class _HeldBatch:
                 }
                 errors.append(_encoder.encode(entry) + b"\n")
                 continue
-            status, body = response_body(endpoint, result, str(line.body.get("model")), created)
+            status, body = _response(endpoint, line, rid, result, created)
             entry["response"] = {"status_code": status, "request_id": rid, "body": body}
             (out if status == 200 else errors).append(_encoder.encode(entry) + b"\n")
         return out, errors
@@ -379,3 +381,20 @@ def _with_counts(c: RequestCounts):  # noqa: ANN202
         return msgspec.structs.replace(state, request_counts=c)
 
     return change
+
+
+def _failed(rid: str, exc: JetllmError | OpenAIError) -> Result:
+    if isinstance(exc, OpenAIError):  # a body that translated when the batch was created, no longer
+        err = ErrorFrame(seq=1, request_id=rid, code=ErrorCode.INVALID_REQUEST, message=exc.message)
+    else:  # too big to publish, say
+        err = ErrorFrame(seq=1, request_id=rid, code=exc.code, message=exc.message)
+    return Result(attempt=0, error=err)
+
+
+def _response(endpoint: str, line: InputLine, rid: str, result: Result, created: int) -> tuple[int, dict]:
+    """The line's response: what the gateway answers for its body, from the line's result."""
+    try:
+        prepared = prepare(endpoint, line.body, rid)
+    except OpenAIError as err:
+        return err.status, err.body()
+    return stored.response(prepared, result, created)

@@ -21,13 +21,13 @@ from nats.js.kv import KeyValue
 from nats.js.object_store import ObjectStore
 
 from ..errors import JetllmError
+from ..openai.endpoints import ENDPOINTS
 from ..schemas import TERMINAL_STATUSES, BatchRun, BatchState, ErrorCode, FileMeta
 from ..subjects import codec
 from ..subjects.names import Names
 from ..subjects.setup import ensure_batch_plane
 from . import plan
 from .lines import BadInput, InputLine, parse_input
-from .openai_lines import ENDPOINTS
 
 DEFAULT_MAX_FILE_BYTES = 100 << 20
 """Largest upload, 100 MiB: a batch input is read whole by the runner that takes it."""

@@ -108,9 +108,9 @@ async def run_batch_api(
 ) -> list[Figures]:
     """The batch API, and for scale the same lines streamed through the same worker by one
     producer (`Client.complete`, `window` at a time): what the plane costs apart from the runner."""
-    from ..batches.openai_lines import COMPLETIONS
     from ..batches.runner import BatchRunner
     from ..batches.service import BatchService
+    from ..openai.endpoints import COMPLETIONS
     from ..producer import Client
     from ..producer.fleet import wait_for_workers
     from .targets import engine_cli_args
@@ -195,7 +195,7 @@ async def run_batch_api(
 
 
 async def _streamed(client: Any, prompts: list[list[int]], window: int, body: Any) -> Figures:
-    from ..batches.openai_lines import COMPLETIONS, to_request
+    from ..openai.endpoints import COMPLETIONS, prepare
 
     limiter = anyio.Semaphore(window)
     tokens = 0
@@ -204,7 +204,8 @@ async def _streamed(client: Any, prompts: list[list[int]], window: int, body: An
     async def one(i: int) -> None:
         nonlocal tokens
         async with limiter:
-            done = await client.complete(to_request(body(prompts[i]), COMPLETIONS, f"s-{run_id}-{i}"))
+            request = prepare(COMPLETIONS, body(prompts[i]), f"s-{run_id}-{i}").job.request
+            done = await client.complete(request)
             tokens += done.usage.completion_tokens
 
     started = time.perf_counter()

@@ -16,9 +16,9 @@ import anyio
 
 from ..aio import run, supervised
 from ..batches import plan
-from ..batches.openai_lines import ENDPOINTS
 from ..batches.runner import BatchRunner
 from ..batches.service import DEFAULT_MAX_FILE_BYTES, ApiError, BatchService
+from ..openai.endpoints import ENDPOINTS
 from ..producer import Client
 from ..schemas import TERMINAL_STATUSES, BatchState
 from .common import add_nats, nats_url

@@ -11,6 +11,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ..openai.bodies import ChatRequest
+from ..openai.endpoints import CHAT, response_id
 from ..openai.errors import OpenAIError
 from ..openai.responses import Collected
 from ..openai.streams import ChatStream
@@ -28,7 +29,7 @@ async def chat_completions(request: Request) -> Response | EventStream:
     try:
         body: ChatRequest = await gw.parse(request, ChatRequest)
         route = await gw.route(body.model)
-        job = chat_job(body, route, f"chatcmpl-{uuid.uuid4().hex}")
+        job = chat_job(body, route, response_id(CHAT, uuid.uuid4().hex))
     except OpenAIError as err:
         return refused(gw, ENDPOINT, err)
     rid, when, n = job.request.request_id, created(), job.request.sampling.n
@@ -74,4 +75,4 @@ async def chat_completions(request: Request) -> Response | EventStream:
     return await answer(gw, request, ENDPOINT, whole, stream if body.stream else None)
 
 
-routes = [Route("/v1/chat/completions", chat_completions, methods=["POST"])]
+routes = [Route(CHAT, chat_completions, methods=["POST"])]

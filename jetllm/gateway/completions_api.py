@@ -11,6 +11,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from ..openai.bodies import CompletionRequest
+from ..openai.endpoints import COMPLETIONS, response_id
 from ..openai.errors import OpenAIError
 from ..openai.responses import Collected, add_usage
 from ..openai.streams import CompletionStream
@@ -28,7 +29,7 @@ async def completions(request: Request) -> Response | EventStream:
     try:
         body: CompletionRequest = await gw.parse(request, CompletionRequest)
         route = await gw.route(body.model)
-        rid = f"cmpl-{uuid.uuid4().hex}"
+        rid = response_id(COMPLETIONS, uuid.uuid4().hex)
         jobs = completion_jobs(body, route, rid)
     except OpenAIError as err:
         return refused(gw, ENDPOINT, err)
@@ -77,4 +78,4 @@ async def completions(request: Request) -> Response | EventStream:
     return await answer(gw, request, ENDPOINT, whole, stream if body.stream else None)
 
 
-routes = [Route("/v1/completions", completions, methods=["POST"])]
+routes = [Route(COMPLETIONS, completions, methods=["POST"])]

@@ -30,6 +30,7 @@ from .bodies import ChatRequest, CompletionRequest, Message, _Generation
 from .errors import invalid
 
 _AT = re.compile(r"^(.*) - at `(\$[^`]*)`$")
+_MISSING = re.compile(r"^Object missing required field `([^`]*)`$")
 
 _COMMON_PARAMS = {
     "$.sampling.": "",
@@ -84,8 +85,12 @@ def decode(body: bytes, kind: type[Any]) -> Any:
     except msgspec.ValidationError as exc:
         message = str(exc)
         m = _AT.match(message)
-        param = m.group(2).removeprefix("$.") if m else None
-        raise invalid(f"{param}: {m.group(1)}" if m else message, param or None) from None
+        what, at = (m.group(1), m.group(2)) if m else (message, "$")
+        param = at.removeprefix("$").removeprefix(".")
+        missing = _MISSING.match(what)
+        if missing:
+            param = f"{param}.{missing.group(1)}" if param else missing.group(1)
+        raise invalid(f"{param}: {what}" if param else what, param or None) from None
     except msgspec.DecodeError as exc:
         raise invalid(f"the body is not a JSON object: {exc}", None) from None
 
