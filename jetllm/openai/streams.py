@@ -27,23 +27,20 @@ class _StreamChoice:
     called: bool = False
 
 
-class ChatStream:
-    """Chunks of a streamed chat completion. Plain text streams as it comes; with tools in "auto",
-    text streams until a `<tool_call>` tag begins, and the calls follow as one chunk at the end; a
-    named function streams its arguments as they come; "required" sends its calls at the end."""
+class _Chunks:
+    """What every chunk of one response shares; `usage` is present (null) on each when the client
+    asked for usage, and set on the last."""
 
-    def __init__(
-        self, rid: str, created: int, model: str, n: int, tool_plan: tools.ToolPlan, *, include_usage: bool
-    ) -> None:
+    kind = ""
+
+    def __init__(self, rid: str, created: int, model: str, *, include_usage: bool) -> None:
         self.rid, self.created, self.model = rid, created, model
-        self.tool_plan = tool_plan
         self.include_usage = include_usage
-        self.choices = [_StreamChoice() for _ in range(n)]
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {
             "id": self.rid,
-            "object": "chat.completion.chunk",
+            "object": self.kind,
             "created": self.created,
             "model": self.model,
             "choices": choices,
@@ -51,6 +48,26 @@ class ChatStream:
         if self.include_usage:
             out["usage"] = None
         return out
+
+    def usage_chunk(self, u: Usage) -> dict[str, Any]:
+        chunk = self._chunk([])
+        chunk["usage"] = usage(u)
+        return chunk
+
+
+class ChatStream(_Chunks):
+    """Chunks of a streamed chat completion. Plain text streams as it comes; with tools in "auto",
+    text streams until a `<tool_call>` tag begins, and the calls follow as one chunk at the end; a
+    named function streams its arguments as they come; "required" sends its calls at the end."""
+
+    kind = "chat.completion.chunk"
+
+    def __init__(
+        self, rid: str, created: int, model: str, n: int, tool_plan: tools.ToolPlan, *, include_usage: bool
+    ) -> None:
+        super().__init__(rid, created, model, include_usage=include_usage)
+        self.tool_plan = tool_plan
+        self.choices = [_StreamChoice() for _ in range(n)]
 
     def _delta(self, index: int, delta: dict[str, Any], logprobs: Any = None, finish: str | None = None):
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
@@ -131,34 +148,18 @@ class ChatStream:
             out.append(self._chunk([self._delta(i, {}, finish=finish)]))
         return out
 
-    def usage_chunk(self, u: Usage) -> dict[str, Any]:
-        chunk = self._chunk([])
-        chunk["usage"] = usage(u)
-        return chunk
 
-
-class CompletionStream:
+class CompletionStream(_Chunks):
     """Chunks of a streamed text completion; `base` offsets the choice indexes of one prompt."""
+
+    kind = "text_completion"
 
     def __init__(
         self, rid: str, created: int, model: str, *, include_usage: bool, token_ids: bool = False
     ) -> None:
-        self.rid, self.created, self.model = rid, created, model
-        self.include_usage = include_usage
+        super().__init__(rid, created, model, include_usage=include_usage)
         self.token_ids = token_ids
         self.chars: dict[int, int] = {}
-
-    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "id": self.rid,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        }
-        if self.include_usage:
-            out["usage"] = None
-        return out
 
     def tokens(self, frame: TokensFrame, base: int = 0) -> list[dict[str, Any]]:
         i = base + frame.index
@@ -190,8 +191,3 @@ class CompletionStream:
             )
             for c in sorted(frame.choices, key=lambda ch: ch.index)
         ]
-
-    def usage_chunk(self, u: Usage) -> dict[str, Any]:
-        chunk = self._chunk([])
-        chunk["usage"] = usage(u)
-        return chunk
