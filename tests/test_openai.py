@@ -590,6 +590,17 @@ def test_a_stored_result_answers_what_the_gateway_streamed(endpoint, body, frame
         ),
         (ErrorFrame(seq=9, request_id="r", code=ErrorCode.MODEL_NOT_SERVED, message="x"), 404, None),
         (ErrorFrame(seq=9, request_id="r", code=ErrorCode.TIMEOUT, message="x"), 503, None),
+        (
+            ErrorFrame(
+                seq=9,
+                request_id="r",
+                code=ErrorCode.PAYLOAD_TOO_LARGE,
+                message="x",
+                field="$.output.logprobs",
+            ),
+            413,
+            "top_logprobs",
+        ),
         (None, 500, None),
     ],
 )

@@ -4,9 +4,22 @@ from __future__ import annotations
 
 import pytest
 
-from jetllm.schemas import Cancelled, Claim, ErrorCode, ErrorFrame, Handoff, Result, Step, TokensFrame
+from jetllm.schemas import (
+    Cancelled,
+    Choice,
+    ChoiceLogprobs,
+    Claim,
+    ErrorCode,
+    ErrorFrame,
+    FinalFrame,
+    Handoff,
+    Result,
+    Step,
+    TokensFrame,
+    Usage,
+)
 from jetllm.subjects import codec
-from jetllm.workers.requestlog import analyze, read_cancel, with_cancel
+from jetllm.workers.requestlog import analyze, fitted, read_cancel, with_cancel
 
 
 def step(attempt: int, seq: int, *tokens: int, index: int = 0) -> Step:
@@ -148,3 +161,42 @@ def test_delivered_log_probabilities_are_kept_per_choice_with_where_each_frame_b
     assert (first.logprobs, first.text_offsets) == ([-1.0, -2.0, -3.0], [0, 0, 2])
     assert first.top_logprobs == [{1: -1.0}, {2: -2.0}, {3: -3.0}]
     assert (second.logprobs, second.top_logprobs, second.text_offsets) == ([-5.0], [{}], [0])
+
+
+def _result(tokens: int, logprobs: bool) -> Result:
+    final = FinalFrame(
+        seq=tokens + 1,
+        request_id="r",
+        choices=[Choice(index=0, finish_reason="length", completion_tokens=tokens)],
+        usage=Usage(prompt_tokens=1, completion_tokens=tokens),
+    )
+    kept = ChoiceLogprobs(
+        logprobs=[-1.5] * tokens,
+        top_logprobs=[{i: -1.5 for i in range(20)}] * tokens,
+        text_offsets=[0] * tokens,
+    )
+    return Result(attempt=1, final=final, token_ids=[[7] * tokens], logprobs=[kept] if logprobs else None)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "logprobs", "limit", "kept"),
+    [
+        (10, True, 1 << 20, True),
+        (10, False, 100, True),  # without log-probabilities the Result is stored as it is
+        (5000, True, 1 << 20, False),  # top-20 log-probabilities of 5000 tokens: over a 1 MiB message
+    ],
+)
+def test_a_result_too_large_for_its_log_probabilities_is_stored_as_an_error_naming_them(
+    tokens, logprobs, limit, kept
+):
+    result = _result(tokens, logprobs)
+    stored = fitted(result, limit)
+    if kept:
+        assert stored is result
+    else:
+        assert stored.final is None and stored.error.code == ErrorCode.PAYLOAD_TOO_LARGE
+        assert (
+            stored.error.field == "$.output.logprobs"
+            and "fewer top log-probabilities" in stored.error.message
+        )
+        assert len(codec.encode(stored)) < limit

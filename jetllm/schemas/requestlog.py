@@ -78,7 +78,9 @@ class Result(_Record, tag="result"):
     text: list[str] | None = None
     """All generated text, per choice, when text was produced."""
     logprobs: list[ChoiceLogprobs] | None = None
-    """Per choice, when the job asked for log-probabilities (`output.logprobs`)."""
+    """Per choice, when a detached job (no `reply_to`: a batch line) asked for log-probabilities;
+    a producer that streams has them from the frames. A Result they would make larger than a
+    message is stored as a `payload_too_large` error naming `$.output.logprobs` instead."""
     worker: str = ""
     migrations: int = 0
     """Times a worker died under the request and another continued it."""

@@ -11,7 +11,19 @@ import nats.js.errors
 from nats.aio.client import Client as NATS
 
 from ..aio import retried
-from ..schemas import Cancelled, ChoiceLogprobs, Claim, Handoff, Record, Result, Step, Steps, TokensFrame
+from ..schemas import (
+    Cancelled,
+    ChoiceLogprobs,
+    Claim,
+    ErrorCode,
+    ErrorFrame,
+    Handoff,
+    Record,
+    Result,
+    Step,
+    Steps,
+    TokensFrame,
+)
 from ..subjects import codec, streamread
 from ..subjects.names import Names
 
@@ -113,6 +125,26 @@ def keep_logprobs(
     tops = top or []
     kept.top_logprobs.extend(tops[:k] + [{}] * (k - len(tops)))
     kept.text_offsets.extend([offset] * k)
+
+
+def fitted(result: Result, limit: int) -> Result:
+    """`result`, or, when its log-probabilities make it larger than a message may be (`limit`
+    bytes), an error naming them: a Result that cannot be stored would leave its reader (a batch
+    line) waiting for ever."""
+    if not result.logprobs:
+        return result
+    size = len(codec.encode(result))
+    if size <= limit:
+        return result
+    error = ErrorFrame(
+        seq=result.final.seq if result.final else 1,
+        request_id=result.final.request_id if result.final else None,
+        code=ErrorCode.PAYLOAD_TOO_LARGE,
+        message=f"the output with its log-probabilities is {size} bytes, more than a stored result may "
+        f"be ({limit}, the server's max_payload); ask for fewer top log-probabilities or tokens",
+        field="$.output.logprobs",
+    )
+    return Result(attempt=result.attempt, error=error, worker=result.worker, migrations=result.migrations)
 
 
 def analyze(records: list[Record]) -> History:
@@ -231,7 +263,7 @@ class RequestLog:
     async def store_result(self, request_id: str, result: Result) -> None:
         """Store a request's end before acking its job, so a redelivery answers from it, not reruns."""
         try:
-            await self.write_stored(request_id, result)
+            await self.write_stored(request_id, fitted(result, self.nc.max_payload - codec.HEADER_MARGIN))
         except LogUnavailable as exc:
             log.warning(
                 "request %s: its result is not in the log (%s); a redelivery would run it again",

@@ -51,7 +51,7 @@ async def generate(
     budget = max_tokens(req, len(prompt_ids), facts.max_model_len)
     tokens = history.tokens(n)
     texts = history.texts(n)
-    kept = KeptLogprobs(history, n, req.output.logprobs is not None)
+    kept = KeptLogprobs(history, n, req.output.logprobs is not None and req.reply_to is None)
     counts = [len(t) for t in tokens]
     ends: dict[int, Choice] = {}
     cached = 0
