@@ -610,3 +610,14 @@ def test_a_failed_line_answers_the_gateways_error(error, status, param):
     assert (got_status, body["error"]["param"]) == (status, param)
     if error is not None:
         assert body == from_code(error.code, error.message, param=param).body()
+
+
+def test_the_translation_and_the_batch_runner_need_no_http_stack():
+    """`jetllm batch` and `jetllm batch-runner` run without the `gateway` extra."""
+    import subprocess
+    import sys
+
+    modules = "jetllm.openai.endpoints, jetllm.openai.stored, jetllm.openai.streams, jetllm.batches.runner"
+    code = f"import sys, {modules}; print(sorted(m for m in ('starlette', 'uvicorn') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "[]", out.stderr
