@@ -384,11 +384,10 @@ def _with_counts(c: RequestCounts):  # noqa: ANN202
 
 
 def _failed(rid: str, exc: JetllmError | OpenAIError) -> Result:
-    if isinstance(exc, OpenAIError):  # a body that translated when the batch was created, no longer
-        err = ErrorFrame(seq=1, request_id=rid, code=ErrorCode.INVALID_REQUEST, message=exc.message)
-    else:  # too big to publish, say
-        err = ErrorFrame(seq=1, request_id=rid, code=exc.code, message=exc.message)
-    return Result(attempt=0, error=err)
+    """A line that never became a job: too big to publish, or a body that translated when the
+    batch was created and no longer does (another version's runner)."""
+    code = exc.code if isinstance(exc, JetllmError) else ErrorCode.INVALID_REQUEST
+    return Result(attempt=0, error=ErrorFrame(seq=1, request_id=rid, code=code, message=exc.message))
 
 
 def _response(endpoint: str, line: InputLine, rid: str, result: Result, created: int) -> tuple[int, dict]:
