@@ -205,7 +205,6 @@ class WorkerProcess:
         self.served = served
         self.log_path = log_path
         self._params = (url, namespace, model, args, served, module)
-        self.restarts = 0
         cmd = [
             sys.executable,
             "-m",
@@ -294,22 +293,6 @@ class WorkerProcess:
         self._kill_group()  # and whatever it left behind
         self.proc.wait()
         self._log.close()
-
-    def restart(self) -> WorkerProcess:
-        """A new process with the same arguments (after this one died), logging beside it."""
-        url, namespace, model, args, served, module = self._params
-        self._log.close()
-        w = WorkerProcess(
-            url,
-            namespace,
-            model,
-            self.log_path.with_name(f"{self.log_path.stem}.r{self.restarts + 1}.log"),
-            *args,
-            served=served,
-            module=module,
-        )
-        w.restarts = self.restarts + 1
-        return w
 
     def engine_pids(self) -> list[int]:
         """The engine's processes among the worker's children (EngineCore; not its watchdog)."""

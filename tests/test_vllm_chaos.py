@@ -1,4 +1,5 @@
-"""Nothing accepted is lost, whatever dies: real vLLM workers SIGKILLed, drained, restarted."""
+"""Nothing accepted is lost, whatever dies: real vLLM workers SIGKILLed and drained, the broker restarted
+and crashed."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ from .conftest import TINY, WorkerProcess, stop_all
 from .jobs import req
 
 pytestmark = [pytest.mark.anyio, pytest.mark.vllm]
+
+SAMPLED_LEN = 200
 
 
 class Tracker:
@@ -70,9 +73,9 @@ def last_accepted(t: Tracker) -> str | None:
 
 async def chaos_run(c, url, workers, requests, kills: int):
     """Run `requests`; SIGKILL a random busy worker `kills` times, at evenly spaced fractions of the
-    expected tokens (speed-independent) and only while another worker serves, restarting each in
-    the background; return trackers and the kill moments. Victims are the first workers (a restart
-    is not waited for), so with 3 workers at most 2 are killed."""
+    expected tokens (speed-independent) and only while another worker serves; return trackers and
+    the kill moments. Victims stay dead (an engine starting meanwhile would only slow the
+    survivors on a small box), so with 3 workers at most 2 are killed."""
     trackers = {r.request_id: Tracker() for r in requests}
     total = sum(r.stop.max_tokens for r in requests)
     kill_times: list[float] = []
@@ -100,7 +103,6 @@ async def chaos_run(c, url, workers, requests, kills: int):
             victim.signal(signal.SIGKILL)
             kill_times.append(time.monotonic())
             victim.proc.wait()
-            workers[workers.index(victim)] = victim.restart()
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(killer)
@@ -156,20 +158,20 @@ async def test_chaos_keeps_greedy_outputs_exact_and_every_delivered_sampled_toke
         req(
             TINY,
             [rng.randrange(4, 500) for _ in range(rng.randrange(4, 20))],
-            stop=StopConditions(max_tokens=rng.randrange(120, 300), ignore_eos=True),
+            stop=StopConditions(max_tokens=rng.randrange(120, 240), ignore_eos=True),
         )
-        for _ in range(30)
+        for _ in range(20)
     ]
     sampled = [
         req(
             TINY,
             [5 + i, 6, 7],
             sampling=SamplingOptions(temperature=1.0, seed=100 + i),
-            stop=StopConditions(max_tokens=250, ignore_eos=True),
+            stop=StopConditions(max_tokens=SAMPLED_LEN, ignore_eos=True),
         )
-        for i in range(16)
+        for i in range(12)
     ]
-    requests = [r for pair in zip(greedy, sampled + [None] * 14, strict=True) for r in pair if r]
+    requests = [r for pair in zip(greedy, sampled + [None] * 8, strict=True) for r in pair if r]
     async with Client(nats_url, namespace=namespace, heartbeat_timeout=1.0) as c:
         trackers, kills = await chaos_run(c, nats_url, workers3, requests, kills=2)
     expected = await anyio.to_thread.run_sync(
@@ -196,7 +198,7 @@ async def test_chaos_keeps_greedy_outputs_exact_and_every_delivered_sampled_toke
     for r in sampled:
         t = trackers[r.request_id]
         tokens = t.tokens
-        assert len(tokens) == 250  # nothing duplicated, nothing missing
+        assert len(tokens) == SAMPLED_LEN  # nothing duplicated, nothing missing
         for k in kills:
             before = t.tokens_before(k)
             assert tokens[: len(before)] == before  # delivered tokens were never changed
@@ -368,7 +370,7 @@ async def test_batch_killed_halfway_resumes_with_exactly_one_result_per_line(
 async def test_broker_restart_and_crash_during_batches_lose_nothing(
     tiny_model, tmp_path, namespace, run_batch, record_property
 ):
-    """The same two workers see the server restarted (SIGTERM) during one batch, then crash
+    """The same worker sees the server restarted (SIGTERM) during one batch, then crash
     (SIGKILL, even fsyncing every write) during the next. A restart runs nothing twice. A crash
     loses nothing, but the restored server may hand out a running job again before its worker is
     back (docs/durability.md): the producer still gets one result per line; extra runs are
@@ -376,9 +378,7 @@ async def test_broker_restart_and_crash_during_batches_lose_nothing(
     data = tmp_path / "nats"
     server = NatsServer(data, sync_always=True).start()
     url = server.url
-    workers = [
-        WorkerProcess(url, namespace, tiny_model, tmp_path / f"w{i}.log", "--slots", "8") for i in range(2)
-    ]
+    workers = [WorkerProcess(url, namespace, tiny_model, tmp_path / "w0.log", "--slots", "8")]
     try:
         for w in workers:
             await w.wait_ready(url)
@@ -404,7 +404,7 @@ async def test_broker_restart_and_crash_during_batches_lose_nothing(
             assert all(len(x["token_ids"]) == 120 for x in lines), how
             async with Client(url, namespace=namespace) as c:
                 with anyio.fail_after(30):
-                    while len(statuses := await worker_statuses(c.nc, c.names)) < 2:
+                    while len(statuses := await worker_statuses(c.nc, c.names)) < len(workers):
                         await anyio.sleep(0.2)
             completed = sum(int(s.extra["completed"]) for s in statuses) - ran_before
             ran_before += completed

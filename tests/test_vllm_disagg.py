@@ -188,36 +188,10 @@ async def test_cancel_during_a_remote_prefill_frees_the_prefill_workers_slot(nat
             tg.cancel_scope.cancel()
 
 
-async def test_a_prefill_worker_killed_mid_prefill_costs_a_local_prefill_not_the_request(
-    nats_url, disagg, shared_vllm
-):
-    ns = disagg["decode"].namespace
-    prefill = disagg["prefill"]
-    prompt = TokensPrompt(token_ids=fresh_long())
-    want = await run(nats_url, shared_vllm.namespace, request(prompt))
-    req = request(prompt, rid=f"slow-prefill-{uuid.uuid4().hex}")
-    async with Client(nats_url, namespace=ns, heartbeat_timeout=30) as c:
-        async with anyio.create_task_group() as tg:
-            result = {}
-
-            async def one() -> None:
-                result["got"] = await c.complete(req)
-
-            tg.start_soon(one)
-            with anyio.fail_after(30):
-                while not (await instance_status(c.nc, c.names, prefill.instance)).request_ids:
-                    await anyio.sleep(0.1)
-            prefill.signal(signal.SIGKILL)
-    got = result["got"]
-    assert got.token_ids == want.token_ids and got.usage.cached_tokens == 0
-    note = await prefill_note(nats_url, ns, req.request_id)
-    assert note and note.startswith("local:"), note
-
-
-# The tests below run last: they kill the module's decode worker and stop its prefill worker.
-# Two engines more (a decode and a prefill worker on vLLM's example connector, which stores every
-# prompt's KV in a shared directory and loads it when the same prompt comes again) join the
-# same namespace, so each behaviour below costs no engine of its own.
+# The tests below run last, in this order: they kill the module's decode worker (a second one,
+# on vLLM's example connector, takes its place), then its prefill worker (one on the example
+# connector takes its place). The example connector stores every prompt's KV in a shared directory
+# and loads it when the same prompt comes again. Each behaviour costs no engine of its own.
 
 
 @pytest.fixture(scope="module")
@@ -258,9 +232,6 @@ async def test_a_decode_worker_killed_after_the_handoff_migrates_with_the_same_t
     decode worker, started after the kill so that the first one surely took it."""
     ns = disagg["decode"].namespace
     prefill, decode = disagg["prefill"], disagg["decode"]
-    if prefill.proc.poll() is not None:  # a test before killed it
-        prefill = disagg["prefill"] = prefill.restart()
-        await prefill.wait_ready(nats_url, READY)
     prompt = TokensPrompt(token_ids=fresh_long())
     want = await run(nats_url, shared_vllm.namespace, request(prompt, tokens=300))
     req = request(prompt, tokens=300)
@@ -299,33 +270,69 @@ async def test_a_decode_worker_killed_after_the_handoff_migrates_with_the_same_t
     example_fleet["decode"] = second
 
 
+async def test_a_decode_worker_on_another_connector_computes_the_prompt_locally(
+    nats_url, disagg, shared_vllm, example_fleet
+):
+    """The second decode worker loads with vLLM's ExampleConnector, and the jetllm prefill worker
+    answers: another connector moved the blocks, so the prompt is computed locally (a counted
+    reason) and the output is the same."""
+    ns = disagg["decode"].namespace
+    decode = example_fleet["decode"]
+    prompt = TokensPrompt(token_ids=fresh_long())
+    want = await run(nats_url, shared_vllm.namespace, request(prompt))
+    req = request(prompt)
+    got = await run(nats_url, ns, req)
+    assert got.token_ids == want.token_ids
+    note = await prefill_note(nats_url, ns, req.request_id)
+    assert note and note.startswith("local:") and "jetllm KV connector" in note, note
+    assert got.usage.cached_tokens == 0
+    async with Client(nats_url, namespace=ns) as c:
+        s = await instance_status(c.nc, c.names, decode.instance)
+    assert s.extra["prefill_local_fallback_connector"] == "1", s.extra
+
+
+async def test_a_prefill_worker_killed_mid_prefill_costs_a_local_prefill_not_the_request(
+    nats_url, disagg, shared_vllm
+):
+    ns = disagg["decode"].namespace
+    prefill = disagg["prefill"]
+    prompt = TokensPrompt(token_ids=fresh_long())
+    want = await run(nats_url, shared_vllm.namespace, request(prompt))
+    req = request(prompt, rid=f"slow-prefill-{uuid.uuid4().hex}")
+    async with Client(nats_url, namespace=ns, heartbeat_timeout=30) as c:
+        async with anyio.create_task_group() as tg:
+            result = {}
+
+            async def one() -> None:
+                result["got"] = await c.complete(req)
+
+            tg.start_soon(one)
+            with anyio.fail_after(30):
+                while not (await instance_status(c.nc, c.names, prefill.instance)).request_ids:
+                    await anyio.sleep(0.1)
+            prefill.signal(signal.SIGKILL)
+    got = result["got"]
+    assert got.token_ids == want.token_ids and got.usage.cached_tokens == 0
+    note = await prefill_note(nats_url, ns, req.request_id)
+    assert note and note.startswith("local:"), note
+
+
 async def test_vllms_own_connector_moves_the_blocks_with_the_same_handoff_messages(
     nats_url, disagg, shared_vllm, example_fleet
 ):
-    """The second decode worker loads with vLLM's ExampleConnector. First the jetllm prefill
-    worker answers: another connector moved the blocks, so the prompt is computed locally (a
-    counted reason). Then a prefill worker on the ExampleConnector replaces it: the same
+    """A prefill worker on the ExampleConnector replaces the jetllm one: the same
     PrefillRequest/Prefilled pass, the connectors move the bytes, and the output is the same."""
     ns = disagg["decode"].namespace
-    decode = example_fleet["decode"]
-    for step in ("mismatch", "example"):
-        prompt = TokensPrompt(token_ids=fresh_long())
-        want = await run(nats_url, shared_vllm.namespace, request(prompt))
-        req = request(prompt)
-        got = await run(nats_url, ns, req)
-        assert got.token_ids == want.token_ids, step
-        note = await prefill_note(nats_url, ns, req.request_id)
-        if step == "mismatch":
-            assert note and note.startswith("local:") and "jetllm KV connector" in note, note
-            assert got.usage.cached_tokens == 0
-            async with Client(nats_url, namespace=ns) as c:
-                s = await instance_status(c.nc, c.names, decode.instance)
-            assert s.extra["prefill_local_fallback_connector"] == "1", s.extra
-            disagg["prefill"].stop()
-            prefill = example_fleet["start"]("prefill")
-            await prefill.wait_ready(nats_url, READY)
-        else:
-            assert note and note.startswith(f"remote on {prefill.instance}"), note
-            assert "moved by ExampleConnector" in note, note
-            # the decode engine took the prompt's full blocks through the connector
-            assert got.usage.cached_tokens >= 128 and got.usage.cached_tokens % 32 == 0, got.usage
+    disagg["prefill"].stop()  # killed above; stopped in any case
+    prefill = example_fleet["start"]("prefill")
+    await prefill.wait_ready(nats_url, READY)
+    prompt = TokensPrompt(token_ids=fresh_long())
+    want = await run(nats_url, shared_vllm.namespace, request(prompt))
+    req = request(prompt)
+    got = await run(nats_url, ns, req)
+    assert got.token_ids == want.token_ids
+    note = await prefill_note(nats_url, ns, req.request_id)
+    assert note and note.startswith(f"remote on {prefill.instance}"), note
+    assert "moved by ExampleConnector" in note, note
+    # the decode engine took the prompt's full blocks through the connector
+    assert got.usage.cached_tokens >= 128 and got.usage.cached_tokens % 32 == 0, got.usage

@@ -217,12 +217,13 @@ def test_the_cli_passes_constraints(shared_vllm, nats_url, tmp_path):
 
 
 async def test_structured_requests_moved_by_a_drain_keep_their_constraint_and_their_output(
-    nats_url, namespace, start_worker
+    nats_url, shared_vllm, start_worker
 ):
+    """A worker of its own joins the shared one's namespace and is drained; the shared worker,
+    frozen until then, takes the requests over."""
+    namespace, second = shared_vllm.namespace, shared_vllm
     first = start_worker(namespace, "--grace-period", "0.3")
-    await first.wait_ready(nats_url, timeout=600)  # one at a time: two start-ups at once on 2 cores
-    second = start_worker(namespace)
-    await second.wait_ready(nats_url, timeout=600)
+    await first.wait_ready(nats_url, timeout=600)
     # long enough to be mid-stream when the drain comes (some 180 tokens), short of the context
     greedy = request(RegexOutput(pattern="[a-z]{400}"), max_tokens=480)
     seeded = request(
@@ -230,7 +231,7 @@ async def test_structured_requests_moved_by_a_drain_keep_their_constraint_and_th
     )
     unseeded = msgspec.structs.replace(
         request(JsonSchemaOutput(json_schema=LONG_SCHEMA), max_tokens=480, temperature=1.0),
-        request_id=UNSEEDED_ID,  # its seed derives from it; the namespace is the test's own
+        request_id=UNSEEDED_ID,  # its seed derives from it (one use per session's server)
     )
     async with Client(nats_url, namespace=namespace) as c:
         expected = [await c.complete(r) for r in (greedy, seeded)]  # uninterrupted, on either worker
