@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 DEVICE_MEDIA = (None, "GPU")
 """Media of the engine's own cache: vLLM names its device blocks "GPU" whatever the device."""
 HASH_ALGOS = ("sha256", "sha256_cbor")
-"""vLLM's block hashes the worker can reproduce (the others' seeds are random per engine)."""
+"""vLLM's block hashes router/hashing.py reproduces (not the xxhash ones)."""
 DEFAULT_LIMIT = 1 << 20
 
 
@@ -44,10 +44,9 @@ class CachedBlocks:
         algo = facts.prefix_hash_algo
         if algo not in HASH_ALGOS:
             log.warning(
-                "the engine's prefix-cache hash %s cannot be reproduced here (only %s): decode "
-                "decisions do not see its prefix cache",
+                "the engine's prefix-cache hash %s cannot be reproduced here, so the decode role "
+                "does not see its prefix cache (--engine-arg prefix_caching_hash_algo=sha256 does)",
                 algo,
-                ", ".join(HASH_ALGOS),
             )
             return None
         seed = os.environ.get("PYTHONHASHSEED", DEFAULT_SEED)  # the engine reads the same variable
