@@ -203,7 +203,7 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
         default=0.5,
         metavar="F",
         help="decode: prefill here when this share of the prompt is in this engine's prefix cache "
-        "already (0 turns it off; seen only with --kv-events)",
+        "already (0 turns it off; seen through the engine's KV-cache events: not with --no-kv-events)",
     )
     d.add_argument(
         "--max-prefill-queue",

@@ -52,7 +52,7 @@ class DecodeRole(GenerateRole):
         if self._cached is None and self._settings.cached_fraction > 0:
             log.info(
                 "prompts in this engine's prefix cache may still be prefilled remotely: the engine "
-                "publishes no KV-cache events to tell (start the worker with --kv-events)"
+                "publishes no KV-cache events to tell (start the worker without --no-kv-events)"
             )
 
     async def _generate(
