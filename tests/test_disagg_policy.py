@@ -38,6 +38,40 @@ def test_where_a_prompt_is_prefilled(prompt, queue, extra, reason):
     assert d.reason == reason and d.remote == (reason == "remote")
 
 
+@pytest.mark.parametrize(
+    ("prompt", "cached", "fraction", "queue", "extra", "reason"),
+    [
+        (300, 160, 0.5, IDLE, {}, "local_cached"),
+        (300, 144, 0.5, IDLE, {}, "remote"),  # under half: the rest is worth a prefill worker
+        (300, 150, 0.5, IDLE, {}, "local_cached"),  # exactly half counts
+        (300, 288, 0.0, IDLE, {}, "remote"),  # 0 turns the condition off
+        (300, 288, 1.0, IDLE, {}, "remote"),
+        (256, 256, 1.0, IDLE, {}, "local_cached"),
+        (300, 0, 0.5, IDLE, {}, "remote"),
+        (300, 160, 0.5, None, {}, "local_cached"),  # cached wins over a missing prefill worker
+        (300, 160, 0.5, PrefillQueue(workers_waiting=0, queued=16, running=4), {}, "local_cached"),
+        (100, 96, 0.5, IDLE, {}, "local_short"),  # short is said first
+        (300, 160, 0.5, IDLE, {"embeds": True}, "local_embeds"),  # no block ids: never cached
+        (300, 160, 0.5, IDLE, {"adapter": True}, "local_adapter"),
+        (300, 160, 0.5, IDLE, {"continuation": True}, "local_continuation"),
+    ],
+)
+def test_a_prompt_mostly_in_the_prefix_cache_is_prefilled_here(
+    prompt, cached, fraction, queue, extra, reason
+):
+    d = decide(
+        prompt,
+        full_block_tokens=full_block_tokens(prompt, 16),
+        threshold=256,
+        queue=queue,
+        max_queue=16,
+        cached_tokens=cached,
+        min_cached=fraction,
+        **extra,
+    )
+    assert d.reason == reason and d.remote == (reason == "remote")
+
+
 def test_a_prompt_that_fills_no_block_stays_local_whatever_the_threshold():
     d = decide(32, full_block_tokens=full_block_tokens(32, 32), threshold=0, queue=IDLE, max_queue=16)
     assert d.reason == "local_short"

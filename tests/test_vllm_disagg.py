@@ -135,12 +135,34 @@ async def test_disaggregated_output_equals_aggregated_for_token_text_and_chat_pr
         assert got.usage.cached_tokens >= 128 and got.usage.cached_tokens % 32 == 0, got.usage
         note = await prefill_note(nats_url, ns, req.request_id)
         assert note and note.startswith(f"remote on {disagg['prefill'].instance}"), note
-    assert await completed(nats_url, ns, disagg["prefill"]) == before + 3
+    with anyio.fail_after(10):  # the prefill worker counts a job once its ack is confirmed, after its answer
+        while await completed(nats_url, ns, disagg["prefill"]) != before + 3:
+            await anyio.sleep(0.1)
     async with Client(nats_url, namespace=ns) as c:
         s = await instance_status(c.nc, c.names, disagg["decode"].instance)
         assert int(s.extra["prefill_remote"]) >= 3
         blocks = await c.js.stream_info(c.names.kv_blocks_stream)
         assert blocks.state.messages == 0  # every transfer was removed once loaded
+
+
+async def test_a_prompt_in_the_decode_engines_prefix_cache_is_prefilled_there(nats_url, disagg, shared_vllm):
+    """The first time the prompt's blocks come from the prefill worker, and the decode engine keeps
+    them in its prefix cache; the second time it holds most of the prompt, so it stays here."""
+    ns = disagg["decode"].namespace
+    prompt = TokensPrompt(token_ids=fresh_long())
+    want = await run(nats_url, shared_vllm.namespace, request(prompt))
+    notes = []
+    for _ in range(2):
+        req = request(prompt)
+        got = await run(nats_url, ns, req)
+        assert got.token_ids == want.token_ids and got.usage.cached_tokens >= 128, got.usage
+        notes.append(await prefill_note(nats_url, ns, req.request_id))
+    assert notes[0] and notes[0].startswith(f"remote on {disagg['prefill'].instance}"), notes
+    assert notes[1] and notes[1].startswith("local: cached ("), notes
+    assert notes[1].endswith(f" of {len(prompt.token_ids)} prompt tokens in this engine's prefix cache)")
+    async with Client(nats_url, namespace=ns) as c:
+        s = await instance_status(c.nc, c.names, disagg["decode"].instance)
+    assert s.extra["prefill_local_cached"] == "1", s.extra
 
 
 async def test_a_short_prompt_never_leaves_the_decode_worker(nats_url, disagg):

@@ -198,6 +198,14 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
         help="decode: prompts shorter than this are prefilled here (default: 256)",
     )
     d.add_argument(
+        "--disagg-cached-fraction",
+        type=_cached_fraction,
+        default=0.5,
+        metavar="F",
+        help="decode: prefill here when this share of the prompt is in this engine's prefix cache "
+        "already (0 turns it off; seen through the engine's KV-cache events: not with --no-kv-events)",
+    )
+    d.add_argument(
         "--max-prefill-queue",
         type=int,
         default=16,
@@ -289,6 +297,18 @@ def _replicas(text: str) -> int:
     return n
 
 
+def _cached_fraction(text: str) -> float:
+    try:
+        f = float(text)
+    except ValueError:
+        f = -1.0
+    if not 0 <= f <= 1:
+        raise argparse.ArgumentTypeError(
+            f"--disagg-cached-fraction must be 0 to 1 (a share of the prompt; 0 turns it off), got {text!r}"
+        )
+    return f
+
+
 def engine_options(args: argparse.Namespace):
     from ..workers.engine import EngineOptions
 
@@ -351,6 +371,7 @@ def worker_config(args: argparse.Namespace, slots: int | None = None):
         ),
         disagg=DisaggSettings(
             threshold=args.disagg_threshold,
+            cached_fraction=args.disagg_cached_fraction,
             max_prefill_queue=args.max_prefill_queue,
             prefill_timeout=args.prefill_timeout,
             transfer_timeout=args.kv_transfer_timeout,

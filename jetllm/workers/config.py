@@ -16,6 +16,9 @@ class DisaggSettings(msgspec.Struct, kw_only=True, frozen=True):
     """The private directory the engine's KV connector exchanges block files in (set by the CLI)."""
     threshold: int = 256
     """Prompts shorter than this (in tokens) are prefilled by the decode worker itself."""
+    cached_fraction: float = 0.5
+    """A prompt whose cached share in the decode engine's prefix cache reaches this is prefilled
+    there (0: never for that reason); seen through the KV-cache events the worker relays."""
     max_prefill_queue: int = 16
     """Prefill jobs waiting for a prefill worker beyond which a decode worker prefills itself."""
     prefill_timeout: float = 30.0

@@ -39,6 +39,7 @@ from ..schemas import (
 )
 from ..subjects import codec
 from ..subjects.setup import ensure_kv_events_stream
+from .cachedblocks import CachedBlocks
 from .context import WorkerContext
 from .control import ControlError
 from .engine import KvEventSource
@@ -183,6 +184,8 @@ class KvEventRelay:
         self.seq = 0
         """The last seq JetStream acknowledged."""
         self.sets: dict[int, BlockSet] = {rank: BlockSet() for rank in self.sources}
+        self.follower: CachedBlocks | None = None
+        """The decode role's view of the engine's cache, fed every batch and rebuilt by resyncs."""
         self.counters = {
             "engine_batches": 0,
             "replayed": 0,
@@ -252,6 +255,8 @@ class KvEventRelay:
     def take(self, rank: int, engine_seq: int, ts: float, events: list[KvEvent]) -> None:
         """The next engine batch of a rank, in engine order."""
         self.sets.setdefault(rank, BlockSet()).apply(events)
+        if self.follower is not None:
+            self.follower.apply(rank, events)
         self._enqueue(_Pending(rank, engine_seq, ts, events))
 
     def engine_cleared(self) -> None:
@@ -261,6 +266,8 @@ class KvEventRelay:
             return
         for rank, blocks in self.sets.items():
             blocks.apply([KvCleared()])
+            if self.follower is not None:
+                self.follower.apply(rank, [KvCleared()])
             self._enqueue(_Pending(rank, None, time.time(), [KvCleared()]))
 
     async def resync_verb(self, _: None) -> ControlDone:
@@ -346,10 +353,14 @@ class KvEventRelay:
         ticket, reason = self._resync_asked, self._resync_reason
         self._pending.clear()  # the snapshot holds everything received so far
         now = time.time()
+        snapshots = {rank: self.sets[rank].as_events() for rank in sorted(self.sets)}
+        if self.follower is not None:
+            for rank, snapshot in snapshots.items():
+                self.follower.apply(rank, snapshot)
         parts = [
             (rank, events)
-            for rank in sorted(self.sets)
-            for events in chunks(self.sets[rank].as_events(), self._limit())
+            for rank, snapshot in snapshots.items()
+            for events in chunks(snapshot, self._limit())
         ]
         blocks = sum(len(b.blocks) for b in self.sets.values())
         first = self.seq + 1

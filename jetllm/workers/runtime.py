@@ -36,6 +36,7 @@ from ..subjects.denials import checked
 from ..subjects.names import Names
 from ..subjects.setup import ensure_consumer, ensure_streams
 from .adapterqueues import AdapterQueues
+from .cachedblocks import CachedBlocks
 from .config import WorkerConfig
 from .context import Counters, WorkerContext
 from .control import ControlServer
@@ -123,6 +124,8 @@ class Worker:
         )
         self.sweeper = Sweeper(ctx, directed, interval=config.registry_interval, paused=lambda: slots.paused)
         self.kv_events = kv_events = KvEventRelay(ctx, facts.kv_events, lifecycle.public)
+        if role_cls.follows_cache:
+            kv_events.follower = CachedBlocks.for_engine(facts)
         self.reports = reports = Reports(
             ctx,
             role=role_cls.name,
@@ -157,6 +160,7 @@ class Worker:
                 adapters=lora,
                 serves_adapter=adapter_queues.serves,
                 embeds=EmbedsLoader(ctx.js, ctx.names, facts, config.max_embeds_bytes),
+                cached_blocks=kv_events.follower,
             )
         )
         self.registry = registry = RegistryKeeper(

@@ -50,6 +50,8 @@ class EngineFacts(msgspec.Struct, kw_only=True):
     max_model_len: int
     block_size: int | None = None
     num_kv_blocks: int | None = None
+    prefix_hash_algo: str | None = None
+    """vLLM's prefix_caching_hash_algo (how its block ids are made); None: no prefix caching."""
     max_num_seqs: int | None = None
     vocab_size: int | None = None
     eos_token_ids: list[int] = []

@@ -194,11 +194,13 @@ class VllmEngine:
             eos.add(hf_eos)
         elif isinstance(hf_eos, list):
             eos.update(int(t) for t in hf_eos)
+        cache = cfg.cache_config
         self.facts = EngineFacts(
             model=opts.name,
             max_model_len=llm.model_config.max_model_len,
             block_size=cfg.cache_config.block_size,
             num_kv_blocks=cfg.cache_config.num_gpu_blocks,
+            prefix_hash_algo=cache.prefix_caching_hash_algo if cache.enable_prefix_caching else None,
             max_num_seqs=cfg.scheduler_config.max_num_seqs,
             dp_ranks=list(range(cfg.parallel_config.data_parallel_size)),
             vocab_size=vocab,

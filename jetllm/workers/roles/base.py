@@ -31,6 +31,7 @@ from ...schemas import (
     Usage,
 )
 from ...subjects import codec
+from ..cachedblocks import CachedBlocks
 from ..config import WorkerConfig
 from ..context import WorkerContext
 from ..embeds import EmbedsLoader
@@ -125,6 +126,9 @@ class RoleDeps:
     serves_adapter: Callable[[str], bool]
     """Whether this worker pulls the queue of an adapter of that name."""
     embeds: EmbedsLoader
+    cached_blocks: CachedBlocks | None = None
+    """The engine's prefix cache as its KV-cache events tell it, for roles that ask
+    (`follows_cache`); None when the engine publishes no events."""
 
 
 class Canary(msgspec.Struct, kw_only=True):
@@ -144,6 +148,8 @@ class Role(ABC):
     Queues are named by what the job asks for, so another role may consume the same queue."""
     flags: ClassVar[frozenset[str]] = frozenset()
     """CLI flags meaningful only for some roles that this one accepts (see roles/flags.py)."""
+    follows_cache: ClassVar[bool] = False
+    """Whether the role reads `RoleDeps.cached_blocks` (only then is it kept)."""
 
     def __init__(self, deps: RoleDeps) -> None:
         self.facts = deps.engine.facts

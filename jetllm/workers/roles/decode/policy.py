@@ -1,8 +1,9 @@
 """Where a decode worker prefills a prompt: a pure decision, table-tested.
 
 Handing a prompt to a prefill worker pays a job round trip and the blocks' trip through NATS to
-keep a long prefill from stalling the token streams already running here. For a short prompt, or
-when nobody could take the job soon, that price buys nothing, so the prompt is computed here.
+keep a long prefill from stalling the token streams already running here. For a short prompt, for
+one mostly in this engine's prefix cache already (little is left to compute), or when nobody could
+take the job soon, that price buys nothing, so the prompt is computed here.
 """
 
 from __future__ import annotations
@@ -34,10 +35,14 @@ def decide(
     threshold: int,
     queue: PrefillQueue | None,
     max_queue: int,
+    cached_tokens: int = 0,
+    min_cached: float = 0.0,
     continuation: bool = False,
     embeds: bool = False,
     adapter: bool = False,
 ) -> Decision:
+    """`cached_tokens`: the prompt's leading tokens this engine's prefix cache holds (0 for a
+    prompt without block ids); `min_cached`: the share of the prompt that makes it local (0: off)."""
     if continuation:
         return Decision(remote=False, reason="local_continuation")
     if embeds:
@@ -46,6 +51,8 @@ def decide(
         return Decision(remote=False, reason="local_adapter")
     if prompt_tokens < threshold or full_block_tokens == 0:
         return Decision(remote=False, reason="local_short")
+    if min_cached > 0 and cached_tokens >= min_cached * prompt_tokens:
+        return Decision(remote=False, reason="local_cached")
     if queue is None or (queue.workers_waiting == 0 and queue.running == 0):
         return Decision(remote=False, reason="local_no_prefill_worker")
     if queue.queued >= max_queue:

@@ -35,22 +35,31 @@ class DecodeRole(GenerateRole):
         | DISAGG_FLAGS
         | {
             "--disagg-threshold",
+            "--disagg-cached-fraction",
             "--max-prefill-queue",
             "--prefill-timeout",
             "--kv-transfer-timeout",
         }
     )
 
+    follows_cache = True
+
     def __init__(self, deps: RoleDeps) -> None:
         super().__init__(deps)
         self._settings = deps.config.disagg
         self._remote = RemotePrefill(deps.ctx, deps.config.disagg, block_dir(deps))
+        self._cached = deps.cached_blocks
+        if self._cached is None and self._settings.cached_fraction > 0:
+            log.info(
+                "prompts in this engine's prefix cache may still be prefilled remotely: the engine "
+                "publishes no KV-cache events to tell (start the worker without --no-kv-events)"
+            )
 
     async def _generate(
         self, req: GenerateRequest, job: JobHandle, prompt: EnginePrompt, history: History
     ) -> Outcome:
         kv, handoff = None, None
-        how = await self._where(req, prompt, history)
+        how, cached = await self._where(req, prompt, history)
         if how == "remote":
             assert isinstance(prompt, list)
             try:
@@ -70,6 +79,10 @@ class DecodeRole(GenerateRole):
                 how = f"local_{exc.label}"
                 job.prefill = f"local: {exc}"
                 log.warning("request %s: prefilling here: %s", req.request_id, exc)
+        elif how == "local_cached":
+            job.prefill = (
+                f"local: cached ({cached} of {len(prompt)} prompt tokens in this engine's prefix cache)"
+            )
         else:
             job.prefill = f"local: {how.removeprefix('local_').replace('_', ' ')}"
         self._ctx.prefills[how] += 1
@@ -81,17 +94,31 @@ class DecodeRole(GenerateRole):
             if handoff is not None and handoff.path is not None:
                 handoff.path.unlink(missing_ok=True)
 
-    async def _where(self, req: GenerateRequest, prompt: EnginePrompt, history: History) -> str:
+    async def _where(self, req: GenerateRequest, prompt: EnginePrompt, history: History) -> tuple[str, int]:
+        """The decision's reason, and the prompt's tokens found in the engine's prefix cache."""
         n = len(prompt)
         block = self.facts.block_size or 0
+        s = self._settings
+        cached = 0
+        if (
+            self._cached is not None
+            and s.cached_fraction > 0
+            and isinstance(prompt, list)  # embeddings have no block ids
+            and req.adapter is None  # an adapter's blocks are keyed apart from the base model's
+            and not history.frames
+            and n >= s.threshold
+        ):
+            cached = self._cached.cached_tokens(prompt)
         decision = decide(
             n,
             full_block_tokens=full_block_tokens(n, block) if block else 0,
-            threshold=self._settings.threshold,
+            threshold=s.threshold,
             queue=await self._remote.queue(),
-            max_queue=self._settings.max_prefill_queue,
+            max_queue=s.max_prefill_queue,
+            cached_tokens=cached,
+            min_cached=s.cached_fraction,
             continuation=bool(history.frames),
             embeds=isinstance(prompt, PromptEmbeds),
             adapter=req.adapter is not None,
         )
-        return decision.reason
+        return decision.reason, cached
