@@ -65,8 +65,7 @@ async def chat_completions(request: Request) -> Response | EventStream:
             else:
                 final.append(frame.usage)
                 out = chunks.final(frame)
-            for chunk in out:
-                await emit(chunk)
+            await emit(*out)
 
         await gw.run([job], on_frame)
         if include_usage and final:

@@ -68,8 +68,7 @@ async def completions(request: Request) -> Response | EventStream:
             else:
                 total[:] = [add_usage(total[0] if total else None, frame.usage)]
                 out = chunks.final(frame, p * n)
-            for chunk in out:
-                await emit(chunk)
+            await emit(*out)
 
         await gw.run(jobs, on_frame)
         if include_usage and total:
