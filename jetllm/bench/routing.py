@@ -1,7 +1,7 @@
 """`jetllm bench-routing`: the KV-aware router against the shared queue, round-robin and an oracle.
 
 One fleet of `--workers` vLLM workers publishing KV events runs the same shared-prefix workload
-(prefixload.py) once per policy, every worker's prefix cache reset before each, so each starts
+(jetllm/bench/prefixload.py) once per policy, every worker's prefix cache reset before each, so each starts
 cold:
 
 - shared: every job to the shared queue (whichever worker pulls first);
