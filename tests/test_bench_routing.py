@@ -3,7 +3,10 @@ computes itself (round-robin, the oracle), and the report's figures and ratios."
 
 from __future__ import annotations
 
+import json
 import math
+import subprocess
+import sys
 
 import msgspec
 import pytest
@@ -190,3 +193,34 @@ def test_an_unknown_policy_is_refused_with_the_choices(capsys):
     assert "--policies takes shared, round-robin, kv, oracle" in capsys.readouterr().err
     args = parser().parse_args(["bench-routing", "--policies", "kv,oracle"])
     assert args.policies == ["kv", "oracle"]
+
+
+def test_the_command_runs_every_policy_on_the_light_engine(nats_url, tmp_path):
+    """End to end on three light-engine workers (which cache nothing): every request of every
+    policy completes, round-robin and the oracle direct their jobs where they say, and the report
+    is written into its section."""
+    out, doc = tmp_path / "rows.json", tmp_path / "bench.md"
+    doc.write_text(
+        "# Benchmarks\n\nprose\n<!-- bench-routing:begin -->\nold\n<!-- bench-routing:end -->\nmore\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "jetllm", "bench-routing", "--engine", "fake", "--nats", nats_url]
+        + ["--groups", "2", "--per-group", "3", "--prefix-len", "32", "--suffix-len", "4"]
+        + ["--sessions", "1", "--turns", "2", "--turn-len", "4", "--output-len", "3", "--concurrency", "3"]
+        + ["--json", str(out), "--write", str(doc)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {row["policy"]: row for row in json.loads(out.read_text())}
+    assert list(rows) == ["shared", "round-robin", "kv", "oracle"]
+    for row in rows.values():
+        assert (row["requests"], row["errors"], row["cached_tokens"]) == (8, 0, 0), row
+        assert row["tokens_per_s"] > 0 and row["ttft_p90_ms"] >= row["ttft_p50_ms"] > 0
+    assert rows["round-robin"]["per_worker"] == [3, 3, 2]  # 8 jobs in turn over 3 workers
+    assert rows["oracle"]["per_worker"] == [3, 3, 2]  # each prefix (3, 3 and 2 requests) on its own
+    text = doc.read_text()
+    assert text.startswith("# Benchmarks\n\nprose\n<!-- bench-routing:begin -->\nMeasured ")
+    assert "| KV-aware router |" in text and "cache-hit tokens, KV-aware / oracle" not in text  # 0 / 0
+    assert text.endswith("<!-- bench-routing:end -->\nmore\n") and "\nold\n" not in text

@@ -18,15 +18,17 @@ costs enough on a CPU for a cache hit to show in TTFT (docs/decisions.md).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +48,10 @@ LABELS = {
     "kv": "KV-aware router",
     "oracle": "oracle (knows every cache)",
 }
+FAKE_WORKER = Path(__file__).resolve().parents[2] / "tests" / "helpers" / "fake_worker.py"
 RESET_TIMEOUT = 60.0
+FAKE_VOCAB = 97
+"""The light test engine's vocabulary (tests/fake_engine.py)."""
 SETTLE = 1.5
 """Seconds after a cache reset for its cleared events to reach the stream (and a router)."""
 
@@ -283,17 +288,51 @@ async def reset_caches(client: Any, model: str, count: int) -> None:
     await anyio.sleep(SETTLE)
 
 
+@contextlib.contextmanager
+def fake_workers(url: str, namespace: str, count: int, slots: int, log_dir: Path) -> Iterator[None]:
+    """Workers on the light test engine of a source checkout: no prefix cache and no KV events,
+    so every policy runs and nothing is cached (what the command's smoke test needs)."""
+    if not FAKE_WORKER.is_file():
+        raise SystemExit(
+            "--engine fake runs the light test engine of a source checkout "
+            f"(tests/helpers/fake_worker.py), which {FAKE_WORKER.parents[2]} lacks; use --engine vllm"
+        )
+    cmd = [sys.executable, "-m", "tests.helpers.fake_worker", url, namespace, "--slots", str(slots)]
+    procs = []
+    for i in range(count):
+        with open(log_dir / f"fake-worker{i}.log", "wb") as log:
+            procs.append(
+                subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=FAKE_WORKER.parents[2])
+            )
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
 async def run_policies(
     args: argparse.Namespace, work: PrefixWorkload, opts: EngineOptions, url: str, log_dir: Path
 ) -> list[Row]:
     from ..producer import Client
     from ..producer.fleet import wait_for_workers
     from ..router import Router
+    from ..subjects.setup import QueuePolicy, ensure_kv_events_stream
     from .targets import worker_processes
 
     namespace = f"route-{uuid.uuid4().hex[:8]}"
     model = opts.name
-    with worker_processes(opts, url, namespace, log_dir, ((),) * args.workers):
+    if args.engine == "fake":
+        workers_running = fake_workers(url, namespace, args.workers, args.slots, log_dir)
+    else:
+        workers_running = worker_processes(opts, url, namespace, log_dir, ((),) * args.workers)
+    with workers_running:
         async with Client(url, namespace=namespace, heartbeat_timeout=120) as client:
             found = await wait_for_workers(
                 client.nc, client.names, model=model, count=args.workers, timeout=900
@@ -310,6 +349,7 @@ async def run_policies(
                 output_len=4,
                 concurrency=len(workers),
                 seed=work.seed + 1,
+                vocab=work.vocab,
             )
             await drive(client, model, warm, RoundRobin(workers).place)
             rows = []
@@ -318,6 +358,8 @@ async def run_policies(
                 print(f"bench-routing: {policy} ...", file=sys.stderr, flush=True)
                 note = ""
                 if policy == "kv":
+                    # workers without KV events (the light engine) make no stream: the router waits not
+                    await ensure_kv_events_stream(client.js, client.names, QueuePolicy())
                     router = Router(model, weights=args.weights, trace=True)
                     async with Client(
                         url, namespace=namespace, heartbeat_timeout=120, router=router
@@ -378,9 +420,13 @@ def cmd_bench_routing(args: argparse.Namespace) -> int:
         output_len=args.output_len,
         concurrency=args.concurrency,
         seed=args.seed,
+        vocab=FAKE_VOCAB if args.engine == "fake" else tinymodel.VOCAB_SIZE,
     )
     need = work.longest_prompt + work.output_len
-    if args.model is None:
+    if args.engine == "fake":
+        model, served, per_token = "fake", "fake", 2048
+        about = "the light test engine: no prefix cache, nothing is ever cached"
+    elif args.model is None:
         positions = max(2048, 1 << (need - 1).bit_length())
         shape = tinymodel.Shape(layers=args.layers, hidden=args.hidden, max_positions=positions)
         model, served = str(tinymodel.ensure(shape=shape)), args.served_model_name or "bench-routing"
@@ -401,11 +447,16 @@ def cmd_bench_routing(args: argparse.Namespace) -> int:
         enforce_eager=True,
         kv_events=True,
     )
+    caches = (
+        ""
+        if args.engine == "fake"
+        else f", a {cache / 2**20:.0f} MiB KV cache each: {cache // per_token:,} tokens, "
+        f"{cache / per_token / work.distinct_tokens:.0%} of the workload's {work.distinct_tokens:,} "
+        "distinct prompt tokens"
+    )
     setup = (
-        f"{args.workers} workers ({about}; {args.slots} slots, a {cache / 2**20:.0f} MiB KV cache each: "
-        f"{cache // per_token:,} tokens, {cache / per_token / work.distinct_tokens:.0%} of the workload's "
-        f"{work.distinct_tokens:,} distinct prompt tokens), every worker's prefix cache reset before each "
-        "policy."
+        f"{args.workers} workers ({about}; {args.slots} slots{caches}), every worker's prefix cache "
+        "reset before each policy."
     )
     log_dir = Path(tempfile.mkdtemp(prefix="jetllm-bench-routing-"))
     rows = run(_main, args, work, opts, log_dir)
@@ -440,6 +491,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--workers", type=int, default=3, help="vLLM workers (KV events on)")
+    p.add_argument(
+        "--engine",
+        choices=("vllm", "fake"),
+        default="vllm",
+        help="fake: the light test engine of a source checkout, which caches nothing (a smoke test)",
+    )
     p.add_argument(
         "--policies",
         type=_policies,
