@@ -272,7 +272,7 @@ async def drive(client: Any, model: str, work: PrefixWorkload, place: Placer) ->
     return outcomes, time.perf_counter() - started
 
 
-async def reset_caches(client: Any, model: str, count: int) -> None:
+async def reset_caches(client: Any, model: str, count: int, settle: float = SETTLE) -> None:
     """Every worker's prefix cache emptied (a worker still holding blocks refuses: asked again)."""
     from ..producer.fleet import ask
     from ..schemas import ControlDone
@@ -285,7 +285,7 @@ async def reset_caches(client: Any, model: str, count: int) -> None:
             done |= {r.instance for r in last if isinstance(r, ControlDone)}
             if len(done) < count:
                 await anyio.sleep(0.5)
-    await anyio.sleep(SETTLE)
+    await anyio.sleep(settle)
 
 
 @contextlib.contextmanager
@@ -354,7 +354,7 @@ async def run_policies(
             await drive(client, model, warm, RoundRobin(workers).place)
             rows = []
             for policy in args.policies:
-                await reset_caches(client, model, len(workers))
+                await reset_caches(client, model, len(workers), 0.0 if args.engine == "fake" else SETTLE)
                 print(f"bench-routing: {policy} ...", file=sys.stderr, flush=True)
                 note = ""
                 if policy == "kv":
