@@ -129,6 +129,15 @@ def test_a_row_counts_what_finished_and_ignores_failed_requests():
     assert (row.cached_tokens, row.prompt_tokens) == (500, 1000)
     assert row.per_worker == [7, 3]
     assert math.isclose(row.ttft_p50_ms, 550.0) and math.isclose(row.ttft_p90_ms, 910.0)
+    assert (row.hits, row.miss_ttft_p50_ms) == (10, None)  # half the prompt cached counts as a hit
+
+
+def test_a_row_tells_the_ttft_of_hits_from_misses():
+    cold = outcomes([2.0, 3.0, 4.0], cached=49)
+    warm = outcomes([0.1, 0.3], cached=96)
+    row = summarize("shared", cold + warm, seconds=1.0)
+    assert row.hits == 2
+    assert math.isclose(row.hit_ttft_p50_ms, 200.0) and math.isclose(row.miss_ttft_p50_ms, 3000.0)
 
 
 @pytest.mark.parametrize(

@@ -29,14 +29,14 @@ class Step(msgspec.Struct, frozen=True, kw_only=True):
 
 class PrefixWorkload(msgspec.Struct, frozen=True, kw_only=True):
     groups: int = 6
-    per_group: int = 12
+    per_group: int = 16
     """Requests per group."""
     prefix_len: int = 1024
     """Tokens of a group's shared prefix, and of a session's first prompt before its question."""
     suffix_len: int = 32
     """Tokens of a group request after the shared prefix (its own)."""
     sessions: int = 3
-    turns: int = 6
+    turns: int = 8
     turn_len: int = 32
     """New tokens a session turn adds after the previous answer."""
     output_len: int = 16

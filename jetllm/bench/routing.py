@@ -80,6 +80,11 @@ class Row(msgspec.Struct, kw_only=True):
     cached_tokens: int
     per_worker: list[int]
     """Requests each worker ran, most first."""
+    hits: int = 0
+    """Requests that found at least half their prompt cached."""
+    hit_ttft_p50_ms: float | None = None
+    miss_ttft_p50_ms: float | None = None
+    """TTFT p50 of the requests that found less than half their prompt cached."""
     note: str = ""
 
 
@@ -87,6 +92,8 @@ def summarize(policy: str, outcomes: list[Outcome], seconds: float, note: str = 
     ok = [o for o in outcomes if o.error is None]
     ttfts = [o.ttft for o in ok if o.ttft is not None]
     tokens = sum(o.output_tokens for o in ok)
+    hit = [o.ttft for o in ok if o.ttft is not None and 2 * o.cached_tokens >= o.prompt_tokens]
+    miss = [o.ttft for o in ok if o.ttft is not None and 2 * o.cached_tokens < o.prompt_tokens]
     return Row(
         policy=policy,
         requests=len(outcomes),
@@ -98,6 +105,9 @@ def summarize(policy: str, outcomes: list[Outcome], seconds: float, note: str = 
         prompt_tokens=sum(o.prompt_tokens for o in ok),
         cached_tokens=sum(o.cached_tokens for o in ok),
         per_worker=sorted(Counter(o.worker for o in ok).values(), reverse=True),
+        hits=len(hit),
+        hit_ttft_p50_ms=percentile(hit, 50) * 1000 if hit else None,
+        miss_ttft_p50_ms=percentile(miss, 50) * 1000 if miss else None,
         note=note,
     )
 
@@ -105,16 +115,22 @@ def summarize(policy: str, outcomes: list[Outcome], seconds: float, note: str = 
 def table(rows: list[Row]) -> str:
     head = (
         "| policy | TTFT p50 ms | TTFT p90 ms | output tok/s | cache-hit tokens | of prompt tokens | "
-        "requests per worker | errors |\n|---|---:|---:|---:|---:|---:|---|---:|\n"
+        "hits | TTFT p50 hit / miss ms | requests per worker | errors |\n"
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|\n"
     )
     body = "".join(
         f"| {LABELS.get(r.policy, r.policy)} | {r.ttft_p50_ms:,.0f} | {r.ttft_p90_ms:,.0f} | "
         f"{r.tokens_per_s:,.1f} | {r.cached_tokens:,} | "
-        f"{(r.cached_tokens / r.prompt_tokens if r.prompt_tokens else 0):.0%} | "
+        f"{(r.cached_tokens / r.prompt_tokens if r.prompt_tokens else 0):.0%} | {r.hits}/{r.requests} | "
+        f"{_ms(r.hit_ttft_p50_ms)} / {_ms(r.miss_ttft_p50_ms)} | "
         f"{'/'.join(map(str, r.per_worker))} | {r.errors} |\n"
         for r in rows
     )
     return head + body
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"
 
 
 class Ratios(msgspec.Struct, kw_only=True):
@@ -504,11 +520,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="comma separated, run in this order: shared, round-robin, kv, oracle",
     )
     p.add_argument("--groups", type=int, default=6, help="groups of requests sharing a prefix")
-    p.add_argument("--per-group", type=int, default=12, help="requests per group")
+    p.add_argument("--per-group", type=int, default=16, help="requests per group")
     p.add_argument("--prefix-len", type=int, default=1024, help="tokens of a shared prefix")
     p.add_argument("--suffix-len", type=int, default=32, help="tokens of a group request after its prefix")
     p.add_argument("--sessions", type=int, default=3, help="multi-turn sessions")
-    p.add_argument("--turns", type=int, default=6, help="turns per session")
+    p.add_argument("--turns", type=int, default=8, help="turns per session")
     p.add_argument("--turn-len", type=int, default=32, help="new tokens per session turn")
     p.add_argument("--output-len", type=int, default=16, help="tokens per answer (greedy, ignore_eos)")
     p.add_argument("--concurrency", type=int, default=6, help="requests in flight at once")
