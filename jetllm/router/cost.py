@@ -131,12 +131,26 @@ def choose(
             return Choice(known, "session start: least loaded (no cached prefix anywhere)", scored)
         return Choice(None, "no cached prefix on any instance", scored)
     first = scored[0]
+    best = costs[0][0]
+    tied = [i for cost_, i in costs if cost_ - best < w.tie]
+    if len(tied) > 1:
+        holders = [i for i in tied if hits[i] >= w.min_cached and candidates[i].slots > 0]
+        if len(holders) < len(tied) or len(tied) == len(candidates):
+            return Choice(
+                None, f"tie between {first.candidate.instance} and {scored[1].candidate.instance}", scored
+            )
+        # Only holders with load data tie, and some instance costs more: the shared queue could
+        # hand the job to that one. A holder takes it instead: the lowest id, as on every router.
+        at = min(holders, key=lambda i: candidates[i].instance)
+        c = candidates[at]._replace(cached_tokens=hits[at])
+        return Choice(
+            c.instance,
+            f"{c.cached_tokens}/{prompt_tokens} prompt tokens cached, load {c.running}+{c.waiting}/"
+            f"{c.slots}: lowest cost {best:.0f}, tied with {len(holders) - 1} other holder(s), lowest id",
+            scored,
+        )
     if first.candidate.slots <= 0:
         return Choice(None, f"no load data for {first.candidate.instance}", scored)
-    if len(scored) > 1 and scored[1].cost - first.cost < w.tie:
-        return Choice(
-            None, f"tie between {first.candidate.instance} and {scored[1].candidate.instance}", scored
-        )
     c = first.candidate
     return Choice(
         c.instance,
