@@ -7,7 +7,8 @@ cost(candidate) = compute * (prompt tokens it would compute)
 All terms are in prompt-token units: `queue` is what one full round of busy slots is worth in
 tokens to compute, `kv` what a full KV cache is worth (a full cache evicts, and its next prefill
 queues). The lowest cost wins; the shared queue takes the job when nothing distinguishes the
-candidates (no cached prefix anywhere, or a tie) or when the data to decide is missing.
+candidates (no cached prefix anywhere, or a tie) or when the data to decide is missing. Holders of
+the prompt that tie while another instance costs more are not "nothing": the lowest id takes it.
 """
 
 from __future__ import annotations
