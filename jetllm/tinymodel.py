@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 RECIPE_VERSION = 1
 """Bump when the recipe changes, so cached builds are not reused across recipes."""
@@ -37,6 +38,31 @@ VOCAB_SIZE = 512
 MAX_POSITIONS = 1024
 
 
+class Shape(NamedTuple):
+    """The sizes of a model built by the recipe. Heads are 64 wide, half as many for keys and
+    values as for queries, and the MLP twice the hidden size, as in the tiny model."""
+
+    layers: int = 2
+    hidden: int = 256
+    max_positions: int = MAX_POSITIONS
+
+    @property
+    def heads(self) -> int:
+        return max(1, self.hidden // 64)
+
+    @property
+    def kv_heads(self) -> int:
+        return max(1, self.heads // 2)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV-cache bytes one token takes in float32 (keys and values of every layer)."""
+        return 2 * self.layers * self.kv_heads * 64 * 4
+
+
+TINY = Shape()
+
+
 def default_cache_dir() -> Path:
     root = os.environ.get("JETLLM_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "jetllm"
@@ -48,12 +74,22 @@ def default_model_dir() -> Path:
     return default_cache_dir() / f"tiny-llama-v{RECIPE_VERSION}"
 
 
+def model_dir(shape: Shape) -> Path:
+    """Where `ensure` keeps a build of `shape`: the tiny model's own directory for the tiny shape,
+    a directory named by the sizes for any other (so no build is taken for another)."""
+    if shape == TINY:
+        return default_model_dir()
+    name = f"synth-llama-v{RECIPE_VERSION}-l{shape.layers}-h{shape.hidden}-p{shape.max_positions}"
+    return default_cache_dir() / name
+
+
 def is_built(out: Path) -> bool:
     return (out / ".jetllm-tiny-model.json").is_file()
 
 
-def build(out: Path, *, seed: int = 0) -> Path:
-    """Write a tiny Llama, tokenizer and chat template to `out` (idempotent)."""
+def build(out: Path, *, seed: int = 0, shape: Shape = TINY) -> Path:
+    """Write a tiny Llama (or one of another `shape`, same recipe), tokenizer and chat template to
+    `out` (idempotent)."""
     out = Path(out)
     if is_built(out):
         return out
@@ -92,19 +128,19 @@ def build(out: Path, *, seed: int = 0) -> Path:
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
     )
     hf_tok.chat_template = CHAT_TEMPLATE
-    hf_tok.model_max_length = MAX_POSITIONS
+    hf_tok.model_max_length = shape.max_positions
     hf_tok.save_pretrained(tmp)
 
     torch.manual_seed(seed)
     cfg = LlamaConfig(
         vocab_size=len(hf_tok),
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        hidden_size=shape.hidden,
+        intermediate_size=2 * shape.hidden,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
         head_dim=64,
-        max_position_embeddings=MAX_POSITIONS,
+        max_position_embeddings=shape.max_positions,
         bos_token_id=hf_tok.bos_token_id,
         eos_token_id=hf_tok.eos_token_id,
         pad_token_id=hf_tok.pad_token_id,
@@ -113,9 +149,10 @@ def build(out: Path, *, seed: int = 0) -> Path:
     )
     model = LlamaForCausalLM(cfg)
     model.save_pretrained(tmp)
-    (tmp / ".jetllm-tiny-model.json").write_text(
-        json.dumps({"recipe": RECIPE_VERSION, "seed": seed, "vocab_size": len(hf_tok)})
-    )
+    facts: dict[str, object] = {"recipe": RECIPE_VERSION, "seed": seed, "vocab_size": len(hf_tok)}
+    if shape != TINY:
+        facts["shape"] = shape._asdict()
+    (tmp / ".jetllm-tiny-model.json").write_text(json.dumps(facts))
     if out.exists():  # another process finished first
         import shutil
 
@@ -125,9 +162,9 @@ def build(out: Path, *, seed: int = 0) -> Path:
     return out
 
 
-def ensure(path: Path | None = None) -> Path:
-    """The tiny model's directory, built on first use."""
-    return build(Path(path) if path else default_model_dir())
+def ensure(path: Path | None = None, shape: Shape = TINY) -> Path:
+    """The model's directory (the tiny one unless `shape` says otherwise), built on first use."""
+    return build(Path(path) if path else model_dir(shape), shape=shape)
 
 
 def build_lora(out: Path, *, seed: int = 1, rank: int = 8, scale: float = 0.1) -> Path:

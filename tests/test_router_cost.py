@@ -47,6 +47,22 @@ CASES = [
     ),
     ("two equal holders tie", 1000, [c("a", cached=512), c("b", cached=512)], None, None, "tie between"),
     (
+        "holders tie and another instance costs more: the lowest id of the holders",
+        1000,
+        [c("b", cached=512), c("c", cached=512), c("z"), c("a", cached=512, running=1)],
+        None,
+        "b",
+        "512/1000 prompt tokens cached, load 0+0/8: lowest cost 488, tied with 1 other holder(s)",
+    ),
+    (
+        "a holder ties with an instance holding nothing",
+        1000,
+        [c("a", cached=512, running=8), c("z"), c("y", running=4)],
+        None,
+        None,
+        "tie between",
+    ),
+    (
         "no load data for the best",
         1000,
         [c("a", cached=512, slots=0), c("b")],

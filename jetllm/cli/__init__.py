@@ -11,6 +11,7 @@ from ..bench import chaos as bench_chaos
 from ..bench import cluster as bench_cluster
 from ..bench import kvtransfer as bench_kv
 from ..bench import routersim as bench_router_sim
+from ..bench import routing as bench_routing
 from ..bench import run as bench
 from ..errors import JetllmError
 from . import (
@@ -58,6 +59,7 @@ def parser() -> argparse.ArgumentParser:
     bench_cluster.register(sub)
     bench_batch.register(sub)
     bench_router_sim.register(sub)
+    bench_routing.register(sub)
     return p
 
 

@@ -7,7 +7,8 @@ cost(candidate) = compute * (prompt tokens it would compute)
 All terms are in prompt-token units: `queue` is what one full round of busy slots is worth in
 tokens to compute, `kv` what a full KV cache is worth (a full cache evicts, and its next prefill
 queues). The lowest cost wins; the shared queue takes the job when nothing distinguishes the
-candidates (no cached prefix anywhere, or a tie) or when the data to decide is missing.
+candidates (no cached prefix anywhere, or a tie) or when the data to decide is missing. Holders of
+the prompt that tie while another instance costs more are not "nothing": the lowest id takes it.
 """
 
 from __future__ import annotations
@@ -131,12 +132,26 @@ def choose(
             return Choice(known, "session start: least loaded (no cached prefix anywhere)", scored)
         return Choice(None, "no cached prefix on any instance", scored)
     first = scored[0]
+    best = costs[0][0]
+    tied = [i for cost_, i in costs if cost_ - best < w.tie]
+    if len(tied) > 1:
+        holders = [i for i in tied if hits[i] >= w.min_cached and candidates[i].slots > 0]
+        if len(holders) < len(tied) or len(tied) == len(candidates):
+            return Choice(
+                None, f"tie between {first.candidate.instance} and {scored[1].candidate.instance}", scored
+            )
+        # Only holders with load data tie, and some instance costs more: the shared queue could
+        # hand the job to that one. A holder takes it instead: the lowest id, as on every router.
+        at = min(holders, key=lambda i: candidates[i].instance)
+        c = candidates[at]._replace(cached_tokens=hits[at])
+        return Choice(
+            c.instance,
+            f"{c.cached_tokens}/{prompt_tokens} prompt tokens cached, load {c.running}+{c.waiting}/"
+            f"{c.slots}: lowest cost {best:.0f}, tied with {len(holders) - 1} other holder(s), lowest id",
+            scored,
+        )
     if first.candidate.slots <= 0:
         return Choice(None, f"no load data for {first.candidate.instance}", scored)
-    if len(scored) > 1 and scored[1].cost - first.cost < w.tie:
-        return Choice(
-            None, f"tie between {first.candidate.instance} and {scored[1].candidate.instance}", scored
-        )
     c = first.candidate
     return Choice(
         c.instance,
