@@ -42,7 +42,9 @@ class FakeAsyncLLM:
         self.vllm_config = SimpleNamespace(
             model_config=self.model_config,
             lora_config=None,
-            cache_config=SimpleNamespace(block_size=16, num_gpu_blocks=10),
+            cache_config=SimpleNamespace(
+                block_size=16, num_gpu_blocks=10, enable_prefix_caching=True, prefix_caching_hash_algo="sha256"
+            ),
             scheduler_config=SimpleNamespace(max_num_seqs=4),
             parallel_config=SimpleNamespace(data_parallel_size=1),
             structured_outputs_config=SimpleNamespace(backend="xgrammar"),

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import json
-import time
+import threading
 import uuid
 
 import anyio
@@ -197,6 +197,23 @@ def test_response_format_json_schema_validates(stack):
     assert set(doc) == {"city"} and doc["city"] in ("Paris", "Rome")
 
 
+async def kill_when_streaming(nc, stack, workers, streaming: threading.Event) -> WorkerProcess | None:
+    """SIGKILL the worker whose engine runs a request, once `streaming` is set."""
+    names = Names(stack.namespace)
+    running = None
+    with anyio.move_on_after(100):
+        while running is None or not streaming.is_set():
+            if running is None:
+                for w in workers:
+                    if (await instance_status(nc, names, w.instance)).engine_unfinished:
+                        running = w
+                        break
+            await anyio.sleep(0.005)
+    if running is not None:
+        running.signal(9)
+    return running
+
+
 def test_a_worker_killed_mid_stream_does_not_break_the_stream(stack, tmp_path):
     """Last in the file: it may kill the module's worker."""
     second = WorkerProcess(
@@ -206,19 +223,20 @@ def test_a_worker_killed_mid_stream_does_not_break_the_stream(stack, tmp_path):
         anyio.run(second.wait_ready, stack.nats_url, 600)
         kw = {"model": TINY, "messages": USER, "max_tokens": 490, **GREEDY}
         whole = stack.sdk.chat.completions.create(**kw)
-        stream = stack.sdk.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
-        killed = None  # the worker running it, SIGKILLed as soon as it is seen running
+        streaming = threading.Event()
         with start_blocking_portal() as portal:
             nc = portal.call(connect, stack.nats_url)
             try:
-                deadline = time.monotonic() + 30
-                while killed is None and time.monotonic() < deadline:
-                    for w in (stack.worker, second):
-                        status = portal.call(instance_status, nc, Names(stack.namespace), w.instance)
-                        if status.engine_unfinished:
-                            w.signal(9)
-                            killed = w
-                            break
+                # watching from before the request: the worker that runs it is known by the time
+                # its first chunk reaches the client, and killed then (mid-stream, not after it)
+                watch = portal.start_task_soon(
+                    kill_when_streaming, nc, stack, (stack.worker, second), streaming
+                )
+                stream = stack.sdk.chat.completions.create(
+                    **kw, stream=True, stream_options={"include_usage": True}
+                )
+                streaming.set()
+                killed = watch.result(timeout=120)
             finally:
                 portal.call(nc.close)
         assert killed is not None
