@@ -43,7 +43,10 @@ class FakeAsyncLLM:
             model_config=self.model_config,
             lora_config=None,
             cache_config=SimpleNamespace(
-                block_size=16, num_gpu_blocks=10, enable_prefix_caching=True, prefix_caching_hash_algo="sha256"
+                block_size=16,
+                num_gpu_blocks=10,
+                enable_prefix_caching=True,
+                prefix_caching_hash_algo="sha256",
             ),
             scheduler_config=SimpleNamespace(max_num_seqs=4),
             parallel_config=SimpleNamespace(data_parallel_size=1),
