@@ -30,7 +30,7 @@ from ..natsserver import NatsCluster
 from ..producer import Client
 from ..producer.fleet import wait_for_workers, worker_statuses
 from ..schemas import GenerateRequest, SamplingOptions, StopConditions, TokensPrompt
-from .run import write_section
+from .run import choices, write_section
 
 MARKS = ("<!-- cluster:begin -->", "<!-- cluster:end -->")
 KILLS = {"leader": "the jobs stream's leader", "majority": "a majority: the leader + 1"}
@@ -274,16 +274,6 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     return 1 if any(r.lost or r.run_twice for r in rows if r.killed == "leader") else 0
 
 
-def _kills(text: str) -> list[str]:
-    kills = [k for k in text.split(",") if k]
-    unknown = [k for k in kills if k not in KILLS]
-    if unknown or not kills:
-        raise argparse.ArgumentTypeError(
-            f"--kill takes {' and/or '.join(KILLS)}, comma separated; got {text!r}"
-        )
-    return kills
-
-
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench-cluster",
@@ -300,7 +290,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--slots", type=int, default=32, help="slots per worker")
     p.add_argument(
         "--kill",
-        type=_kills,
+        type=choices("--kill", tuple(KILLS)),
         default=list(KILLS),
         help="comma separated: leader (the jobs stream's), majority (it and one more server)",
     )

@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -38,7 +36,7 @@ import msgspec
 from ..aio import run
 from ..workers.engine import EngineOptions
 from .prefixload import Oracle, PrefixWorkload, RoundRobin, Step, next_prompt
-from .run import section_marks, write_section
+from .run import choices, measured_on, section_marks, write_section
 from .workload import percentile
 
 POLICIES = ("shared", "round-robin", "kv", "oracle")
@@ -191,10 +189,8 @@ def ratio_lines(r: Ratios) -> str:
 
 
 def report(work: PrefixWorkload, setup: str, rows: list[Row], command: str) -> str:
-    when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     return (
-        f"Measured {when} on {os.cpu_count()} CPUs ({platform.machine()}), Python "
-        f"{platform.python_version()}.\n\n"
+        f"{measured_on()}\n\n"
         f"Workload ({work.requests} requests, {work.concurrency} in flight, greedy, {work.output_len} "
         f"output tokens each, seed {work.seed}): {work.groups} groups of {work.per_group} requests sharing "
         f"a {work.prefix_len}-token prefix (then {work.suffix_len} tokens of their own), and "
@@ -487,16 +483,6 @@ def cmd_bench_routing(args: argparse.Namespace) -> int:
     return 1 if any(r.errors for r in rows) else 0
 
 
-def _policies(text: str) -> list[str]:
-    chosen = [p for p in text.split(",") if p]
-    unknown = [p for p in chosen if p not in POLICIES]
-    if unknown or not chosen:
-        raise argparse.ArgumentTypeError(
-            f"--policies takes {', '.join(POLICIES)}, comma separated; got {text!r}"
-        )
-    return chosen
-
-
 def register(sub: argparse._SubParsersAction) -> None:
     from ..router.cost import Weights
 
@@ -515,7 +501,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--policies",
-        type=_policies,
+        type=choices("--policies", POLICIES),
         default=list(POLICIES),
         help="comma separated, run in this order: shared, round-robin, kv, oracle",
     )

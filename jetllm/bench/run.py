@@ -11,7 +11,7 @@ import statistics
 import sys
 import tempfile
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import msgspec
@@ -75,10 +75,29 @@ def ratios(rows: list[Summary]) -> str:
     return "\n".join(lines)
 
 
-def report(work: Workload, opts: EngineOptions, rows: list[Summary], command: str) -> str:
+def measured_on() -> str:
+    """When and on what a benchmark ran: the first line of every report written to the docs."""
     when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    return f"Measured {when} on {os.cpu_count()} CPUs ({platform.machine()}), Python {platform.python_version()}."
+
+
+def choices(flag: str, allowed: tuple[str, ...]) -> Callable[[str], list[str]]:
+    """An argparse type for a comma-separated subset of `allowed`."""
+
+    def parse(text: str) -> list[str]:
+        chosen = [c for c in text.split(",") if c]
+        if not chosen or any(c not in allowed for c in chosen):
+            raise argparse.ArgumentTypeError(
+                f"{flag} takes {', '.join(allowed)}, comma separated; got {text!r}"
+            )
+        return chosen
+
+    return parse
+
+
+def report(work: Workload, opts: EngineOptions, rows: list[Summary], command: str) -> str:
     return (
-        f"Measured {when} on {os.cpu_count()} CPUs ({platform.machine()}), Python {platform.python_version()}.\n\n"
+        f"{measured_on()}\n\n"
         f"Workload: {work.requests} requests, {work.concurrency} concurrent, {work.prompt_len}-token prompts, "
         f"{work.output_len} output tokens each (greedy, ignore_eos), after {work.warmup} warm-up requests; "
         f"model `{opts.name}`, engine arguments identical for all targets "
