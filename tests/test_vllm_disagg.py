@@ -242,8 +242,7 @@ def example_fleet(disagg, tmp_path_factory) -> Iterator[dict]:
     try:
         yield {"start": start}
     finally:
-        for w in started:
-            w.stop()
+        stop_all(started)
 
 
 async def test_a_decode_worker_killed_after_the_handoff_migrates_with_the_same_tokens(

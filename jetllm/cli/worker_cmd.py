@@ -513,7 +513,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_nats(p)
     add_worker_options(p)
-    p.set_defaults(func=cmd_worker)
+    p.set_defaults(func=cmd_worker, engine_process=True)
 
     p = sub.add_parser(
         "up",
@@ -537,4 +537,4 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     add_up_options(p)
     add_worker_options(p)
-    p.set_defaults(func=cmd_up)
+    p.set_defaults(func=cmd_up, engine_process=True)
