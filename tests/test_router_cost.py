@@ -143,3 +143,40 @@ def test_the_shortlist_decides_as_the_whole_fleet_would():
         full = choose(prompt, whole, W)
         assert short.instance == full.instance
         assert [x.cost for x in short.scored] == [x.cost for x in full.scored]
+
+
+@pytest.mark.parametrize(
+    "name,cands,chosen,why",
+    [
+        ("the least loaded", [c("a", running=3), c("b", running=1), c("c", running=2)], "b", "prompt's home"),
+        (
+            "no load data anywhere: the shared queue",
+            [c("a", slots=0), c("b", slots=0)],
+            None,
+            "no cached prefix",
+        ),
+        (
+            "no load data for the least loaded: the shared queue",
+            [c("a", slots=0), c("b", running=7)],
+            None,
+            "no cached prefix",
+        ),
+    ],
+)
+def test_a_prompt_no_instance_holds_goes_to_its_home(name, cands, chosen, why):
+    choice = choose(100, cands, W, home_key=12345)
+    assert choice.instance == chosen
+    assert choice.why.startswith(why), choice.why
+
+
+def test_equally_loaded_instances_give_each_prompt_one_home_whatever_their_order():
+    idle = [c(f"w{i}") for i in range(5)]
+    homes = []
+    for key in range(200):
+        home = choose(100, idle, W, home_key=key).instance
+        assert all(
+            choose(100, random.Random(key).sample(idle, 5), W, home_key=key).instance == home
+            for _ in range(3)
+        )
+        homes.append(home)
+    assert min(homes.count(x.instance) for x in idle) > 20  # prompts spread over the fleet

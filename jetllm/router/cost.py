@@ -6,13 +6,16 @@ cost(candidate) = compute * (prompt tokens it would compute)
 
 All terms are in prompt-token units: `queue` is what one full round of busy slots is worth in
 tokens to compute, `kv` what a full KV cache is worth (a full cache evicts, and its next prefill
-queues). The lowest cost wins; the shared queue takes the job when nothing distinguishes the
-candidates (no cached prefix anywhere, or a tie) or when the data to decide is missing. Holders of
-the prompt that tie while another instance costs more are not "nothing": the lowest id takes it.
+queues). The lowest cost wins; the shared queue takes the job on a tie or when the data to decide
+is missing. Holders of the prompt that tie while another instance costs more are not "nothing":
+the lowest id takes it. Nor is a prompt no instance holds: it goes to its home among the least
+loaded (`rank`), so that its next jobs, which the router then sends after it (pending.py), find
+its blocks in one place instead of each computing them on another instance.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -102,13 +105,17 @@ def choose(
     cached: Mapping[str, int] | None = None,
     session: str | None = None,
     new_session: bool = False,
+    home_key: int | None = None,
 ) -> Choice:
     """Where a job with `prompt_tokens` goes. `cached`: cached tokens per instance, instead of the
     candidates' own field (the router's shortlist passes it, to build no candidate per job).
 
     When no candidate holds any of the prompt (no events, or a cold cache), a job of a session goes
     to `session`, the instance its session last went to, and the first job of a session
-    (`new_session`) to the cheapest candidate, which it then sticks to."""
+    (`new_session`) to the cheapest candidate, which it then sticks to. Any other such job with a
+    `home_key` (a key of its prompt's leading blocks) goes to its home: of the least loaded
+    candidates with load data, the one `home_key` ranks first, so the prompt's next jobs can follow
+    it and every router picks the same one."""
     if not candidates:
         return Choice(None, "no live instance")
     get = cached.get if cached is not None else None
@@ -130,6 +137,16 @@ def choose(
         known = next((candidates[i].instance for _, i in costs if candidates[i].slots > 0), None)
         if (session is not None or new_session) and known is not None:
             return Choice(known, "session start: least loaded (no cached prefix anywhere)", scored)
+        if home_key is not None and known is not None:
+            best = costs[0][0]
+            least = [candidates[i] for cost_, i in costs if cost_ - best < w.tie and candidates[i].slots > 0]
+            if least:
+                home = max(least, key=lambda c: rank(home_key, c.instance))
+                return Choice(
+                    home.instance,
+                    f"prompt's home: no cached prefix anywhere, least loaded of {len(least)} with load data",
+                    scored,
+                )
         return Choice(None, "no cached prefix on any instance", scored)
     first = scored[0]
     best = costs[0][0]
@@ -159,6 +176,12 @@ def choose(
         f"load {c.running}+{c.waiting}/{c.slots}: lowest cost {first.cost:.0f}",
         scored,
     )
+
+
+def rank(key: int, instance: str) -> int:
+    """Rendezvous hashing: where a key ranks an instance, the same on every router."""
+    h = hashlib.blake2b(key.to_bytes(8, "big") + instance.encode(), digest_size=8)
+    return int.from_bytes(h.digest(), "big")
 
 
 def cached_tokens(blocks: int, block_size: int, prompt_tokens: int) -> int:

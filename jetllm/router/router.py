@@ -29,11 +29,16 @@ from .cost import Candidate, Choice, Weights, by_load, cached_tokens, choose, sh
 from .feed import KvFeed, LoadBook, follow_registry
 from .hashing import DEFAULT_SEED, BlockHasher, HashAlgo
 from .index import BlockIndex
+from .pending import PendingBlocks
 from .tokens import PromptTokenizer
 from .trace import publish_decision
 
 log = logging.getLogger(__name__)
 
+HOME_BLOCKS = 4
+"""A cold prompt's home is ranked by its chain up to this block: deep enough that prompts sharing
+only a chat template's opening do not all share a home, shallow enough that a short shared
+system prompt does."""
 SESSIONS = 100_000
 """Sessions remembered for affinity (least recently used forgotten first)."""
 RANK_EVERY = 0.1
@@ -77,6 +82,7 @@ def _reason_kind(why: str) -> str:
         "session affinity",
         "session start",
         "no cached prefix",
+        "prompt's home",
         "tie",
         "no load data",
         "no live instance",
@@ -113,6 +119,7 @@ class Router:
         self.name = name
         self.trace = trace
         self.index = BlockIndex()
+        self.pending = PendingBlocks()
         self.loads = LoadBook(load_max_age)
         self.instances: dict[str, InstanceRecord] = {}
         self.stats = RouterStats()
@@ -244,12 +251,23 @@ class Router:
         """Per instance that holds some of it, the prompt tokens its engine would find cached."""
         if self._hasher is None:
             return {}
+        return self._cached(self._chain(tokens, adapter), len(tokens))
+
+    def _chain(self, tokens: list[int], adapter: str | None) -> list[int]:
+        """The blocks an engine could find cached: the full ones before the prompt's last token."""
+        assert self._hasher is not None
         size = self._hasher.block_size
-        chain = self._hasher.chain(tokens[: (len(tokens) - 1) // size * size], adapter)
-        return {
-            inst: cached_tokens(blocks, size, len(tokens))
-            for inst, blocks in self.index.overlap(chain).items()
-        }
+        return self._hasher.chain(tokens[: (len(tokens) - 1) // size * size], adapter)
+
+    def _cached(self, chain: list[int], prompt_tokens: int, pending: bool = False) -> dict[str, int]:
+        assert self._hasher is not None
+        size = self._hasher.block_size
+        blocks = self.index.overlap(chain)
+        if pending and chain:
+            sent = self.pending.holder(chain, time.monotonic())
+            if sent is not None and sent[0] in self.instances and sent[1] > blocks.get(sent[0], 0):
+                blocks[sent[0]] = sent[1]
+        return {inst: cached_tokens(n, size, prompt_tokens) for inst, n in blocks.items()}
 
     def _ranked(self) -> tuple[list[Candidate], dict[str, int]]:
         """Live candidates by load, rebuilt at most every RANK_EVERY seconds (reports come each second)."""
@@ -282,20 +300,25 @@ class Router:
             return Choice(None, "prompt not tokenized here (no tokenizer, or an embeddings prompt)")
         if self._hasher is None:
             return Choice(None, "block size unknown (no instance registered yet)")
-        cached = self.overlaps(tokens, req.adapter)
+        chain = self._chain(tokens, req.adapter)
+        cached = self._cached(chain, len(tokens), pending=True)
         session = self._sessions.get(req.session_id) if req.session_id else None
         ranked, position = self._ranked()
         listed = shortlist(ranked, cached, position)
         if session is not None and session in position and all(c.instance != session for c in listed):
             listed.append(ranked[position[session]])
-        return choose(
+        choice = choose(
             len(tokens),
             listed,
             self.weights,
             cached=cached,
             session=session,
             new_session=req.session_id is not None,
+            home_key=chain[min(len(chain), HOME_BLOCKS) - 1] if chain else None,
         )
+        if choice.instance is not None and chain:
+            self.pending.note(chain, choice.instance, time.monotonic())
+        return choice
 
     async def place(
         self, req: GenerateRequest, *, traceparent: str | None = None, queued_at: float | None = None

@@ -1,0 +1,63 @@
+"""Prompts the router has just sent somewhere, before their blocks show up in the KV events: pure.
+
+A prefix's first job takes a prefill's time before its worker reports the blocks stored. Without
+this memory, the prefix's next jobs in that window look cold and land anywhere, and each computes
+the prefix again. With it they follow the first: its instance counts as holding the blocks until
+they are reported (the index then knows) or `ttl` passes (the job failed, or its blocks were
+never kept).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+PENDING_TTL = 10.0
+"""Seconds a placement counts as holding its prompt's blocks."""
+PENDING_BLOCKS = 200_000
+"""Blocks remembered at most (the oldest placements forgotten first)."""
+
+
+class PendingBlocks:
+    def __init__(self, ttl: float = PENDING_TTL, limit: int = PENDING_BLOCKS) -> None:
+        self.ttl = ttl
+        self.limit = limit
+        self._blocks: OrderedDict[int, tuple[str, float]] = OrderedDict()
+        """Block id -> (instance it was sent to, when that stops counting); oldest first."""
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def note(self, chain: Sequence[int], instance: str, now: float) -> None:
+        """`chain`'s blocks were sent to `instance` at `now`."""
+        until = now + self.ttl
+        blocks = self._blocks
+        for key in chain:
+            blocks[key] = (instance, until)
+            blocks.move_to_end(key)
+        while len(blocks) > self.limit:
+            blocks.popitem(last=False)
+
+    def holder(self, chain: Sequence[int], now: float) -> tuple[str, int] | None:
+        """The instance `chain`'s first block was last sent to, and how many leading blocks went
+        there with it; None if the first block is not pending."""
+        self._expire(now)
+        blocks = self._blocks
+        first = blocks.get(chain[0]) if chain else None
+        if first is None:
+            return None
+        instance, n = first[0], 0
+        for key in chain:
+            got = blocks.get(key)
+            if got is None or got[0] != instance:
+                break
+            n += 1
+        return instance, n
+
+    def _expire(self, now: float) -> None:
+        blocks = self._blocks
+        while blocks:
+            key, (_, until) = next(iter(blocks.items()))
+            if until > now:
+                return
+            del blocks[key]

@@ -1,0 +1,89 @@
+"""The router's memory of where it just sent a prompt, before the blocks show up in the KV events."""
+
+from __future__ import annotations
+
+import time
+
+from jetllm.router import Router
+from jetllm.router.pending import PendingBlocks
+from jetllm.schemas import EngineInfo, InstanceRecord
+
+from .jobs import req
+
+B = 4
+
+
+def fleet_router(*names: str, running: dict[str, int] | None = None) -> Router:
+    """A router that knows `names` (8 slots each, `running` busy) and has seen no KV event."""
+    router = Router("m", block_size=B)
+    router._on_instances(
+        {
+            n: InstanceRecord(
+                instance=n,
+                role="generate",
+                model="m",
+                state="serving",
+                ready=True,
+                slots=8,
+                in_flight=(running or {}).get(n, 0),
+                engine=EngineInfo(block_size=B),
+                heartbeat_at=time.time(),
+                expires_after=600,
+            )
+            for n in names
+        }
+    )
+    return router
+
+
+def test_a_sent_prompt_counts_as_held_by_its_instance_until_it_expires():
+    p = PendingBlocks(ttl=10.0)
+    p.note([1, 2, 3, 4], "a", now=0.0)
+    assert p.holder([1, 2, 3, 4, 5], now=1.0) == ("a", 4)
+    assert p.holder([1, 2, 9], now=1.0) == ("a", 2)
+    assert p.holder([7, 1, 2], now=1.0) is None  # only a leading run counts
+    assert p.holder([], now=1.0) is None
+    assert p.holder([1, 2], now=10.0) is None and len(p) == 0
+
+
+def test_the_latest_placement_of_a_block_wins_and_the_run_stops_at_another_instance():
+    p = PendingBlocks()
+    p.note([1, 2, 3], "a", now=0.0)
+    p.note([1, 2, 5], "b", now=1.0)
+    assert p.holder([1, 2, 3], now=2.0) == ("b", 2)
+
+
+def test_the_oldest_blocks_go_first_past_the_limit():
+    p = PendingBlocks(limit=3)
+    p.note([1, 2], "a", now=0.0)
+    p.note([3, 4], "b", now=0.0)
+    assert len(p) == 3 and p.holder([1], now=0.0) is None and p.holder([2], now=0.0) == ("a", 1)
+
+
+def test_the_next_jobs_of_a_new_prefix_follow_the_first_before_its_blocks_are_reported():
+    router = fleet_router("w1", "w2", "w3")
+    prefix = list(range(100, 164))  # 16 blocks
+    first = router.decide(req("m", prefix + [1, 2]), prefix + [1, 2])
+    assert first.instance is not None and first.why.startswith("prompt's home")
+    for tail in ([3, 4, 5], [6], [7, 8, 9, 10, 11]):
+        tokens = prefix + tail
+        follower = router.decide(req("m", tokens), tokens)
+        assert follower.instance == first.instance, follower.why
+        assert follower.why.startswith("64/")  # the prefix counted as held where it was sent
+
+
+def test_a_pending_holder_that_is_busy_loses_as_a_reported_one_would():
+    router = fleet_router("w1", "w2", "w3", running={"w1": 0, "w2": 0, "w3": 0})
+    prefix = list(range(100, 112))  # 3 blocks: little to save
+    first = router.decide(req("m", prefix + [1]), prefix + [1])
+    busy = {n: (8 if n == first.instance else 0) for n in ("w1", "w2", "w3")}
+    router = fleet_router("w1", "w2", "w3", running=busy)
+    router.pending = PendingBlocks()
+    router.pending.note(router._chain(prefix + [1], None), first.instance, time.monotonic())
+    follower = router.decide(req("m", prefix + [2]), prefix + [2])
+    assert follower.instance != first.instance, follower.why
+
+
+def test_a_prompt_of_less_than_a_block_is_left_to_the_shared_queue():
+    router = fleet_router("w1", "w2")
+    assert router.decide(req("m", [1, 2, 3]), [1, 2, 3]).instance is None
