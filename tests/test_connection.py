@@ -49,3 +49,17 @@ async def test_without_a_wait_the_first_connection_keeps_trying_until_the_server
             await nc.close()
     finally:
         server.__exit__(None, None, None)
+
+
+async def test_a_client_closes_without_an_error_while_its_server_is_away(tmp_path, caplog):
+    """`jetllm batch` closes its client once every line is written: a server restarting just then
+    must not turn the finished batch into a failure."""
+    from jetllm.natsserver import NatsServer
+    from jetllm.producer import Client
+
+    server = NatsServer(tmp_path / "nats").start()
+    with anyio.fail_after(10):
+        async with Client(server.url, namespace="t"):
+            server.stop()
+            await anyio.sleep(0.5)  # the connection is reconnecting now
+    assert "closing the NATS connection" in caplog.text

@@ -399,7 +399,7 @@ async def test_broker_restart_and_crash_during_batches_lose_nothing(
             server = NatsServer(data, port=server.port, sync_always=True).start()
             _, err = await anyio.to_thread.run_sync(lambda b=batch: b.communicate(timeout=300))
             lines = [json.loads(x) for x in out.read_text().splitlines()]
-            assert batch.returncode == 0, (how, [x["error"] for x in lines if x.get("error")])
+            assert batch.returncode == 0, (how, [x["error"] for x in lines if x.get("error")], err[-2000:])
             assert [x["line"] for x in lines] == list(range(1, 33)), how
             assert all(len(x["token_ids"]) == 120 for x in lines), how
             async with Client(url, namespace=namespace) as c:

@@ -32,7 +32,7 @@ from nats.js.api import PubAck
 from nats.js.kv import KeyValue
 
 from .. import tracecontext
-from ..aio import retried
+from ..aio import describe, retried
 from ..errors import JetStreamUnavailable, NotPermitted, PayloadTooLarge, RequestFailed
 from ..router.publish import placed_subject
 from ..schemas import (
@@ -224,7 +224,11 @@ class Client:
                 pass
             self._sub = None
         if self._own_nc and self._nc is not None and not self._nc.is_closed:
-            await self._nc.drain()
+            try:
+                await self._nc.drain()
+            except Exception as exc:  # e.g. the server restarting: every answer is in by now
+                log.warning("closing the NATS connection: %s", describe(exc))
+                await self._nc.close()
         self._nc = None
 
     def _on_frame(self, msg: Msg) -> None:
