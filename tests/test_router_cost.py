@@ -180,3 +180,11 @@ def test_equally_loaded_instances_give_each_prompt_one_home_whatever_their_order
         )
         homes.append(home)
     assert min(homes.count(x.instance) for x in idle) > 20  # prompts spread over the fleet
+
+
+def test_of_equally_loaded_instances_a_home_goes_to_the_one_sent_fewest_jobs_lately():
+    idle = [c("a"), c("b"), c("z")]
+    lately = {"a": 3.2, "b": 0.4, "z": 2.0}.__getitem__
+    assert all(choose(100, idle, W, home_key=k, recent=lately).instance == "b" for k in range(50))
+    busy = [c("a"), c("b", running=4), c("z")]  # load first: b is not among the least loaded
+    assert {choose(100, busy, W, home_key=k, recent=lately).instance for k in range(50)} == {"z"}

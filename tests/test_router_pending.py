@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from jetllm.router import Router
-from jetllm.router.pending import PendingBlocks
+from jetllm.router.pending import PendingBlocks, RecentJobs
 from jetllm.schemas import EngineInfo, InstanceRecord
 
 from .jobs import req
@@ -87,3 +87,21 @@ def test_a_pending_holder_that_is_busy_loses_as_a_reported_one_would():
 def test_a_prompt_of_less_than_a_block_is_left_to_the_shared_queue():
     router = fleet_router("w1", "w2")
     assert router.decide(req("m", [1, 2, 3]), [1, 2, 3]).instance is None
+
+
+def test_recent_jobs_halve_every_half_life():
+    r = RecentJobs(half_life=10.0)
+    r.add("a", now=0.0)
+    r.add("a", now=0.0)
+    assert r.of("a", now=0.0) == 2.0 and r.of("a", now=10.0) == 1.0 and r.of("b", now=0.0) == 0.0
+    r.forget("a")
+    assert r.of("a", now=0.0) == 0.0
+
+
+def test_new_prefixes_at_equal_load_get_homes_spread_evenly():
+    router = fleet_router("w1", "w2", "w3")
+    homes = []
+    for g in range(6):
+        prefix = [1000 * (g + 1) + i for i in range(64)]
+        homes.append(router.decide(req("m", prefix + [1]), prefix + [1]).instance)
+    assert sorted(homes.count(w) for w in ("w1", "w2", "w3")) == [2, 2, 2], homes

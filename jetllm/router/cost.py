@@ -16,7 +16,7 @@ its blocks in one place instead of each computing them on another instance.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -106,6 +106,7 @@ def choose(
     session: str | None = None,
     new_session: bool = False,
     home_key: int | None = None,
+    recent: Callable[[str], float] | None = None,
 ) -> Choice:
     """Where a job with `prompt_tokens` goes. `cached`: cached tokens per instance, instead of the
     candidates' own field (the router's shortlist passes it, to build no candidate per job).
@@ -114,8 +115,8 @@ def choose(
     to `session`, the instance its session last went to, and the first job of a session
     (`new_session`) to the cheapest candidate, which it then sticks to. Any other such job with a
     `home_key` (a key of its prompt's leading blocks) goes to its home: of the least loaded
-    candidates with load data, the one `home_key` ranks first, so the prompt's next jobs can follow
-    it and every router picks the same one."""
+    candidates with load data, the one sent the fewest jobs lately (`recent`, rounded), then the
+    one `home_key` ranks first, so the prompt's next jobs can follow it and prefixes spread."""
     if not candidates:
         return Choice(None, "no live instance")
     get = cached.get if cached is not None else None
@@ -141,7 +142,8 @@ def choose(
             best = costs[0][0]
             least = [candidates[i] for cost_, i in costs if cost_ - best < w.tie and candidates[i].slots > 0]
             if least:
-                home = max(least, key=lambda c: rank(home_key, c.instance))
+                lately = recent or (lambda _: 0.0)
+                home = min(least, key=lambda c: (round(lately(c.instance)), -rank(home_key, c.instance)))
                 return Choice(
                     home.instance,
                     f"prompt's home: no cached prefix anywhere, least loaded of {len(least)} with load data",

@@ -61,3 +61,30 @@ class PendingBlocks:
             if until > now:
                 return
             del blocks[key]
+
+
+TRAFFIC_HALF_LIFE = 30.0
+"""Seconds after which a directed job counts half in `RecentJobs`."""
+
+
+class RecentJobs:
+    """Jobs this router directed to each instance lately (each one's weight halving every
+    `half_life` seconds). A prefix's jobs follow it, so an instance that has been sent many is
+    likely to be sent many more: a new prefix's home goes elsewhere when loads tie."""
+
+    def __init__(self, half_life: float = TRAFFIC_HALF_LIFE) -> None:
+        self.half_life = half_life
+        self._counts: dict[str, tuple[float, float]] = {}
+
+    def add(self, instance: str, now: float) -> None:
+        self._counts[instance] = (self.of(instance, now) + 1.0, now)
+
+    def of(self, instance: str, now: float) -> float:
+        got = self._counts.get(instance)
+        if got is None:
+            return 0.0
+        count, at = got
+        return count * 0.5 ** ((now - at) / self.half_life)
+
+    def forget(self, instance: str) -> None:
+        self._counts.pop(instance, None)

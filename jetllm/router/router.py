@@ -29,16 +29,16 @@ from .cost import Candidate, Choice, Weights, by_load, cached_tokens, choose, sh
 from .feed import KvFeed, LoadBook, follow_registry
 from .hashing import DEFAULT_SEED, BlockHasher, HashAlgo
 from .index import BlockIndex
-from .pending import PendingBlocks
+from .pending import PendingBlocks, RecentJobs
 from .tokens import PromptTokenizer
 from .trace import publish_decision
 
 log = logging.getLogger(__name__)
 
-HOME_BLOCKS = 4
-"""A cold prompt's home is ranked by its chain up to this block: deep enough that prompts sharing
-only a chat template's opening do not all share a home, shallow enough that a short shared
-system prompt does."""
+HOME_TOKENS = 256
+"""A cold prompt's home is ranked by its chain up to the block covering this many tokens: deep
+enough that prompts sharing only a chat template's opening do not all share a home, shallow
+enough that prompts sharing a system prompt do."""
 SESSIONS = 100_000
 """Sessions remembered for affinity (least recently used forgotten first)."""
 RANK_EVERY = 0.1
@@ -120,6 +120,7 @@ class Router:
         self.trace = trace
         self.index = BlockIndex()
         self.pending = PendingBlocks()
+        self.recent = RecentJobs()
         self.loads = LoadBook(load_max_age)
         self.instances: dict[str, InstanceRecord] = {}
         self.stats = RouterStats()
@@ -235,6 +236,7 @@ class Router:
         for gone in set(self.instances) - set(current):
             self.index.drop(gone)
             self.loads.forget(gone)
+            self.recent.forget(gone)
             if self.feed is not None:
                 self.feed.last.pop(gone, None)
         self.instances = current
@@ -300,6 +302,7 @@ class Router:
             return Choice(None, "prompt not tokenized here (no tokenizer, or an embeddings prompt)")
         if self._hasher is None:
             return Choice(None, "block size unknown (no instance registered yet)")
+        now = time.monotonic()
         chain = self._chain(tokens, req.adapter)
         cached = self._cached(chain, len(tokens), pending=True)
         session = self._sessions.get(req.session_id) if req.session_id else None
@@ -314,11 +317,18 @@ class Router:
             cached=cached,
             session=session,
             new_session=req.session_id is not None,
-            home_key=chain[min(len(chain), HOME_BLOCKS) - 1] if chain else None,
+            home_key=chain[min(len(chain), self._home_depth()) - 1] if chain else None,
+            recent=lambda inst: self.recent.of(inst, now),
         )
-        if choice.instance is not None and chain:
-            self.pending.note(chain, choice.instance, time.monotonic())
+        if choice.instance is not None:
+            self.recent.add(choice.instance, now)
+            if chain:
+                self.pending.note(chain, choice.instance, now)
         return choice
+
+    def _home_depth(self) -> int:
+        assert self._hasher is not None
+        return max(1, HOME_TOKENS // self._hasher.block_size)
 
     async def place(
         self, req: GenerateRequest, *, traceparent: str | None = None, queued_at: float | None = None
