@@ -3,13 +3,15 @@
 Builds the index of `workers` instances holding `blocks` blocks each (a share of them from common
 system prompts, the rest their own conversations), then runs decisions while absorbing KV events
 at a set rate (each batch stores a conversation's new blocks and evicts as many old ones, as a full
-cache does). Reports the decision time (prefix lookup over every instance plus the cost of every
-candidate; the prompt's own hashing reported apart), the events absorbed per second, and memory.
+cache does). Reports the decision time (prefix lookup over every instance and over the router's
+pending placements, plus the cost of every candidate; the prompt's own hashing reported apart),
+the events absorbed per second, and memory.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import random
 import time
@@ -20,9 +22,14 @@ import psutil
 from ..router.cost import Candidate, Weights, by_load, choose, shortlist
 from ..router.hashing import BlockHasher
 from ..router.index import BlockIndex
+from ..router.pending import PendingBlocks, RecentJobs
 from ..schemas import KvRemoved, KvStored
 
 BLOCK = 16
+
+
+def _lately(recent: RecentJobs, now: float, instance: str) -> float:
+    return recent.of(instance, now)
 
 
 def _rss() -> int:
@@ -78,6 +85,7 @@ def simulate(
     position = {c.instance: i for i, c in enumerate(ranked)}
     per_decision = event_rate / decision_rate
     owed = 0.0
+    pending, recent = PendingBlocks(), RecentJobs()
     decide_ns: list[int] = []
     decide_cpu_ns: list[int] = []
     churn_ns = 0
@@ -100,9 +108,23 @@ def simulate(
         prompt_chain = shared[rnd.randrange(prefixes)] + (own[w][-1] if own[w] else [])
         prompt_tokens = len(prompt_chain) * BLOCK + 7
         s, c = time.perf_counter_ns(), time.thread_time_ns()
+        now = time.monotonic()
         hits = index.overlap(prompt_chain)
+        sent = pending.holder(prompt_chain, now)
+        if sent is not None and sent[1] > hits.get(sent[0], 0):
+            hits[sent[0]] = sent[1]
         cached = {inst: n * BLOCK for inst, n in hits.items()}
-        choose(prompt_tokens, shortlist(ranked, cached, position), weights, cached=cached)
+        choice = choose(
+            prompt_tokens,
+            shortlist(ranked, cached, position),
+            weights,
+            cached=cached,
+            home_key=prompt_chain[0],
+            recent=functools.partial(_lately, recent, now),
+        )
+        if choice.instance is not None:
+            recent.add(choice.instance, now)
+            pending.note(prompt_chain, choice.instance, now)
         decide_cpu_ns.append(time.thread_time_ns() - c)
         decide_ns.append(time.perf_counter_ns() - s)
 
