@@ -43,7 +43,7 @@ def test_a_sent_prompt_counts_as_held_by_its_instance_until_it_expires():
     assert p.holder([1, 2, 9], now=1.0) == ("a", 2)
     assert p.holder([7, 1, 2], now=1.0) is None  # only a leading run counts
     assert p.holder([], now=1.0) is None
-    assert p.holder([1, 2], now=10.0) is None and len(p) == 0
+    assert p.holder([1, 2], now=10.0) is None
 
 
 def test_the_latest_placement_of_a_block_wins_and_the_run_stops_at_another_instance():
@@ -53,11 +53,14 @@ def test_the_latest_placement_of_a_block_wins_and_the_run_stops_at_another_insta
     assert p.holder([1, 2, 3], now=2.0) == ("b", 2)
 
 
-def test_the_oldest_blocks_go_first_past_the_limit():
-    p = PendingBlocks(limit=3)
+def test_past_the_limit_expired_blocks_go_then_the_oldest():
+    p = PendingBlocks(ttl=10.0, limit=4)
     p.note([1, 2], "a", now=0.0)
-    p.note([3, 4], "b", now=0.0)
-    assert len(p) == 3 and p.holder([1], now=0.0) is None and p.holder([2], now=0.0) == ("a", 1)
+    p.note([3, 4], "b", now=5.0)
+    p.note([5], "c", now=12.0)  # over the limit: 1 and 2 have expired
+    assert len(p) == 3 and p.holder([3, 4], now=12.0) == ("b", 2)
+    p.note([6, 7], "d", now=12.0)  # over again, nothing expired: the oldest go
+    assert len(p) == 3 and p.holder([3], now=12.0) is None and p.holder([6, 7], now=12.0) == ("d", 2)
 
 
 def test_the_next_jobs_of_a_new_prefix_follow_the_first_before_its_blocks_are_reported():

@@ -9,8 +9,8 @@ never kept).
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
+from itertools import repeat
 
 PENDING_TTL = 10.0
 """Seconds a placement counts as holding its prompt's blocks."""
@@ -22,45 +22,41 @@ class PendingBlocks:
     def __init__(self, ttl: float = PENDING_TTL, limit: int = PENDING_BLOCKS) -> None:
         self.ttl = ttl
         self.limit = limit
-        self._blocks: OrderedDict[int, tuple[str, float]] = OrderedDict()
-        """Block id -> (instance it was sent to, when that stops counting); oldest first."""
+        self._blocks: dict[int, tuple[str, float]] = {}
+        """Block id -> (instance it was sent to, when that stops counting)."""
 
     def __len__(self) -> int:
         return len(self._blocks)
 
     def note(self, chain: Sequence[int], instance: str, now: float) -> None:
         """`chain`'s blocks were sent to `instance` at `now`."""
-        until = now + self.ttl
         blocks = self._blocks
-        for key in chain:
-            blocks[key] = (instance, until)
-            blocks.move_to_end(key)
-        while len(blocks) > self.limit:
-            blocks.popitem(last=False)
+        blocks.update(zip(chain, repeat((instance, now + self.ttl))))
+        if len(blocks) > self.limit:
+            self._prune(now)
 
     def holder(self, chain: Sequence[int], now: float) -> tuple[str, int] | None:
         """The instance `chain`'s first block was last sent to, and how many leading blocks went
         there with it; None if the first block is not pending."""
-        self._expire(now)
         blocks = self._blocks
         first = blocks.get(chain[0]) if chain else None
-        if first is None:
+        if first is None or first[1] <= now:
             return None
         instance, n = first[0], 0
         for key in chain:
             got = blocks.get(key)
-            if got is None or got[0] != instance:
+            if got is None or got[0] != instance or got[1] <= now:
                 break
             n += 1
         return instance, n
 
-    def _expire(self, now: float) -> None:
-        blocks = self._blocks
-        while blocks:
-            key, (_, until) = next(iter(blocks.items()))
-            if until > now:
-                return
-            del blocks[key]
+    def _prune(self, now: float) -> None:
+        """Expired blocks go; if that is not enough, the longest noted go until a quarter is free
+        (a block noted again keeps its first place: it is dropped early, and noted again soon)."""
+        kept = {k: v for k, v in self._blocks.items() if v[1] > now}
+        if len(kept) > self.limit:
+            kept = dict(list(kept.items())[len(kept) - self.limit * 3 // 4 :])
+        self._blocks = kept
 
 
 TRAFFIC_HALF_LIFE = 30.0
