@@ -223,7 +223,7 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
     from .. import tinymodel
     from ..cli.common import TINY_MODEL_NAME
     from ..natsserver import NatsServer
-    from .run import section_marks, write_section
+    from .run import command_line, publish, section_marks
 
     model, served = args.model, None
     if model is None:
@@ -255,12 +255,8 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
                 args.batch_window or opts.max_num_seqs or 256,
             )
         )
-    command = "jetllm bench-batch " + " ".join(sys.argv[2:])
-    text = report(rows, args, command)
-    print("\n" + text)
-    if args.write:
-        write_section(Path(args.write), text, section_marks("bench-batch"))
-    print(f"(logs in {log_dir})", file=sys.stderr)
+    text = report(rows, args, command_line("bench-batch"))
+    publish(text, log_dir, write=args.write, marks=section_marks("bench-batch"))
     return 0
 
 

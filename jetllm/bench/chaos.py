@@ -34,7 +34,7 @@ from ..schemas import (
     TokensFrame,
     TokensPrompt,
 )
-from .run import _vocab, write_section
+from .run import _vocab, command_line, publish
 from .workload import percentile
 
 MARKS = ("<!-- chaos:begin -->", "<!-- chaos:end -->")
@@ -345,12 +345,8 @@ def cmd_chaos(args: argparse.Namespace) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     log_dir = Path(tempfile.mkdtemp(prefix="jetllm-chaos-"))
     base, chaos, cancels = run(_main, args, log_dir)
-    command = "jetllm bench-chaos " + " ".join(sys.argv[2:])
-    text = report(base, chaos, cancels, args, command.strip())
-    print("\n" + text)
-    if args.write:
-        write_section(Path(args.write), text, MARKS)
-    print(f"(logs in {log_dir})", file=sys.stderr)
+    text = report(base, chaos, cancels, args, command_line("bench-chaos"))
+    publish(text, log_dir, write=args.write, marks=MARKS)
     return 0 if base.outputs == chaos.outputs else 1
 
 

@@ -30,7 +30,7 @@ from ..natsserver import NatsCluster
 from ..producer import Client
 from ..producer.fleet import wait_for_workers, worker_statuses
 from ..schemas import GenerateRequest, SamplingOptions, StopConditions, TokensPrompt
-from .run import choices, write_section
+from .run import choices, command_line, publish
 
 MARKS = ("<!-- cluster:begin -->", "<!-- cluster:end -->")
 KILLS = {"leader": "the jobs stream's leader", "majority": "a majority: the leader + 1"}
@@ -265,12 +265,8 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         args.served_model_name = "fake" if args.engine == "fake" else args.model or "tiny"
     log_dir = Path(tempfile.mkdtemp(prefix="jetllm-bench-cluster-"))
     rows = run(_main, args, log_dir)
-    command = "jetllm bench-cluster " + " ".join(sys.argv[2:])
-    text = report(rows, args, command.strip())
-    print("\n" + text)
-    if args.write:
-        write_section(Path(args.write), text, MARKS)
-    print(f"(logs in {log_dir})", file=sys.stderr)
+    text = report(rows, args, command_line("bench-cluster"))
+    publish(text, log_dir, write=args.write, marks=MARKS)
     return 1 if any(r.lost or r.run_twice for r in rows if r.killed == "leader") else 0
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 import uuid
@@ -172,8 +171,9 @@ def cmd_bench_kv(args: argparse.Namespace) -> int:
     else:
         with NatsServer(Path(tempfile.mkdtemp(prefix="jetllm-bench-kv-nats-"))) as server:
             text = run(_bench, args, server.url, server.proc.pid if server.proc else None)
-    command = "jetllm bench-kv " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "jetllm bench-kv"
-    text = f"`{command}`\n\n{text}"
+    from .run import command_line
+
+    text = f"`{command_line('bench-kv')}`\n\n{text}"
     print(text)
     if args.write:
         from .run import section_marks, write_section

@@ -36,7 +36,7 @@ import msgspec
 from ..aio import run
 from ..workers.engine import EngineOptions
 from .prefixload import Oracle, PrefixWorkload, RoundRobin, Step, next_prompt
-from .run import choices, measured_on, section_marks, write_section
+from .run import choices, command_line, measured_on, publish, section_marks
 from .workload import percentile
 
 POLICIES = ("shared", "round-robin", "kv", "oracle")
@@ -472,14 +472,10 @@ def cmd_bench_routing(args: argparse.Namespace) -> int:
     )
     log_dir = Path(tempfile.mkdtemp(prefix="jetllm-bench-routing-"))
     rows = run(_main, args, work, opts, log_dir)
-    command = ("jetllm bench-routing " + " ".join(sys.argv[2:])).strip()
-    text = report(work, setup, rows, command)
-    print("\n" + text)
-    if args.json:
-        Path(args.json).write_bytes(msgspec.json.encode(rows))
-    if args.write:
-        write_section(Path(args.write), text, section_marks(args.section))
-    print(f"(logs in {log_dir})", file=sys.stderr)
+    text = report(work, setup, rows, command_line("bench-routing"))
+    publish(
+        text, log_dir, write=args.write, marks=section_marks(args.section), json_path=args.json, rows=rows
+    )
     return 1 if any(r.errors for r in rows) else 0
 
 

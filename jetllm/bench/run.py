@@ -224,14 +224,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
     log_dir = Path(tempfile.mkdtemp(prefix="jetllm-bench-"))
     rows = run(_run, args, work, opts, log_dir)
-    command = "jetllm bench " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "jetllm bench"
-    text = report(work, opts, rows, command)
-    print("\n" + text)
-    if args.json:
-        Path(args.json).write_bytes(msgspec.json.encode(rows))
-    if args.write:
-        write_section(Path(args.write), text, section_marks(args.section))
-    print(f"(logs in {log_dir})", file=sys.stderr)
+    text = report(work, opts, rows, command_line("bench"))
+    publish(
+        text, log_dir, write=args.write, marks=section_marks(args.section), json_path=args.json, rows=rows
+    )
     return 0
 
 
@@ -253,6 +249,29 @@ def write_section(path: Path, text: str, marks: tuple[str, str] = MARKS) -> None
     head, _, rest = old.partition(begin)
     _, _, tail = rest.partition(end)
     path.write_text(f"{head}{begin}\n{text}{end}{tail}")
+
+
+def command_line(name: str) -> str:
+    """How the running benchmark was invoked, as its report quotes it."""
+    return f"jetllm {name} {' '.join(sys.argv[2:])}".strip()
+
+
+def publish(
+    text: str,
+    log_dir: Path,
+    *,
+    write: str | None,
+    marks: tuple[str, str],
+    json_path: str | None = None,
+    rows: object = None,
+) -> None:
+    """Every benchmark's ending: the report printed, and written where its flags say."""
+    print("\n" + text)
+    if json_path:
+        Path(json_path).write_bytes(msgspec.json.encode(rows))
+    if write:
+        write_section(Path(write), text, marks)
+    print(f"(logs in {log_dir})", file=sys.stderr)
 
 
 def register(sub: argparse._SubParsersAction) -> None:
