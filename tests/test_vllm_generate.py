@@ -280,3 +280,52 @@ async def test_a_json_job_is_served_and_answered_in_json(c):
     assert isinstance(frames[-1], FinalFrame)
     text = "".join(f.text for f in frames if isinstance(f, TokensFrame))
     assert frames[-1].usage.completion_tokens == 5 and isinstance(text, str)
+
+
+async def test_a_prompt_that_ends_inside_a_character_streams_only_what_it_generates(c, direct, tiny_model):
+    """vLLM's detokenizer would start such a request's text with its whole prompt's text and
+    match its stop strings there (vLLM issue 48853). A request that continues after its worker
+    died between the bytes of one character has such a prompt: the original prompt plus the
+    tokens delivered so far. Its text and its stop strings must be as if it had not moved."""
+    from tokenizers import Tokenizer
+    from tokenizers.decoders import DecodeStream
+
+    tok = Tokenizer.from_file(str(tiny_model / "tokenizer.json"))
+    chat = {"chat": [{"role": "user", "content": "write a short poem about the sea."}]}
+    base = await ref(direct, chat, temperature=0, max_tokens=96)
+    prompt, gen, text = base["prompt_token_ids"], base["token_ids"], base["text"]
+    stream = DecodeStream(ids=prompt, skip_special_tokens=True)
+    deltas = [stream.step(tok, t) or "" for t in gen]  # what vLLM emits for each token, unmoved
+    assert "".join(deltas) == text
+    k = next(
+        k
+        for k in range(4, len(gen) - 24)
+        if tok.decode(prompt + gen[:k], skip_special_tokens=True).endswith("\ufffd")
+    )
+    rest = "".join(deltas[k:])
+
+    def moved(**stop):
+        return request(
+            prompt + gen[:k],
+            stop=StopConditions(max_tokens=len(gen) - k, **stop),
+            output=OutputOptions(text=True),
+        )
+
+    got = await c.complete(moved())
+    assert got.token_ids == gen[k:] and got.text == rest
+    assert "sea." not in text
+    got = await c.complete(moved(stop=["sea."]))  # in the prompt's text only: it does not stop
+    assert got.token_ids == gen[k:] and got.text == rest and got.finish_reason == "length"
+    head = text[: len(text) - len(rest)]
+    s = next(
+        rest[i : i + 2]
+        for i in range(len(rest) - 2)
+        if rest[i : i + 2].isascii() and rest[i : i + 2].strip() and rest[i : i + 2] not in head + rest[: i + 1]
+    )
+    for include in (False, True):
+        expected = await ref(
+            direct, chat, temperature=0, max_tokens=96, stop=[s], include_stop_str_in_output=include
+        )
+        got = await c.complete(moved(stop=[s], include_stop_str_in_output=include))
+        assert got.token_ids == expected["token_ids"][k:] and expected["text"] == head + got.text
+        assert got.finish_reason == "stop" and got.stop_reason == s

@@ -40,6 +40,7 @@ from .base import (
 from .chatmessages import template_message
 from .grammarcheck import GrammarCheck
 from .options import EngineOptions
+from .prompttail import TailChoices, leaked_text
 from .sampling import build_sampling_params, field_of_error
 
 log = logging.getLogger(__name__)
@@ -130,6 +131,27 @@ def _has_chat_template(llm: Any) -> bool:
         return False
 
 
+def _fast_decode(llm: Any) -> Any:
+    """The tokenizer's decode when vLLM detokenizes with its fast (DecodeStream) detokenizer,
+    the one that leaks a prompt ending inside a character (prompttail.py); else None."""
+    try:
+        from vllm.v1.engine.detokenizer import uses_fast_detokenizer
+
+        tok = llm.get_tokenizer()
+        return tok.decode if uses_fast_detokenizer(tok) else None
+    except Exception:
+        return None
+
+
+def _lora_request(adapter: EngineAdapter | None) -> Any:
+    """vLLM's request to use (or load) an adapter; None for the base model."""
+    if adapter is None:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(adapter.name, adapter.id, adapter.path)
+
+
 def _embeds_input(p: PromptEmbeds) -> Any:
     """vLLM's embeddings input; a continuation after a move is mixed mode: the engine embeds the
     token-id positions itself (their rows in the tensor are placeholders)."""
@@ -216,6 +238,7 @@ class VllmEngine:
             kv_events=_kv_event_sources(llm),
         )
         self._defaults = llm.model_config.get_diff_sampling_param()
+        self._decode = _fast_decode(llm)
         self._grammars: GrammarCheck | None = None
         if cfg.structured_outputs_config.backend == "guidance":
             self._grammars = GrammarCheck(llm.get_tokenizer(), vocab)
@@ -306,15 +329,18 @@ class VllmEngine:
         engine_input = (
             _embeds_input(prompt_ids) if isinstance(prompt_ids, PromptEmbeds) else tokens_input(prompt_ids)
         )
-        lora = None
-        if adapter is not None:
-            from vllm.lora.request import LoRARequest
-
-            lora = LoRARequest(adapter.name, adapter.id, adapter.path)
+        lora = _lora_request(adapter)
         constrained, produced = req.structured is not None, False
+        tails = self._tails(prompt_ids, params, want_text)
         try:
             async for out in self.llm.generate(engine_input, params, rid, lora_request=lora):
-                step = self._step(out, want_text)
+                step = self._step(out, want_text or tails is not None)
+                if tails is not None:
+                    step = tails.repair(step)
+                    if tails.done and not step.finished:
+                        await self.llm.abort(rid)
+                        yield step
+                        return
                 if constrained and not produced:
                     produced = any(c.token_ids for c in step.choices)
                     if not produced and any(c.finish_reason == "error" for c in step.choices):
@@ -342,6 +368,20 @@ class VllmEngine:
                 except Exception:
                     pass
             raise
+
+    def _tails(self, prompt_ids: EnginePrompt, params: Any, want_text: bool) -> TailChoices | None:
+        """The repair for a token prompt that ends inside a character (prompttail.py); the
+        engine then runs without stop strings, which the repair applies."""
+        if self._decode is None or isinstance(prompt_ids, PromptEmbeds) or not (want_text or params.stop):
+            return None
+        skip = params.skip_special_tokens
+        leaked = leaked_text(lambda ids: self._decode(ids, skip_special_tokens=skip), prompt_ids)
+        if leaked is None:
+            return None
+        stop, params.stop = list(params.stop or ()), None
+        return TailChoices(
+            leaked, params.n, stop, params.include_stop_str_in_output, params.min_tokens, want_text
+        )
 
     @staticmethod
     def _step(out: Any, want_text: bool) -> EngineStep:
@@ -426,19 +466,15 @@ class VllmEngine:
         await self.llm.collective_rpc("reload_weights")
         if await self.llm.wake_up(tags=["kv_cache"]) is False:
             raise EngineRequestError("the engine is still partly asleep after waking weights and KV cache")
-        from vllm.lora.request import LoRARequest
-
         for adapter in list(self._adapters.values()):
             try:
-                await self.llm.add_lora(LoRARequest(adapter.name, adapter.id, adapter.path))
+                await self.llm.add_lora(_lora_request(adapter))
             except Exception as exc:  # vLLM loads it again on the first request that names it
                 log.warning("adapter %s not added back after waking: %s", adapter.name, exc)
 
     async def add_adapter(self, adapter: EngineAdapter) -> None:
-        from vllm.lora.request import LoRARequest
-
         try:
-            ok = await self.llm.add_lora(LoRARequest(adapter.name, adapter.id, adapter.path))
+            ok = await self.llm.add_lora(_lora_request(adapter))
         except Exception as exc:  # vLLM refuses with plain exceptions; the engine survives them
             raise EngineRequestError(f"the engine refused the adapter: {exc}") from None
         if not ok:
