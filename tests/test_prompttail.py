@@ -14,7 +14,15 @@ from jetllm.workers.engine.prompttail import TailChoices, TailText, leaked_text
 # (leaked, stop, include, min_tokens, deltas as (tokens, text, finished), emitted, stopped)
 CASES = [
     ("", [], False, 0, [(1, "ab", False), (1, "c", True)], ["ab", "c"], None),
-    ("user: hi", [], False, 0, [(1, "user:", False), (1, " hiX", False), (1, "Y", True)], ["", "X", "Y"], None),
+    (
+        "user: hi",
+        [],
+        False,
+        0,
+        [(1, "user:", False), (1, " hiX", False), (1, "Y", True)],
+        ["", "X", "Y"],
+        None,
+    ),
     ("user: hi", [], False, 0, [(2, "user: hiXY", True)], ["XY"], None),
     ("", ["ZZ"], False, 0, [(1, "aZ", False), (1, "Zb", False)], ["a", ""], "ZZ"),
     ("", ["ZZ"], True, 0, [(1, "aZ", False), (1, "Zb", False)], ["aZ", "Z"], "ZZ"),
@@ -22,7 +30,15 @@ CASES = [
     ("pZZ", ["ZZ"], False, 0, [(1, "pZZq", False), (1, "r", True)], ["", "qr"], None),
     ("", ["q"], False, 2, [(1, "q", False), (1, "q", False), (1, "q", False)], ["q", "q", ""], "q"),
     ("", ["bc", "ab"], False, 0, [(1, "xabc", False)], ["x"], "ab"),
-    ("", ["end"], False, 0, [(1, "the en", False), (1, "d", False), (1, "more", True)], ["the ", "", ""], "end"),
+    (
+        "",
+        ["end"],
+        False,
+        0,
+        [(1, "the en", False), (1, "d", False), (1, "more", True)],
+        ["the ", "", ""],
+        "end",
+    ),
     ("abc", [], False, 0, [(1, "xyz", False)], ["xyz"], None),
 ]
 
