@@ -192,6 +192,43 @@ async def test_wrong_missing_late_or_refused_blocks_fail_with_a_reason(nats_url,
         await nc.close()
 
 
+def test_checksums_are_the_named_algorithms_first_128_bits():
+    import hashlib
+
+    from blake3 import blake3
+
+    block = os.urandom(5000)
+    assert blockfile.checksum(block, "sha256-128") == hashlib.sha256(block).hexdigest()[:32]
+    assert blockfile.checksum(block, "blake3-128") == blake3(block).hexdigest()[:32]
+    assert blockfile.preferred_checksum() == "blake3-128"  # the worker has vLLM, which brings blake3
+    with pytest.raises(blockfile.BadBlockFile, match="unknown checksum algorithm 'md5'"):
+        blockfile.checksummer("md5")
+
+
+async def test_blake3_checksums_from_the_prefill_side_are_checked_by_blake3(nats_url, namespace, tmp_path):
+    """A decode worker checks with the algorithm the header names: blake3 sums a sha256 check
+    would reject pass, and a header that claims sha256 for them fails."""
+    names = Names(namespace)
+    nc = await connect(nats_url)
+    try:
+        await _stream(nc, names)
+        src = tmp_path / "src.kv"
+        blocks = make_file(src, 3)
+        transfer = uuid.uuid4().hex
+        pub = await publish_blocks(nc, names, transfer, src, checksum="blake3-128")
+        assert pub.checksums == [blockfile.checksum(b, "blake3-128") for b in blocks]
+        dest = tmp_path / "dest.kv"
+        claims_sha = msgspec.structs.replace(pub.header, checksum="sha256-128")
+        with pytest.raises(TransferFailed, match="header differs"):
+            await fetch_blocks(nc, names, done_of(pub, transfer, header=claims_sha), dest, timeout=10)
+        assert await fetch_blocks(nc, names, done_of(pub, transfer), dest, timeout=10) == "stored"
+        _, offset = blockfile.read_header(dest)
+        assert dest.read_bytes()[offset:] == b"".join(blocks)
+    finally:
+        await _drop(nc, names)
+        await nc.close()
+
+
 async def test_blocks_received_as_published_are_used_and_a_damaged_copy_is_read_back(
     nats_url, namespace, tmp_path
 ):
@@ -223,9 +260,17 @@ async def test_blocks_received_as_published_are_used_and_a_damaged_copy_is_read_
         await decode.close()
 
 
-@pytest.mark.parametrize(("packed", "block_bytes"), [(True, 4096), (False, 4096), (True, None)])
+@pytest.mark.parametrize(
+    ("packed", "block_bytes", "checksum"),
+    [
+        (True, 4096, "blake3-128"),
+        (False, 4096, "sha256-128"),
+        (True, None, "sha256-128"),
+        (True, None, "blake3-128"),
+    ],
+)
 async def test_blocks_are_checked_and_written_as_they_arrive_and_a_forged_live_copy_is_not_loaded(
-    nats_url, namespace, tmp_path, packed, block_bytes
+    nats_url, namespace, tmp_path, packed, block_bytes, checksum
 ):
     """`None`: blocks larger than a message, each split in two."""
     names = Names(namespace)
@@ -246,9 +291,10 @@ async def test_blocks_are_checked_and_written_as_they_arrive_and_a_forged_live_c
             if forged:  # someone else's blocks first, gone from the store before the real ones
                 other = tmp_path / "other.kv"
                 make_file(other, n, block_bytes)
-                await publish_blocks(forger, names, transfer, other, packed=packed)
+                await publish_blocks(forger, names, transfer, other, packed=packed, checksum=checksum)
                 await remove_blocks(forger, names, transfer)
-            pub = await publish_blocks(prefill, names, transfer, src, packed=packed)
+            pub = await publish_blocks(prefill, names, transfer, src, packed=packed, checksum=checksum)
+            assert pub.header.checksum == checksum
             assert pub.messages == message_count(n, block_bytes, pub.chunk_bytes, pub.blocks_per_message)
             got = await fetch_blocks(
                 decode, names, done_of(pub, transfer), dest, timeout=10, incoming=incoming

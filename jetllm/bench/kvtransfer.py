@@ -83,7 +83,9 @@ async def through_jetllm(url: str, names: Names, src: Path, work: Path) -> float
         answers = await decode.subscribe(f"bench.answer.{transfer}", max_msgs=1)
         await decode.flush()
         started = time.perf_counter()
-        pub = await publish_blocks(prefill, names, transfer, src, packed=True)
+        pub = await publish_blocks(
+            prefill, names, transfer, src, packed=True, checksum=blockfile.preferred_checksum()
+        )
         done = Prefilled(
             request_id="bench",
             transfer_id=transfer,

@@ -10,12 +10,12 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import msgspec
 
-from ..schemas.disagg import KvBlocksHeader
+from ..schemas.disagg import Checksum, KvBlocksHeader
 
 MAGIC = b"JLKV\x01\x00"
 _LEN = struct.Struct("<I")
@@ -31,9 +31,44 @@ def prompt_digest(token_ids: Iterable[int]) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
-def checksum(block: bytes | bytearray | memoryview) -> str:
-    """sha256, cut to 128 bits: about twice as fast as blake2b on CPUs with SHA instructions."""
+def checksum(block: bytes | bytearray | memoryview, algorithm: Checksum = "sha256-128") -> str:
+    """The block's checksum by `algorithm` (schemas/disagg.py: Checksum), 128 bits in hex."""
+    return checksummer(algorithm)(block)
+
+
+def checksummer(algorithm: str) -> Callable[[bytes | bytearray | memoryview], str]:
+    """The function for `algorithm`; raises BadBlockFile for one this process cannot compute."""
+    if algorithm == "sha256-128":
+        return _sha256
+    if algorithm == "blake3-128":
+        if _blake3 is None:
+            raise BadBlockFile("blake3 checksums need the blake3 package (vLLM installs it)")
+        return _blake3
+    raise BadBlockFile(f"unknown checksum algorithm {algorithm!r} (known: sha256-128, blake3-128)")
+
+
+def preferred_checksum() -> Checksum:
+    """What a decode worker asks for: blake3, which vLLM installs, else sha256."""
+    return "blake3-128" if _blake3 is not None else "sha256-128"
+
+
+def _sha256(block: bytes | bytearray | memoryview) -> str:
     return hashlib.sha256(block).hexdigest()[:32]
+
+
+def _load_blake3() -> Callable[[bytes | bytearray | memoryview], str] | None:
+    try:
+        from blake3 import blake3
+    except ImportError:
+        return None
+
+    def digest(block: bytes | bytearray | memoryview) -> str:
+        return str(blake3(block).hexdigest(16))
+
+    return digest
+
+
+_blake3 = _load_blake3()
 
 
 def encode_header(header: KvBlocksHeader) -> bytes:

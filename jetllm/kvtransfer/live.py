@@ -2,7 +2,7 @@
 the prefill worker's answer comes.
 
 The decode worker's subscription hands every message to a thread that rebuilds the blocks, takes
-each one's checksum and appends it to a block file beside the one the engine will load (hashlib
+each one's checksum (as the header says) and appends it to a block file beside the one the engine will load (hashlib
 and file writes release the GIL, so the event loop keeps receiving meanwhile). When the answer
 comes, its checksums are compared with the ones taken here and the file is renamed into place.
 Whatever does not fit (an unexpected chunk size, a header that does not decode, a short block)
@@ -57,6 +57,7 @@ class LiveFile(threading.Thread):
         if first is None:
             return
         header = blockfile.decode_header(first)
+        checksum = blockfile.checksummer(header.checksum)
         n, bb = header.num_blocks, header.block_bytes
         self.per_message = blocks_per_message(bb, self.chunk, self.packed)
         count = message_count(n, bb, self.chunk, self.per_message) - 1 if bb else 0
@@ -72,7 +73,7 @@ class LiveFile(threading.Thread):
                 if len(got) == group:
                     want = min(self.per_message, n - len(self.digests))
                     for block in blocks(got, want, bb, self.chunk, self.per_message):
-                        self.digests.append(blockfile.checksum(block))
+                        self.digests.append(checksum(block))
                         f.write(block)
                     got = []
             if len(self.digests) != n:

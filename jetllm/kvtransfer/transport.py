@@ -25,7 +25,7 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from ..schemas.disagg import KvBlocksHeader, Prefilled
+from ..schemas.disagg import Checksum, KvBlocksHeader, Prefilled
 from ..subjects.names import Names
 from . import blockfile
 from .chunking import (  # noqa: F401  # chunks_per_block: imported from here too
@@ -60,16 +60,28 @@ def _map(path: Path) -> tuple[KvBlocksHeader, mmap.mmap, int]:
 
 
 def _checksums(data: memoryview, header: KvBlocksHeader) -> list[str]:
-    bb = header.block_bytes
-    return [blockfile.checksum(data[j * bb : (j + 1) * bb]) for j in range(header.num_blocks)]
+    bb, checksum = header.block_bytes, blockfile.checksummer(header.checksum)
+    return [checksum(data[j * bb : (j + 1) * bb]) for j in range(header.num_blocks)]
 
 
 async def publish_blocks(
-    nc: NATS, names: Names, transfer_id: str, path: Path, *, packed: bool = False
+    nc: NATS,
+    names: Names,
+    transfer_id: str,
+    path: Path,
+    *,
+    packed: bool = False,
+    checksum: Checksum = "sha256-128",
 ) -> Published:
-    """Publish the block file at `path` (its checksums are taken in a thread meanwhile), several
-    blocks to a message if `packed`; raises TransferFailed when the store refuses it."""
+    """Publish the block file at `path` (its checksums, by `checksum`, are taken in a thread
+    meanwhile), several blocks to a message if `packed`; raises TransferFailed when the store
+    refuses it."""
+    try:
+        blockfile.checksummer(checksum)
+    except blockfile.BadBlockFile as exc:
+        raise TransferFailed(str(exc)) from None
     header, mapped, offset = await anyio.to_thread.run_sync(_map, path)
+    header = msgspec.structs.replace(header, checksum=checksum)
     data = memoryview(mapped)[offset:]
     size = len(data)
     subject = names.kv_blocks(transfer_id)
@@ -80,12 +92,12 @@ async def publish_blocks(
     messages = 1 + len(pieces)
     sums: list[str] = []
 
-    async def checksum() -> None:
+    async def take_checksums() -> None:
         sums.extend(await anyio.to_thread.run_sync(_checksums, data, header))
 
     try:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(checksum)
+            tg.start_soon(take_checksums)
             await js.publish(subject, blockfile.encode_header(header), timeout=5)
             for piece in pieces[:-1]:
                 await nc.publish(subject, piece)  # type: ignore[arg-type]  # any bytes-like will do
@@ -187,6 +199,10 @@ async def fetch_blocks(
     n, bb = header.num_blocks, header.block_bytes
     if len(done.checksums) != n or done.chunk_bytes <= 0:
         raise TransferFailed(f"the handoff names {len(done.checksums)} checksums for {n} blocks")
+    try:
+        blockfile.checksummer(header.checksum)
+    except blockfile.BadBlockFile as exc:
+        raise TransferFailed(str(exc)) from None
     per_message = done.blocks_per_message
     if per_message > 1 and per_message * bb > done.chunk_bytes:
         raise TransferFailed(f"the handoff packs {per_message} blocks in a {done.chunk_bytes}-byte chunk")
@@ -239,6 +255,7 @@ def _assemble(msgs: list[bytes], done: Prefilled, dest: Path) -> None:
         raise TransferFailed(str(exc)) from None
     if sent != header:
         raise TransferFailed("the stored block header differs from the handoff's")
+    checksum = blockfile.checksummer(header.checksum)
     tmp = dest.with_name(dest.name + ".part")
     try:
         with open(tmp, "wb") as f:
@@ -250,7 +267,7 @@ def _assemble(msgs: list[bytes], done: Prefilled, dest: Path) -> None:
                     block = next(each)
                 except (ValueError, StopIteration):
                     raise TransferFailed(f"block {j + 1} of {n} is cut short") from None
-                if blockfile.checksum(block) != done.checksums[j]:
+                if checksum(block) != done.checksums[j]:
                     raise TransferFailed(f"block {j + 1} of {n} fails its checksum")
                 f.write(block)
         os.replace(tmp, dest)

@@ -124,7 +124,12 @@ class PrefillRole(Role):
             started = time.monotonic()
             try:
                 pub = await publish_blocks(
-                    self._ctx.nc, self._ctx.names, req.transfer_id, path, packed=req.packed
+                    self._ctx.nc,
+                    self._ctx.names,
+                    req.transfer_id,
+                    path,
+                    packed=req.packed,
+                    checksum=req.checksum,
                 )
             except TransferFailed as exc:
                 raise RequestRejected(ErrorCode.KV_TRANSFER_FAILED, str(exc)) from None

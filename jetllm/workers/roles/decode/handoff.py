@@ -18,6 +18,7 @@ import anyio
 import msgspec
 import nats.errors
 
+from ....kvtransfer import blockfile
 from ....kvtransfer.params import JETLLM_CONNECTOR, LOAD
 from ....kvtransfer.transport import Incoming, TransferFailed, fetch_blocks, remove_blocks
 from ....schemas import (
@@ -108,6 +109,7 @@ class RemotePrefill:
             transfer_id=transfer,
             expires_at=time.time() + s.prefill_timeout,
             packed=True,
+            checksum=blockfile.preferred_checksum(),
         )
         path = self._dir / f"{transfer}.kv"
         ours = s.connector == JETLLM_CONNECTOR
