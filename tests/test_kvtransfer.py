@@ -340,3 +340,22 @@ async def test_a_flood_on_a_transfers_subject_is_not_kept(nats_url, namespace):
         await incoming.close()
     finally:
         await nc.close()
+
+
+def test_bench_kv_times_each_checksum_beside_the_plain_publish(nats_url, tmp_path, capsys):
+    from jetllm.cli import main
+
+    out = tmp_path / "b.md"
+    out.write_text("<!-- bench-kv:begin -->\nold\n<!-- bench-kv:end -->\n")
+    args = ["bench-kv", "--nats", nats_url, "--mb", "2", "--rounds", "1", "--write", str(out)]
+    assert main([*args, "--checksums", "sha256-128,blake3-128"]) == 0
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| ")]
+    assert [r.split("|")[1].strip()[:22] for r in rows[1:]] == [
+        "plain nats-py publish ",
+        "jetllm, sha256-128 che",
+        "jetllm, blake3-128 che",
+    ]
+    assert "old" not in out.read_text()
+    with pytest.raises(SystemExit):
+        main([*args, "--checksums", "md5"])
+    assert "unknown checksum algorithm 'md5'" in capsys.readouterr().err
