@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import tempfile
 from collections.abc import AsyncGenerator
@@ -29,15 +28,13 @@ from .args import engine_args
 from .base import (
     ChoiceDelta,
     EngineAdapter,
-    EngineFacts,
     EngineLoad,
     EnginePrompt,
     EngineStep,
-    KvEventSource,
-    LoraFacts,
     PromptEmbeds,
 )
 from .chatmessages import template_message
+from .facts import engine_facts
 from .grammarcheck import GrammarCheck
 from .options import EngineOptions
 from .prompttail import TailChoices, leaked_text
@@ -52,34 +49,6 @@ _FINISH: dict[str, FinishReason] = {
     "error": "error",
     "repetition": "repetition",
 }
-
-
-def _lora_facts(llm: Any, opts: EngineOptions) -> LoraFacts | None:
-    lora = llm.vllm_config.lora_config
-    if lora is None:
-        return None
-    hf = llm.model_config.hf_text_config
-    hidden = hf.hidden_size
-    heads = hf.num_attention_heads
-    kv_heads = getattr(hf, "num_key_value_heads", None) or heads
-    head_dim = getattr(hf, "head_dim", None) or hidden // heads
-    inter = getattr(hf, "intermediate_size", None)
-    modules = {
-        "q_proj": (hidden, heads * head_dim),
-        "k_proj": (hidden, kv_heads * head_dim),
-        "v_proj": (hidden, kv_heads * head_dim),
-        "o_proj": (heads * head_dim, hidden),
-    }
-    if inter:
-        modules.update(gate_proj=(hidden, inter), up_proj=(hidden, inter), down_proj=(inter, hidden))
-    names = {opts.name, opts.model, os.path.basename(os.path.normpath(opts.model))}
-    return LoraFacts(
-        capacity=lora.max_cpu_loras or lora.max_loras,
-        max_rank=lora.max_lora_rank,
-        num_layers=hf.num_hidden_layers,
-        modules=modules,
-        base_names=sorted(n for n in names if n),
-    )
 
 
 class _LoadRecorder:
@@ -109,26 +78,6 @@ class _LoadRecorder:
                 pass
 
         return Logger(vllm_config, engine_index)
-
-
-def _kv_event_sources(llm: Any) -> dict[int, KvEventSource]:
-    """The publishers the engine actually bound, per data-parallel rank (ZMQ ones only)."""
-    try:
-        sources = llm.get_kv_event_sources()
-    except Exception:
-        return {}
-    return {
-        int(rank): KvEventSource(endpoint=c.endpoint, replay_endpoint=c.replay_endpoint, topic=c.topic or "")
-        for rank, c in sources.items()
-        if c.enable_kv_cache_events and c.publisher == "zmq" and c.endpoint
-    }
-
-
-def _has_chat_template(llm: Any) -> bool:
-    try:
-        return bool(getattr(llm.get_tokenizer(), "chat_template", None))
-    except Exception:
-        return False
 
 
 def _fast_decode(llm: Any) -> Any:
@@ -195,53 +144,12 @@ class VllmEngine:
         self._asleep_level: int | None = None
         self._adapters: dict[int, EngineAdapter] = {}
         """The adapters the engine holds, to add again after a level-2 wake."""
-        cfg = llm.vllm_config
-        try:
-            vocab = cfg.model_config.get_vocab_size()
-        except Exception:
-            vocab = None
-        import vllm
-
-        eos: set[int] = set()
-        try:
-            tok = llm.get_tokenizer()
-            if tok.eos_token_id is not None:
-                eos.add(int(tok.eos_token_id))
-        except Exception:
-            pass
-        gen_eos = llm.model_config.get_diff_sampling_param().get("stop_token_ids") or []
-        eos.update(int(t) for t in gen_eos)
-        hf_eos = getattr(llm.model_config.hf_config, "eos_token_id", None)
-        if isinstance(hf_eos, int):
-            eos.add(hf_eos)
-        elif isinstance(hf_eos, list):
-            eos.update(int(t) for t in hf_eos)
-        cache = cfg.cache_config
-        self.facts = EngineFacts(
-            model=opts.name,
-            max_model_len=llm.model_config.max_model_len,
-            block_size=cfg.cache_config.block_size,
-            num_kv_blocks=cfg.cache_config.num_gpu_blocks,
-            prefix_hash_algo=cache.prefix_caching_hash_algo if cache.enable_prefix_caching else None,
-            max_num_seqs=cfg.scheduler_config.max_num_seqs,
-            dp_ranks=list(range(cfg.parallel_config.data_parallel_size)),
-            vocab_size=vocab,
-            eos_token_ids=sorted(eos),
-            engine=f"vllm {vllm.__version__}",
-            source=os.path.basename(os.path.normpath(opts.model))
-            if os.path.isdir(opts.model)
-            else opts.model,
-            chat_template=_has_chat_template(llm),
-            hidden_size=llm.model_config.get_hidden_size(),
-            prompt_embeds=bool(llm.model_config.enable_prompt_embeds),
-            lora=_lora_facts(llm, opts),
-            kv_events=_kv_event_sources(llm),
-        )
+        self.facts = engine_facts(llm, opts.name, opts.model)
         self._defaults = llm.model_config.get_diff_sampling_param()
         self._decode = _fast_decode(llm)
         self._grammars: GrammarCheck | None = None
-        if cfg.structured_outputs_config.backend == "guidance":
-            self._grammars = GrammarCheck(llm.get_tokenizer(), vocab)
+        if llm.vllm_config.structured_outputs_config.backend == "guidance":
+            self._grammars = GrammarCheck(llm.get_tokenizer(), self.facts.vocab_size)
 
     @classmethod
     async def start(cls, opts: EngineOptions) -> VllmEngine:
