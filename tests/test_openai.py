@@ -105,6 +105,8 @@ def refused(**body) -> OpenAIError:
             lambda r: r.prompt.messages[0].content == "ab",
         ),
         ({"unknown_field": {"deep": [1]}}, lambda r: r.model == "m"),
+        ({}, lambda r: r.output.stream_interval == 64),  # answered in one piece: few frames
+        ({"stream": True}, lambda r: r.output.stream_interval is None),  # every token as it comes
     ],
 )
 def test_chat_bodies_become_jobs(body, check):

@@ -342,3 +342,31 @@ async def test_a_prompt_that_ends_inside_a_character_streams_only_what_it_genera
         got = await c.complete(moved(stop=[s], include_stop_str_in_output=include))
         assert got.token_ids == expected["token_ids"][k:] and expected["text"] == head + got.text
         assert got.finish_reason == "stop" and got.stop_reason == s
+
+
+async def test_a_stream_interval_sends_the_same_tokens_in_fewer_frames(c):
+    prompt = PROMPTS[1]
+    every = [
+        f async for f in c.generate(request(prompt, stop=StopConditions(max_tokens=40, ignore_eos=True)))
+    ]
+    coarse = [
+        f
+        async for f in c.generate(
+            request(
+                prompt,
+                stop=StopConditions(max_tokens=40, ignore_eos=True),
+                output=OutputOptions(stream_interval=8),
+            )
+        )
+    ]
+
+    def tokens(frames):
+        return [len(f.token_ids) for f in frames if isinstance(f, TokensFrame)]
+
+    assert sum(tokens(every)) == sum(tokens(coarse)) == 40
+    assert [t for f in every if isinstance(f, TokensFrame) for t in f.token_ids] == [
+        t for f in coarse if isinstance(f, TokensFrame) for t in f.token_ids
+    ]
+    # the first token at once, then eight at a time (the engine's last step may add the rest)
+    assert tokens(coarse)[0] == 1 and all(n >= 8 for n in tokens(coarse)[1:-1])
+    assert len(tokens(coarse)) <= 6 < len(tokens(every))

@@ -29,6 +29,10 @@ from . import structured, tools
 from .bodies import ChatRequest, CompletionRequest, Message, _Generation
 from .errors import invalid
 
+UNSTREAMED_INTERVAL = 64
+"""Tokens per frame for a request answered in one piece (`stream` false): nobody reads the
+tokens before the end, so the worker sends them in few frames (OutputOptions.stream_interval)."""
+
 _AT = re.compile(r"^(.*) - at `(\$[^`]*)`$")
 _MISSING = re.compile(r"^Object missing required field `([^`]*)`$")
 
@@ -269,10 +273,14 @@ def _job(
     logprobs: int | None,
     constraint: tuple[str, StructuredOutput] | None,
 ) -> GenerateRequest:
-    if isinstance(prompt, TokensPrompt):  # as vLLM's server: token prompts still answer in text
-        output = OutputOptions(text=True, logprobs=logprobs, skip_special_tokens=body.skip_special_tokens)
-    else:
-        output = OutputOptions(logprobs=logprobs, skip_special_tokens=body.skip_special_tokens)
+    output = OutputOptions(
+        text=True
+        if isinstance(prompt, TokensPrompt)
+        else None,  # as vLLM's server: text for token prompts too
+        logprobs=logprobs,
+        skip_special_tokens=body.skip_special_tokens,
+        stream_interval=None if body.stream else UNSTREAMED_INTERVAL,
+    )
     return GenerateRequest(
         request_id=request_id,
         model=route.model,

@@ -149,6 +149,11 @@ class OutputOptions(Strict, kw_only=True, omit_defaults=True):
     """Log-probability of each sampled token, plus this many top alternatives."""
     skip_special_tokens: bool = True
     """Leave special tokens (BOS, EOS, ...) out of the text."""
+    stream_interval: Annotated[int, Meta(ge=1, le=4096)] | None = None
+    """Tokens per frame: the engine hands over a choice's tokens every this many (its first and
+    its last at once), so the worker and the producer spend less per token. None: every engine
+    step for a job with `reply_to`; every 32 tokens for a detached job, which nobody watches (a
+    worker that dies regenerates at most that many tokens nobody saw)."""
 
 
 JsonValue = Any

@@ -65,6 +65,16 @@ def field_of_error(req: GenerateRequest, parameter: str | None, message: str) ->
     return field
 
 
+DETACHED_STREAM_INTERVAL = 32
+"""Tokens per engine output for a detached job that names none (OutputOptions.stream_interval)."""
+
+
+def stream_interval(req: GenerateRequest) -> int | None:
+    if req.output.stream_interval is not None:
+        return req.output.stream_interval
+    return DETACHED_STREAM_INTERVAL if req.reply_to is None else None
+
+
 def build_sampling_params(req: GenerateRequest, max_tokens: int, model_defaults: dict[str, Any]) -> Any:
     from vllm import SamplingParams
     from vllm.exceptions import VLLMValidationError
@@ -102,6 +112,7 @@ def build_sampling_params(req: GenerateRequest, max_tokens: int, model_defaults:
             skip_special_tokens=out.skip_special_tokens,
             detokenize=want_text or bool(st.stop),
             output_kind=RequestOutputKind.DELTA,
+            stream_interval=stream_interval(req),
             structured_outputs=constraint,
         )
     except VLLMValidationError as exc:

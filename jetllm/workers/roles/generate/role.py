@@ -21,6 +21,7 @@ from ....schemas import (
     ErrorCode,
     GenerateRequest,
     HealthCheck,
+    OutputOptions,
     Result,
     SamplingOptions,
     StopConditions,
@@ -207,6 +208,7 @@ class GenerateRole(Role):
             prompt=TokensPrompt(token_ids=[1, 2, 3, 4]),
             sampling=SamplingOptions(temperature=0.0),
             stop=StopConditions(max_tokens=max(1, min(check.max_tokens, 16)), ignore_eos=True),
+            output=OutputOptions(stream_interval=1),  # its stall timer counts every token
         )
         started = time.monotonic()
         tokens = 0
