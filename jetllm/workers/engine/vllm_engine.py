@@ -287,6 +287,8 @@ class VllmEngine:
         if leaked is None:
             return None
         stop, params.stop = list(params.stop or ()), None
+        if stop:
+            params.stream_interval = None  # one token an output: a stop cuts between tokens
         return TailChoices(
             leaked, params.n, stop, params.include_stop_str_in_output, params.min_tokens, want_text
         )
