@@ -367,6 +367,6 @@ async def test_a_stream_interval_sends_the_same_tokens_in_fewer_frames(c):
     assert [t for f in every if isinstance(f, TokensFrame) for t in f.token_ids] == [
         t for f in coarse if isinstance(f, TokensFrame) for t in f.token_ids
     ]
-    # the first token at once, then eight at a time (the engine's last step may add the rest)
-    assert tokens(coarse)[0] == 1 and all(n >= 8 for n in tokens(coarse)[1:-1])
-    assert len(tokens(coarse)) <= 6 < len(tokens(every))
+    # the first token at once, then eight at a time, the rest at the end; vLLM merges outputs a
+    # busy consumer has not taken yet, so frames may be larger, never smaller
+    assert all(n >= 8 for n in tokens(coarse)[1:-1]) and len(tokens(coarse)) <= 6, tokens(coarse)
