@@ -176,14 +176,10 @@ def cmd_bench_kv(args: argparse.Namespace) -> int:
     else:
         with NatsServer(Path(tempfile.mkdtemp(prefix="jetllm-bench-kv-nats-"))) as server:
             text = run(_bench, args, server.url, server.proc.pid if server.proc else None)
-    from .run import command_line
+    from .run import command_line, publish, section_marks
 
     text = f"`{command_line('bench-kv')}`\n\n{text}"
-    print(text)
-    if args.write:
-        from .run import section_marks, write_section
-
-        write_section(Path(args.write), text, section_marks("bench-kv"))
+    publish(text, None, write=args.write, marks=section_marks("bench-kv"))
     return 0
 
 

@@ -258,7 +258,7 @@ def command_line(name: str) -> str:
 
 def publish(
     text: str,
-    log_dir: Path,
+    log_dir: Path | None,
     *,
     write: str | None,
     marks: tuple[str, str],
@@ -271,7 +271,8 @@ def publish(
         Path(json_path).write_bytes(msgspec.json.encode(rows))
     if write:
         write_section(Path(write), text, marks)
-    print(f"(logs in {log_dir})", file=sys.stderr)
+    if log_dir is not None:
+        print(f"(logs in {log_dir})", file=sys.stderr)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -273,10 +273,11 @@ def _job(
     logprobs: int | None,
     constraint: tuple[str, StructuredOutput] | None,
 ) -> GenerateRequest:
+    text = (
+        True if isinstance(prompt, TokensPrompt) else None
+    )  # as vLLM's server: token prompts answer in text
     output = OutputOptions(
-        text=True
-        if isinstance(prompt, TokensPrompt)
-        else None,  # as vLLM's server: text for token prompts too
+        text=text,
         logprobs=logprobs,
         skip_special_tokens=body.skip_special_tokens,
         stream_interval=None if body.stream else UNSTREAMED_INTERVAL,
