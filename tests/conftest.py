@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import os
 import signal
@@ -299,6 +300,21 @@ class WorkerProcess:
         import psutil
 
         return [p.pid for p in psutil.Process(self.proc.pid).children() if p.name().startswith("VLLM")]
+
+    @contextlib.contextmanager
+    def engine_frozen(self):
+        """The engine makes no step while the worker itself goes on: what happens next cannot
+        depend on how fast this machine generates."""
+        pids = self.engine_pids()
+        assert pids, "the worker has no engine process"
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
 
 
 def stop_all(workers: list[WorkerProcess]) -> None:
