@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import shutil
 import tempfile
@@ -41,6 +42,12 @@ from .prompttail import TailChoices, leaked_text
 from .sampling import build_sampling_params, field_of_error
 
 log = logging.getLogger(__name__)
+
+ENGINE_TEARDOWN_TIMEOUT = 1.0
+"""Seconds vLLM's processes get to exit once the worker has settled every job, before they are
+killed. vLLM waits 5 s by default, and on these machines spends them all: its model-runner
+process takes ~4 s to exit and the engine core is killed anyway. Nothing the worker needs is
+lost by ending them sooner, and a rolling restart moves on 4 s earlier per worker."""
 
 _FINISH: dict[str, FinishReason] = {
     "stop": "stop",
@@ -397,7 +404,9 @@ class VllmEngine:
 
     async def close(self) -> None:
         try:
-            await anyio.to_thread.run_sync(self.llm.shutdown)
+            await anyio.to_thread.run_sync(
+                functools.partial(self.llm.shutdown, timeout=ENGINE_TEARDOWN_TIMEOUT)
+            )
         finally:
             if self._kv_dir:
                 shutil.rmtree(self._kv_dir, ignore_errors=True)
