@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from . import reaper
-from .subjects.setup import check_version
+from .subjects.server import check_version
 
 CONFIG = "nats-server.conf"
 

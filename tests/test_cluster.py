@@ -28,7 +28,8 @@ from jetllm.producer.registry import watch
 from jetllm.schemas import AcceptedFrame, EmbedsPrompt, FinalFrame, Frame, GenerateRequest, TokensFrame
 from jetllm.subjects.connection import connect
 from jetllm.subjects.names import Names
-from jetllm.subjects.setup import QueuePolicy, ensure_streams
+from jetllm.subjects.policy import QueuePolicy
+from jetllm.subjects.setup import ensure_streams
 from jetllm.workers.requestlog import RequestLog
 
 from .helpers.cluster import stream_leader

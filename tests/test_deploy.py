@@ -25,7 +25,7 @@ from jetllm.cli.probe import REACH_TIMEOUT
 from jetllm.cli.worker_cmd import check_role
 from jetllm.schemas import ErrorCode
 from jetllm.subjects.names import Names
-from jetllm.subjects.setup import QueuePolicy
+from jetllm.subjects.policy import QueuePolicy
 from jetllm.workers.context import Counters, WorkerContext
 from jetllm.workers.kvevents import KvEventRelay
 from jetllm.workers.metrics import PlaneCollector

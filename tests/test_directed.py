@@ -21,6 +21,7 @@ from jetllm.producer.registry import instance
 from jetllm.producer.traces import trace_records
 from jetllm.schemas import AcceptedFrame, FinalFrame, InstanceRecord, SleepRequest, TraceRecord
 from jetllm.subjects import codec
+from jetllm.subjects.consumers import RETIRED_IDLE
 from jetllm.subjects.directed import (
     DIRECTED_TO,
     MSG_ID,
@@ -32,7 +33,8 @@ from jetllm.subjects.directed import (
 )
 from jetllm.subjects.handon import directed_backlog, move_to_shared
 from jetllm.subjects.names import Names
-from jetllm.subjects.setup import RETIRED_IDLE, QueuePolicy, ensure_streams
+from jetllm.subjects.policy import QueuePolicy
+from jetllm.subjects.setup import ensure_streams
 from jetllm.workers.pullshare import Waiting, directed_allowance, must_cancel, shared_allowance
 
 from .conftest import inproc_worker

@@ -18,7 +18,7 @@ from jetllm.producer import Client
 from jetllm.producer.lora import LoraAdmin
 from jetllm.schemas import ErrorCode, TokensPrompt
 from jetllm.subjects.codec import HEADER_MARGIN
-from jetllm.subjects.setup import QueuePolicy
+from jetllm.subjects.policy import QueuePolicy
 from jetllm.workers.lora import LoraSettings
 
 from .conftest import inproc_worker

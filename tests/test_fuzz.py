@@ -44,7 +44,8 @@ from jetllm.schemas import AdapterList, ErrorFrame, FinalFrame, ResumeQuery
 from jetllm.subjects import codec
 from jetllm.subjects.direct import subscribe_direct
 from jetllm.subjects.names import Names
-from jetllm.subjects.setup import QueuePolicy, ensure_lora_bucket
+from jetllm.subjects.policy import QueuePolicy
+from jetllm.subjects.setup import ensure_lora_bucket
 
 from .conftest import WorkerProcess, inproc_worker, require_vllm
 from .fake_engine import FakeEngine

@@ -29,8 +29,10 @@ from jetllm.schemas import (
 )
 from jetllm.subjects import codec
 from jetllm.subjects.connection import connect
+from jetllm.subjects.consumers import ensure_consumer
 from jetllm.subjects.names import Names
-from jetllm.subjects.setup import QueuePolicy, ensure_consumer, ensure_registry
+from jetllm.subjects.policy import QueuePolicy
+from jetllm.subjects.setup import ensure_registry
 
 from .conftest import FakeWorkerProcess
 from .helpers.gateway import GatewayThread

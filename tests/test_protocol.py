@@ -32,7 +32,7 @@ from jetllm.schemas import (
 )
 from jetllm.subjects import codec
 from jetllm.subjects.names import Names
-from jetllm.subjects.setup import QueuePolicy
+from jetllm.subjects.policy import QueuePolicy
 from jetllm.workers.context import Counters, WorkerContext
 from jetllm.workers.deadletters import DeadLetters
 from jetllm.workers.jobs import decode_request

@@ -26,7 +26,8 @@ from jetllm.schemas import (
 )
 from jetllm.subjects import codec
 from jetllm.subjects.names import Names
-from jetllm.subjects.setup import QueuePolicy, ensure_kv_events_stream, ensure_registry
+from jetllm.subjects.policy import QueuePolicy
+from jetllm.subjects.setup import ensure_kv_events_stream, ensure_registry
 
 from .jobs import req
 

@@ -16,7 +16,7 @@ from jetllm.schemas import ErrorCode, ErrorFrame, Frame, GenerateRequest, Tokens
 from jetllm.subjects import codec
 from jetllm.subjects.codec import field_path
 from jetllm.subjects.names import Names, decode_token, encode_token, is_safe_reply_subject
-from jetllm.subjects.setup import check_version
+from jetllm.subjects.server import check_version
 from jetllm.workers.jobs import RejectedJob, decode_request
 
 from .helpers.wire import wire_structs

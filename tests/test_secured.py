@@ -46,7 +46,8 @@ from jetllm.subjects.connection import connect
 from jetllm.subjects.denials import checked
 from jetllm.subjects.names import Names
 from jetllm.subjects.natsconfig import User, accounts_config
-from jetllm.subjects.setup import QueuePolicy, ensure_lora_bucket, ensure_registry, ensure_streams
+from jetllm.subjects.policy import QueuePolicy
+from jetllm.subjects.setup import ensure_lora_bucket, ensure_registry, ensure_streams
 from jetllm.workers import Worker, WorkerConfig
 from jetllm.workers.lora import LoraSettings
 

@@ -11,7 +11,8 @@ from nats.js.api import StreamConfig
 from jetllm.producer import Client
 from jetllm.subjects.connection import connect
 from jetllm.subjects.names import Names
-from jetllm.subjects.setup import QueuePolicy, ensure_streams
+from jetllm.subjects.policy import QueuePolicy
+from jetllm.subjects.setup import ensure_streams
 from jetllm.subjects.streamupdate import Wanted, update_for
 
 CURRENT = StreamConfig(

@@ -335,7 +335,8 @@ async def run_policies(
     from ..producer import Client
     from ..producer.fleet import wait_for_workers
     from ..router import Router
-    from ..subjects.setup import QueuePolicy, ensure_kv_events_stream
+    from ..subjects.policy import QueuePolicy
+    from ..subjects.setup import ensure_kv_events_stream
     from .targets import worker_processes
 
     namespace = f"route-{uuid.uuid4().hex[:8]}"

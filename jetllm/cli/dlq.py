@@ -14,7 +14,7 @@ from ..producer.deadletters import entries, get, replay
 from ..subjects import codec
 from ..subjects.connection import connect
 from ..subjects.names import Names
-from ..subjects.setup import check_server
+from ..subjects.server import check_server
 from .common import add_nats, nats_url
 
 

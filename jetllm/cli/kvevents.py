@@ -11,7 +11,7 @@ from ..aio import run
 from ..producer.kvevents import kv_events
 from ..subjects.connection import connect
 from ..subjects.names import Names
-from ..subjects.setup import check_server
+from ..subjects.server import check_server
 from .common import add_nats, nats_url
 
 

@@ -17,7 +17,7 @@ from ..producer.lora import FanOut, LoraAdmin
 from ..schemas import AdapterList, AdapterReply, AdapterSource, ControlFailed
 from ..subjects.connection import connect
 from ..subjects.names import Names
-from ..subjects.setup import check_server
+from ..subjects.server import check_server
 from .common import add_nats, nats_url
 
 

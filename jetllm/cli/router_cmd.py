@@ -14,7 +14,7 @@ from ..router.router import Router
 from ..router.service import serve
 from ..subjects.connection import connect
 from ..subjects.names import Names
-from ..subjects.setup import check_server
+from ..subjects.server import check_server
 from .common import add_nats, nats_url
 
 log = logging.getLogger(__name__)

@@ -345,7 +345,7 @@ def engine_options(args: argparse.Namespace):
 
 
 def worker_config(args: argparse.Namespace, slots: int | None = None):
-    from ..subjects.setup import QueuePolicy
+    from ..subjects.policy import QueuePolicy
     from ..workers import WorkerConfig
     from ..workers.config import DisaggSettings
     from ..workers.lora import LoraSettings

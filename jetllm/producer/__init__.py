@@ -1,7 +1,7 @@
 """The producer's side: submit jobs and read their frames and results (Client), and the admin
 readers and verbs of the fleet (registry, fan-out, dead letters, traces, KV events, LoRA)."""
 
-from ..subjects.setup import QueuePolicy
+from ..subjects.policy import QueuePolicy
 from .client import Client
 from .completion import Completion
 from .embeds import embeds_prompt

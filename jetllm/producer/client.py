@@ -54,7 +54,9 @@ from ..subjects.connection import connect
 from ..subjects.direct import subscribe_direct
 from ..subjects.directed import placement
 from ..subjects.names import FRAME_BATCH_TOKEN, Names, check_role, frame_batch_subject
-from ..subjects.setup import QueuePolicy, check_server, ensure_routing_stream, ensure_streams
+from ..subjects.policy import QueuePolicy
+from ..subjects.server import check_server
+from ..subjects.setup import ensure_routing_stream, ensure_streams
 from . import registry, results
 from .completion import Completion, assemble
 from .embeds import embeds_store, upload

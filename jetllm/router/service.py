@@ -25,7 +25,8 @@ from ..aio import retried
 from ..schemas import GenerateRequest
 from ..subjects import codec
 from ..subjects.names import Names
-from ..subjects.setup import QueuePolicy, ensure_routing_stream
+from ..subjects.policy import QueuePolicy
+from ..subjects.setup import ensure_routing_stream
 from .publish import publish_directed
 from .router import Router
 

@@ -1,4 +1,4 @@
-"""Server checks and idempotent creation of jetllm's streams, consumers and buckets.
+"""Idempotent creation of jetllm's streams and buckets (the job consumers: consumers.py).
 
 Every worker and every producer calls these on start, so creation races are normal. A missing
 stream is created with the side's settings (its defaults for what it does not name); an existing
@@ -20,11 +20,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar, overload
+from typing import TypeVar, overload
 
-import msgspec
 import nats.js.errors
-from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
@@ -41,14 +39,14 @@ from nats.js.kv import KeyValue
 from nats.js.object_store import OBJ_STREAM_TEMPLATE, ObjectStore
 
 from ..aio import retried
-from ..errors import JetStreamUnavailable, NotPermitted, ReplicasUnavailable, ServerTooOld
+from ..errors import NotPermitted, ReplicasUnavailable
 from .names import Names
+from .policy import QueuePolicy
 from .streamupdate import Wanted, changed, update_for
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-MIN_SERVER = (2, 10, 0)
 _STREAM_IN_USE = 10058
 _REPLICAS_NOT_CLUSTERED = 10074
 
@@ -56,96 +54,9 @@ RECORD_TTL = 10.0
 """Seconds a registry record outlives its last heartbeat in the bucket (the bound after a SIGKILL)."""
 
 
-class QueuePolicy(msgspec.Struct, kw_only=True, frozen=True):
-    """Delivery settings of the job queues; the defaults are argued in docs/operations.md.
-
-    The stream settings (`max_age` and below) are None unless a side chooses them: None leaves an
-    existing stream's setting as it is and gives a new stream the default (`DEFAULTS`)."""
-
-    ack_wait: float = 10.0
-    """Seconds before an un-acked job is redelivered; workers heartbeat every ack_wait/3."""
-    max_deliver: int = 10
-    """Deliveries of one job before JetStream gives up on it (then it is dead-lettered). A backstop:
-    workers enforce each request's migration budget first, and planned hand-backs are free."""
-    max_ack_pending: int = 10_000
-    """Jobs in flight across all workers of one consumer; keep above the role's total slots."""
-    replicas: int | None = None
-    """Copies of each stream and bucket (3 on a JetStream cluster); None: existing ones keep theirs,
-    new ones get the jobs stream's (see the module docstring)."""
-    memory: bool = False
-    """Streams a side creates are kept in memory (an existing stream keeps its storage)."""
-    max_age: float | None = None
-    """A job nobody serves within this time is dropped by the server (default 24 h)."""
-    duplicate_window: float | None = None
-    """Seconds within which a re-published request id is dropped as a duplicate (default 600)."""
-    dlq_max_age: float | None = None
-    """How long dead letters are kept (default 14 days)."""
-    results_max_age: float | None = None
-    """How long a finished request's result stays readable: batch resume, late producers
-    (default 24 h)."""
-    kv_events_max_age: float | None = None
-    """How long KV-cache events stay replayable (default 1 h). A router needs history only to
-    bridge its own restart; anything older is covered by asking the instances for a resync
-    (docs/fleet.md)."""
-    kv_events_max_msgs_per_subject: int | None = None
-    """Batches kept per instance (default 100,000): about half an hour of a busy GPU engine (~50
-    batches/s), so an unread stream stays bounded even within max_age."""
-
-    def setting(self, name: str) -> Any:
-        """A stream setting: as chosen, or its default."""
-        value = getattr(self, name)
-        return DEFAULTS[name] if value is None else value
-
-
-DEFAULTS: dict[str, float] = {
-    "max_age": 24 * 3600.0,
-    "duplicate_window": 600.0,
-    "dlq_max_age": 14 * 24 * 3600.0,
-    "results_max_age": 24 * 3600.0,
-    "kv_events_max_age": 3600.0,
-    "kv_events_max_msgs_per_subject": 100_000,
-}
-"""What a new stream gets for a setting no side chose."""
-
-
 def _named(policy: QueuePolicy, **fields: str) -> tuple[str, ...]:
     """The stream config fields (keys) whose policy setting (value) this side chose."""
     return tuple(cfg for cfg, setting in fields.items() if getattr(policy, setting) is not None)
-
-
-def parse_version(text: str) -> tuple[int, int, int]:
-    core = text.strip().lstrip("v").split("-")[0].split("+")[0]
-    parts = (core.split(".") + ["0", "0"])[:3]
-    try:
-        return (int(parts[0]), int(parts[1]), int(parts[2]))
-    except ValueError:
-        raise ServerTooOld(f"cannot read the NATS server version {text!r}") from None
-
-
-def check_version(text: str) -> None:
-    if parse_version(text) < MIN_SERVER:
-        raise ServerTooOld(
-            f"nats-server {text} is too old: jetllm needs >= {'.'.join(map(str, MIN_SERVER))}, "
-            "because older servers silently drop stream and consumer settings they do not know "
-            "(filter_subjects, metadata, ...) instead of refusing them"
-        )
-
-
-async def check_server(nc: NATS) -> None:
-    """Refuse servers that would silently misbehave; fail fast when JetStream is off."""
-    v = nc.connected_server_version
-    check_version(f"{v.major}.{v.minor}.{v.patch}")
-    try:
-        await nc.jetstream(timeout=5).account_info()
-    except nats.js.errors.ServiceUnavailableError:
-        raise JetStreamUnavailable(
-            "the NATS server does not have JetStream enabled (start it with -js, or "
-            "`jetstream {}` in its config)"
-        ) from None
-    except nats.errors.NoRespondersError:
-        raise JetStreamUnavailable(
-            "no JetStream API answered: JetStream is not enabled for this account/server"
-        ) from None
 
 
 API_WAIT = 30.0
@@ -154,7 +65,8 @@ election after a server died, or the new copies of a stream that was just scaled
 server answers "insufficient resources" until they exist)."""
 
 
-def _api(call: Callable[[], Awaitable[T]], what: str) -> Awaitable[T]:
+def api_call(call: Callable[[], Awaitable[T]], what: str) -> Awaitable[T]:
+    """`call`, retried while the cluster cannot serve it yet (`API_WAIT`)."""
     return retried(
         call,
         errors=(nats.js.errors.ServiceUnavailableError, nats.errors.TimeoutError),
@@ -169,7 +81,7 @@ async def namespace_replicas(js: JetStreamContext, names: Names) -> int:
     """The replicas of the namespace's jobs stream, which a side that names none follows; 1 when
     the namespace has no jobs stream yet."""
     try:
-        info = await _api(lambda: js.stream_info(names.jobs_stream), "reading the jobs stream")
+        info = await api_call(lambda: js.stream_info(names.jobs_stream), "reading the jobs stream")
     except nats.js.errors.NotFoundError:
         return 1
     return info.config.num_replicas or 1
@@ -191,21 +103,21 @@ async def _ensure_stream(js: JetStreamContext, wanted: Wanted, *, rescale: bool)
     cfg = wanted.config
     name = cfg.name or ""
     try:
-        current = (await _api(lambda: js.stream_info(name), f"reading stream {name}")).config
+        current = (await api_call(lambda: js.stream_info(name), f"reading stream {name}")).config
     except nats.js.errors.NotFoundError:
         try:
-            await _api(lambda: js.add_stream(cfg), f"creating stream {name}")
+            await api_call(lambda: js.add_stream(cfg), f"creating stream {name}")
             return
         except nats.js.errors.APIError as exc:
             if exc.err_code != _STREAM_IN_USE:
                 raise _replicas_error(exc, name, cfg.num_replicas or 1) from None
-        current = (await _api(lambda: js.stream_info(name), f"reading stream {name}")).config
+        current = (await api_call(lambda: js.stream_info(name), f"reading stream {name}")).config
     update = update_for(current, wanted, rescale=rescale)
     if update is None:
         return
     log.info("stream %s: updating %s", name, ", ".join(changed(current, update)))
     try:
-        await _api(lambda: js.update_stream(update), f"updating stream {name}")
+        await api_call(lambda: js.update_stream(update), f"updating stream {name}")
     except nats.js.errors.APIError as exc:
         raise _replicas_error(exc, name, update.num_replicas or 1) from None
 
@@ -253,8 +165,8 @@ async def ensure_bucket(
     refused: NotPermitted | None = None
     try:
         if isinstance(cfg, KeyValueConfig):
-            return await _api(lambda: js.create_key_value(cfg), f"creating bucket {name}")
-        return await _api(lambda: js.create_object_store(name, cfg), f"creating object store {name}")
+            return await api_call(lambda: js.create_key_value(cfg), f"creating bucket {name}")
+        return await api_call(lambda: js.create_object_store(name, cfg), f"creating object store {name}")
     except nats.js.errors.APIError as exc:
         if exc.err_code != _STREAM_IN_USE:
             raise _replicas_error(exc, name, cfg.replicas) from None
@@ -291,7 +203,7 @@ async def _rescale_buckets(js: JetStreamContext, names: Names, replicas: int) ->
 
 async def _rescale(js: JetStreamContext, stream: str, replicas: int) -> None:
     try:
-        current = (await _api(lambda: js.stream_info(stream), f"reading {stream}")).config
+        current = (await api_call(lambda: js.stream_info(stream), f"reading {stream}")).config
     except nats.js.errors.NotFoundError:
         return
     if (current.num_replicas or 1) == replicas:
@@ -299,7 +211,7 @@ async def _rescale(js: JetStreamContext, stream: str, replicas: int) -> None:
     log.info("%s has %s replicas; rescaling it to %d", stream, current.num_replicas or 1, replicas)
     rescaled = dataclasses.replace(current, num_replicas=replicas)
     try:
-        await _api(lambda: js.update_stream(rescaled), f"rescaling {stream}")
+        await api_call(lambda: js.update_stream(rescaled), f"rescaling {stream}")
     except nats.js.errors.APIError as exc:
         raise _replicas_error(exc, stream, replicas) from None
 
@@ -476,73 +388,6 @@ def _cancels_stream(names: Names, policy: QueuePolicy, replicas: int) -> Wanted:
     return Wanted(config, _named(policy, max_age="max_age", duplicate_window="duplicate_window"))
 
 
-async def ensure_consumer(
-    js: JetStreamContext, names: Names, role: str, model: str, policy: QueuePolicy
-) -> str:
-    """Create (or update) the durable pull consumer of (role, model); returns its name."""
-    durable = names.consumer(role, model)
-    config = _job_consumer(durable, f"jetllm {role} workers of {model}", names.jobs(role, model), policy)
-    await _api(lambda: js.add_consumer(names.jobs_stream, config), f"creating consumer {durable}")
-    return durable
-
-
-DIRECTED_IDLE = 3600.0
-"""Seconds after which the server removes a directed consumer nobody pulled from (a live worker
-that lost its own this way makes it again, `DirectedQueue.check`)."""
-RETIRED_IDLE = 5.0
-"""The same for a directed consumer whose instance stopped or is gone: workers may not delete
-consumers (the shared one is among them), so a retired one is left to the server to remove."""
-
-
-async def ensure_directed_consumer(
-    js: JetStreamContext,
-    names: Names,
-    role: str,
-    model: str,
-    instance: str,
-    policy: QueuePolicy,
-    *,
-    retire: bool = False,
-) -> str:
-    """Create (or update) the durable pull consumer of one instance's directed queue; `retire`:
-    let the server remove it a few seconds after its last pull."""
-    durable = names.directed_consumer(role, model, instance)
-    config = _job_consumer(
-        durable,
-        f"jetllm {role} jobs of {model} addressed to {instance}",
-        names.directed_jobs(role, model, instance),
-        policy,
-        inactive_threshold=RETIRED_IDLE if retire else DIRECTED_IDLE,
-    )
-    await _api(lambda: js.add_consumer(names.jobs_stream, config), f"creating consumer {durable}")
-    return durable
-
-
-def _job_consumer(
-    durable: str,
-    description: str,
-    subject: str,
-    policy: QueuePolicy,
-    *,
-    inactive_threshold: float | None = None,
-) -> ConsumerConfig:
-    return ConsumerConfig(
-        durable_name=durable,
-        description=description[:256],
-        filter_subject=subject,
-        ack_policy=AckPolicy.EXPLICIT,
-        deliver_policy=DeliverPolicy.ALL,
-        ack_wait=policy.ack_wait,
-        max_deliver=policy.max_deliver,
-        max_ack_pending=policy.max_ack_pending,
-        max_waiting=512,
-        # as many copies as the stream (0): a consumer cannot have more, and one with fewer
-        # would lose its deliveries' state with the server it lives on
-        num_replicas=0,
-        inactive_threshold=inactive_threshold,
-    )
-
-
 async def ensure_batch_plane(
     js: JetStreamContext,
     names: Names,
@@ -602,7 +447,9 @@ async def ensure_batch_plane(
         num_replicas=0,
     )
     try:
-        await _api(lambda: js.add_consumer(names.batch_queue_stream, config), "creating the batch consumer")
+        await api_call(
+            lambda: js.add_consumer(names.batch_queue_stream, config), "creating the batch consumer"
+        )
     except nats.js.errors.APIError:  # it exists with other settings (another ack_wait): use it as it is
         await js.consumer_info(names.batch_queue_stream, names.BATCH_RUNNERS)
     return files, state

@@ -15,7 +15,7 @@ import anyio
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from ..subjects.setup import ensure_consumer
+from ..subjects.consumers import ensure_consumer
 from .context import WorkerContext
 from .pulls import Pulls
 

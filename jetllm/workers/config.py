@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from ..subjects.setup import QueuePolicy
+from ..subjects.policy import QueuePolicy
 from .lora.manager import LoraSettings
 
 

@@ -12,7 +12,7 @@ from nats.aio.client import Client as NATS
 from nats.js.client import JetStreamContext
 
 from ..subjects.names import Names
-from ..subjects.setup import QueuePolicy
+from ..subjects.policy import QueuePolicy
 
 
 class Counters:

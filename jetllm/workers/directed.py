@@ -20,10 +20,10 @@ import nats.js.errors
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from ..subjects.consumers import ensure_directed_consumer
 from ..subjects.denials import checked
 from ..subjects.direct import subscribe_direct
 from ..subjects.handon import move_to_shared
-from ..subjects.setup import ensure_directed_consumer
 from .context import WorkerContext
 from .pulls import Pulls
 from .pullshare import Waiting

@@ -9,7 +9,7 @@ import anyio
 from nats.aio.client import Client as NATS
 
 from ..subjects.connection import connect
-from ..subjects.setup import check_server
+from ..subjects.server import check_server
 from .engine.options import EngineOptions
 from .runtime import Worker, WorkerConfig
 

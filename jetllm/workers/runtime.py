@@ -32,9 +32,10 @@ from nats.aio.msg import Msg
 
 from ..aio import contained, describe, supervised
 from ..schemas import HealthCheck, LoraLoad, LoraUnload, SleepRequest, WorkerStatus
+from ..subjects.consumers import ensure_consumer
 from ..subjects.denials import checked
 from ..subjects.names import Names
-from ..subjects.setup import ensure_consumer, ensure_streams
+from ..subjects.setup import ensure_streams
 from .adapterqueues import AdapterQueues
 from .cachedblocks import CachedBlocks
 from .config import WorkerConfig

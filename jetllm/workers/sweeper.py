@@ -25,9 +25,10 @@ from nats.js.kv import KeyValue
 
 from ..schemas import InstanceRecord
 from ..subjects import codec
+from ..subjects.consumers import ensure_directed_consumer
 from ..subjects.directed import sweep_verdict
 from ..subjects.handon import directed_backlog, move_to_shared
-from ..subjects.setup import ensure_directed_consumer, ensure_registry
+from ..subjects.setup import ensure_registry
 from .context import WorkerContext
 from .directed import DirectedQueue
 

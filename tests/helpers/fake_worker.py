@@ -10,7 +10,7 @@ import logging
 
 from jetllm.aio import run
 from jetllm.subjects.connection import connect
-from jetllm.subjects.setup import QueuePolicy
+from jetllm.subjects.policy import QueuePolicy
 from jetllm.workers import Worker, WorkerConfig
 from tests.fake_engine import FakeEngine
 
