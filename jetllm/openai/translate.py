@@ -273,9 +273,8 @@ def _job(
     logprobs: int | None,
     constraint: tuple[str, StructuredOutput] | None,
 ) -> GenerateRequest:
-    text = (
-        True if isinstance(prompt, TokensPrompt) else None
-    )  # as vLLM's server: token prompts answer in text
+    # as vLLM's server: token prompts answer in text too
+    text = True if isinstance(prompt, TokensPrompt) else None
     output = OutputOptions(
         text=text,
         logprobs=logprobs,
