@@ -6,10 +6,11 @@ import os
 import time
 import uuid
 
+import anyio
 import msgspec
 import pytest
 
-from jetllm.kvtransfer import blockfile, chunking
+from jetllm.kvtransfer import blockfile, chunking, transport
 from jetllm.kvtransfer.chunking import blocks_per_message, message_count
 from jetllm.kvtransfer.transport import (
     Incoming,
@@ -20,6 +21,8 @@ from jetllm.kvtransfer.transport import (
     publish_blocks,
     remove_blocks,
 )
+from jetllm.kvtransfer.window import Receipts, SendWindow
+from jetllm.natsserver import NatsServer
 from jetllm.schemas import ErrorCode, TokensPrompt
 from jetllm.schemas.disagg import KvBlocksHeader, KvLayer, Prefilled, PrefillRequest
 from jetllm.subjects import Names, codec
@@ -359,3 +362,123 @@ def test_bench_kv_times_each_checksum_beside_the_plain_publish(nats_url, tmp_pat
     with pytest.raises(SystemExit):
         main([*args, "--checksums", "md5"])
     assert "unknown checksum algorithm 'md5'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("sends", "receipts", "may_send"),
+    [
+        ([], [], True),  # nothing in flight
+        ([6, 3], [], True),  # 9 of 10 unconfirmed: one more message goes, however large
+        ([6, 4], [], False),  # a whole window unconfirmed
+        ([6, 4], [6], True),  # a receipt moves it
+        ([6, 4, 3], [6, 2], True),  # a stale receipt moves nothing back
+        ([6, 4], [11], False),  # a receipt for more than was sent (forged) moves nothing
+        ([25], [], False),  # one message larger than the window went while nothing was out
+        ([25], [25], True),
+    ],
+)
+def test_the_prefill_side_keeps_at_most_a_window_beyond_the_receipts(sends, receipts, may_send):
+    w = SendWindow(10)
+    for n in sends:
+        w.sending(n)
+    for total in receipts:
+        w.receipt(total)
+    assert w.may_send() is may_send
+    assert SendWindow(0).may_send()  # no window: never waits
+
+
+def test_the_decode_side_confirms_every_quarter_window_so_a_blocked_sender_always_hears_back():
+    r = Receipts(16)
+    assert [r.add(n) for n in (3, 1, 5, 2, 1, 1)] == [None, 4, 9, None, None, 13]
+    # whatever the sizes, less than a quarter window is ever left unconfirmed
+    w, r = SendWindow(16), Receipts(16)
+    for n in (5, 1, 7, 2, 16, 3, 1):
+        assert w.may_send()
+        w.sending(n)
+        total = r.add(n)
+        if total is not None:
+            w.receipt(total)
+        assert w.sent - w.received < 4
+
+
+def _pause_reading(nc) -> None:
+    """The decode worker's event loop busy elsewhere: its socket is not read (nats-py internals)."""
+    nc._transport._io_reader._transport.pause_reading()
+
+
+def _resume_reading(nc) -> None:
+    nc._transport._io_reader._transport.resume_reading()
+
+
+@pytest.mark.parametrize("window", [0, 2 << 20])
+async def test_a_decode_worker_that_falls_behind_paces_the_prefill_side_instead_of_being_cut_off(
+    tmp_path, window
+):
+    """Without the window (an older decode worker) the server cuts the connection of a decode worker
+    that falls more than its max_pending behind, and with it every stream that worker serves; with
+    the window the prefill side waits for it."""
+    with NatsServer(tmp_path / "nats", extra_config="max_payload: 1MB\nmax_pending: 8MB") as server:
+        names = Names("pace")
+        prefill = await connect(server.url, name="prefill")
+        cut = anyio.Event()
+
+        async def on_disconnect() -> None:
+            cut.set()
+
+        decode = await connect(server.url, name="decode", disconnected_cb=on_disconnect)
+        try:
+            await _stream(prefill, names)
+            src = tmp_path / "src.kv"
+            blocks = make_file(src, 24 * 16, 64 << 10)  # 24 MB: three times what the server buffers
+            transfer = uuid.uuid4().hex
+            dest = tmp_path / "dest.kv"
+            incoming = await Incoming.open(
+                decode, names, transfer, max_bytes=64 << 20, dest=dest, packed=True, window=window
+            )
+            await decode.flush()
+            _pause_reading(decode)
+            published: list = []
+            async with anyio.create_task_group() as tg:
+
+                async def publish() -> None:
+                    published.append(
+                        await publish_blocks(prefill, names, transfer, src, packed=True, window=window)
+                    )
+
+                tg.start_soon(publish)
+                await anyio.sleep(1.0)
+                assert bool(published) is (window == 0)  # with a window, the prefill side waits
+                _resume_reading(decode)
+            slow = "Slow Consumer Detected" in server.log_file.read_text()
+            if window == 0:
+                with anyio.fail_after(10):  # noticed once the socket is read again
+                    await cut.wait()
+                assert slow
+                return
+            assert not slow and not cut.is_set()
+            got = await fetch_blocks(
+                decode, names, done_of(published[0], transfer), dest, timeout=10, incoming=incoming
+            )
+            _, offset = blockfile.read_header(dest)
+            assert got == "live" and dest.read_bytes()[offset:] == b"".join(blocks)
+            await incoming.close()
+        finally:
+            await prefill.close()
+            await decode.close()
+
+
+async def test_a_prefill_side_with_no_receipts_fails_the_transfer_instead_of_waiting_forever(
+    nats_url, namespace, tmp_path, monkeypatch
+):
+    monkeypatch.setattr(transport, "STALL_TIMEOUT", 0.5)
+    names = Names(namespace)
+    nc = await connect(nats_url)
+    try:
+        await _stream(nc, names)
+        src = tmp_path / "src.kv"
+        make_file(src, 64, 64 << 10)
+        with pytest.raises(TransferFailed, match="confirmed nothing for"):
+            await publish_blocks(nc, names, uuid.uuid4().hex, src, packed=True, window=1 << 20)
+    finally:
+        await _drop(nc, names)
+        await nc.close()

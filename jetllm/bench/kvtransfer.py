@@ -23,6 +23,7 @@ import msgspec
 from ..kvtransfer import blockfile
 from ..kvtransfer.chunking import blocks_per_message, chunk_size, chunks
 from ..kvtransfer.transport import Incoming, fetch_blocks, publish_blocks, remove_blocks
+from ..kvtransfer.window import WINDOW_BYTES
 from ..schemas.disagg import Checksum, KvBlocksHeader, KvLayer, Prefilled
 from ..subjects.connection import connect
 from ..subjects.names import Names
@@ -71,7 +72,9 @@ async def plain(url: str, data: memoryview, block_bytes: int, num_blocks: int) -
         await sub_nc.close()
 
 
-async def through_jetllm(url: str, names: Names, src: Path, work: Path, checksum: Checksum) -> float:
+async def through_jetllm(
+    url: str, names: Names, src: Path, work: Path, checksum: Checksum, window: int = WINDOW_BYTES
+) -> float:
     """The handoff as the two workers run it: the decode side listens for the blocks and the
     answer, the prefill side publishes the blocks and then the answer, the decode side checks the
     blocks and writes its block file."""
@@ -79,11 +82,15 @@ async def through_jetllm(url: str, names: Names, src: Path, work: Path, checksum
     try:
         transfer = uuid.uuid4().hex
         dest = work / f"{transfer}.kv"
-        incoming = await Incoming.open(decode, names, transfer, max_bytes=1 << 40, dest=dest, packed=True)
+        incoming = await Incoming.open(
+            decode, names, transfer, max_bytes=1 << 40, dest=dest, packed=True, window=window
+        )
         answers = await decode.subscribe(f"bench.answer.{transfer}", max_msgs=1)
         await decode.flush()
         started = time.perf_counter()
-        pub = await publish_blocks(prefill, names, transfer, src, packed=True, checksum=checksum)
+        pub = await publish_blocks(
+            prefill, names, transfer, src, packed=True, checksum=checksum, window=window
+        )
         done = Prefilled(
             request_id="bench",
             transfer_id=transfer,
@@ -96,9 +103,9 @@ async def through_jetllm(url: str, names: Names, src: Path, work: Path, checksum
             expires_at=time.time() + 600,
         )
         await prefill.publish(f"bench.answer.{transfer}", msgspec.msgpack.encode(done))
-        msg = await answers.next_msg(timeout=600)
+        msg = await answers.next_msg(timeout=120)
         done = msgspec.msgpack.decode(msg.data, type=Prefilled)
-        await fetch_blocks(decode, names, done, dest, timeout=600, incoming=incoming)
+        await fetch_blocks(decode, names, done, dest, timeout=120, incoming=incoming)
         seconds = time.perf_counter() - started
         await incoming.close()
         await remove_blocks(decode, names, transfer)

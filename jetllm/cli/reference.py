@@ -66,7 +66,7 @@ SECTIONS: list[tuple[str, list[type]]] = [
         ],
     ),
     ("Tracing", [s.TraceRecord, s.RouteDecision, s.RouteCandidate]),
-    ("Prefill/decode handoff", [s.PrefillRequest, s.Prefilled, s.KvBlocksHeader, s.KvLayer]),
+    ("Prefill/decode handoff", [s.PrefillRequest, s.Prefilled, s.KvBlocksHeader, s.KvLayer, s.KvReceived]),
     (
         "LoRA adapters",
         [

@@ -51,6 +51,7 @@ def wire_types() -> dict[str, object]:
         "PrefillRequest": s.PrefillRequest,
         "Prefilled": s.Prefilled,
         "KvBlocksHeader": s.KvBlocksHeader,
+        "KvReceived": s.KvReceived,
         # batch files
         "BatchLine": s.BatchLine,
         "BatchResult": s.BatchResult,

@@ -3,9 +3,11 @@ decode worker, removed once loaded (the stream's TTL removes what nobody fetched
 
 On the subject `Names.kv_blocks(transfer_id)` go the header, then every block in order, cut
 into chunks that fit the server's max payload or packed several to a message (chunking.py; the
-chunk sizes follow from the header and the answer, so the chunks carry no headers of their own). The header and the last chunk are published with a
-JetStream ack: once the last one is acked, the server has stored every message before it, since
-one connection's messages are handled in order; a store that is full refuses them, loudly.
+chunk sizes follow from the header and the answer, so the chunks carry no headers of their own).
+The header and the last chunk are published with a JetStream ack: once the last one is acked,
+the server has stored every message before it, since one connection's messages are handled in
+order; a store that is full refuses them, loudly. When the decode worker asks for it, its
+receipts on `Names.kv_received(transfer_id)` pace the publishing (window.py).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from ..schemas.disagg import Checksum, KvBlocksHeader, Prefilled
+from ..schemas.disagg import Checksum, KvBlocksHeader, KvReceived, Prefilled
+from ..subjects import codec
 from ..subjects.names import Names
 from . import blockfile
 from .chunking import (  # noqa: F401  # chunks_per_block: imported from here too
@@ -37,6 +40,13 @@ from .chunking import (  # noqa: F401  # chunks_per_block: imported from here to
     message_count,
 )
 from .live import LiveFile
+from .window import Receipts, SendWindow
+
+_receipt = codec.Decoder(KvReceived)
+
+STALL_TIMEOUT = 10.0
+"""Seconds a prefill worker waits for a receipt with a whole window unconfirmed: then the decode
+worker is gone or cut off, and the transfer fails rather than holding the prefill slot."""
 
 
 class TransferFailed(Exception):
@@ -72,10 +82,12 @@ async def publish_blocks(
     *,
     packed: bool = False,
     checksum: Checksum = "sha256-128",
+    window: int = 0,
 ) -> Published:
     """Publish the block file at `path` (its checksums, by `checksum`, are taken in a thread
-    meanwhile), several blocks to a message if `packed`; raises TransferFailed when the store
-    refuses it."""
+    meanwhile), several blocks to a message if `packed`, at most `window` bytes ahead of the
+    decode worker's receipts; raises TransferFailed when the store refuses it or the receipts
+    stop."""
     try:
         blockfile.checksummer(checksum)
     except blockfile.BadBlockFile as exc:
@@ -95,21 +107,36 @@ async def publish_blocks(
     async def take_checksums() -> None:
         sums.extend(await anyio.to_thread.run_sync(_checksums, data, header))
 
+    paced = _Paced(window)
     try:
+        if window > 0:
+            paced.sub = await nc.subscribe(names.kv_received(transfer_id), cb=paced.on_receipt)
         async with anyio.create_task_group() as tg:
             tg.start_soon(take_checksums)
-            await js.publish(subject, blockfile.encode_header(header), timeout=5)
-            for piece in pieces[:-1]:
-                await nc.publish(subject, piece)  # type: ignore[arg-type]  # any bytes-like will do
-            if pieces:
-                await js.publish(subject, bytes(pieces[-1]), timeout=10)
+            head = blockfile.encode_header(header)
+            paced.window.sending(len(head))
+            await js.publish(subject, head, timeout=5)
+            for i, piece in enumerate(pieces):
+                if not await paced.wait():
+                    break
+                paced.window.sending(len(piece))
+                if i < len(pieces) - 1:
+                    await nc.publish(subject, piece)  # type: ignore[arg-type]  # any bytes-like will do
+                else:
+                    await js.publish(subject, bytes(piece), timeout=10)
     except Exception as exc:
         raise TransferFailed(f"the block store refused the blocks: {type(exc).__name__}: {exc}") from None
     finally:
+        await paced.close()
         pieces.clear()
         data.release()
         with contextlib.suppress(BufferError):  # a chunk still referenced: unmapped when it goes
             mapped.close()
+    if paced.stalled:
+        raise TransferFailed(
+            f"the decode worker confirmed nothing for {STALL_TIMEOUT:.0f}s with "
+            f"{paced.window.sent - paced.window.received:,} bytes unconfirmed: it is gone or cut off"
+        )
     return Published(
         header=header,
         checksums=sums,
@@ -118,6 +145,40 @@ async def publish_blocks(
         messages=messages,
         bytes=size,
     )
+
+
+class _Paced:
+    """The prefill side of the flow control: the window, and the receipts that move it."""
+
+    def __init__(self, window: int) -> None:
+        self.window = SendWindow(window)
+        self.sub: Any = None
+        self.stalled = False
+        self._moved = anyio.Event()
+
+    async def on_receipt(self, msg: Msg) -> None:
+        try:
+            receipt = _receipt.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return  # not a receipt: nothing moves
+        if self.window.receipt(receipt.received):
+            self._moved.set()
+
+    async def wait(self) -> bool:
+        """Whether the window lets the next message go before the receipts stall."""
+        while not self.window.may_send():
+            self._moved = anyio.Event()
+            with anyio.move_on_after(STALL_TIMEOUT):
+                await self._moved.wait()
+            if not self._moved.is_set():
+                self.stalled = True
+                return False
+        return True
+
+    async def close(self) -> None:
+        if self.sub is not None:
+            with contextlib.suppress(Exception):
+                await self.sub.unsubscribe()
 
 
 class Incoming:
@@ -146,11 +207,16 @@ class Incoming:
         max_bytes: int,
         dest: Path | None = None,
         packed: bool = False,
+        window: int = 0,
     ) -> Incoming:
+        """`window`: what the prefill job allows in flight (`PrefillRequest.window`); receipts
+        go to the prefill worker as the messages come. 0: none."""
         incoming = cls(max_bytes)
         if dest is not None:
             incoming.live = LiveFile(dest, chunk_size(nc.max_payload), packed)
             incoming.live.start()
+        receipts = Receipts(window) if window > 0 else None
+        receipt_subject = names.kv_received(transfer_id)
 
         async def on_msg(msg: Msg) -> None:
             incoming._bytes += len(msg.data)
@@ -159,6 +225,11 @@ class Incoming:
                 if incoming.live is not None:
                     incoming.live.put(msg.data)
             incoming._arrived.set()
+            total = receipts.add(len(msg.data)) if receipts is not None else None
+            if total is not None:
+                receipt = KvReceived(transfer_id=transfer_id, received=total)
+                with contextlib.suppress(Exception):  # a lost receipt: the next one carries the total
+                    await nc.publish(receipt_subject, codec.encode(receipt))
 
         incoming._sub = await nc.subscribe(
             names.kv_blocks(transfer_id), cb=on_msg, pending_msgs_limit=-1, pending_bytes_limit=-1

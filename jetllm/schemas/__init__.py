@@ -13,7 +13,7 @@ from .batchapi import (
 from .common import SCHEMA_VERSION, SUPPORTED_VERSIONS, Command, ErrorCode, Report, Strict, Tolerant
 from .control import CancelRequest, StatusRequest, WorkerStatus
 from .deadletter import DeadLetter
-from .disagg import KvBlocksHeader, KvLayer, Prefilled, PrefillRequest
+from .disagg import KvBlocksHeader, KvLayer, KvReceived, Prefilled, PrefillRequest
 from .fleet import (
     ControlDone,
     ControlFailed,
@@ -131,6 +131,7 @@ __all__ = [
     "KvBlocksHeader",
     "KvLayer",
     "Prefilled",
+    "KvReceived",
     "PrefillRequest",
     "ErrorCode",
     "ErrorFrame",

@@ -48,6 +48,10 @@ class PrefillRequest(Command, kw_only=True):
     """How the prefill worker checksums the blocks (`KvBlocksHeader.checksum` says it did): the
     decode worker asks for the fastest one it can check. Older prefill workers refuse the field,
     as they refuse `packed`: upgrade prefill workers first."""
+    window: Annotated[int, Meta(ge=0)] = 0
+    """Bytes the prefill worker may have published beyond what the decode worker confirmed
+    (`KvReceived`); at most one message more goes. 0: publish without waiting (older decode
+    workers, which send no receipts). Older prefill workers refuse the field, as `packed`."""
 
 
 class KvLayer(Tolerant, kw_only=True):
@@ -78,6 +82,16 @@ class KvBlocksHeader(Tolerant, kw_only=True):
     layers: list[KvLayer]
     checksum: Checksum = "sha256-128"
     """How `Prefilled.checksums` were taken (absent from older prefill workers: sha256-128)."""
+
+
+class KvReceived(Report, kw_only=True):
+    """On `Names.kv_received(transfer_id)`: how much of the transfer the decode worker has received,
+    so the prefill worker never runs more than `PrefillRequest.window` ahead of it (a server cuts a
+    connection that falls more than its max_pending behind)."""
+
+    transfer_id: str
+    received: int
+    """Bytes of every message on the block subject so far (the header's included)."""
 
 
 class Prefilled(Report, kw_only=True, tag_field="kind", tag="prefilled"):

@@ -211,6 +211,16 @@ class Names:
     def kv_blocks_all(self) -> str:
         return f"{self._root}.kvblocks.*"
 
+    def kv_received(self, transfer_id: str) -> str:
+        """Where the decode worker says how much of a transfer it has received (flow control)."""
+        if not _TRANSFER.match(transfer_id):
+            raise ValueError(f"transfer id {transfer_id!r} is not 16-64 lowercase hex characters")
+        return f"{self._root}.kvrecv.{transfer_id}"
+
+    @property
+    def kv_received_all(self) -> str:
+        return f"{self._root}.kvrecv.*"
+
     # batches of the OpenAI batch API: the queue runners take them from, and their state
     def batch_queue(self, batch_id: str) -> str:
         return f"{self._root}.batchq.{encode_token(batch_id)}"

@@ -130,6 +130,7 @@ class PrefillRole(Role):
                     path,
                     packed=req.packed,
                     checksum=req.checksum,
+                    window=req.window,
                 )
             except TransferFailed as exc:
                 raise RequestRejected(ErrorCode.KV_TRANSFER_FAILED, str(exc)) from None

@@ -21,6 +21,7 @@ import nats.errors
 from ....kvtransfer import blockfile
 from ....kvtransfer.params import JETLLM_CONNECTOR, LOAD
 from ....kvtransfer.transport import Incoming, TransferFailed, fetch_blocks, remove_blocks
+from ....kvtransfer.window import WINDOW_BYTES
 from ....schemas import (
     AcceptedFrame,
     CancelRequest,
@@ -110,6 +111,7 @@ class RemotePrefill:
             expires_at=time.time() + s.prefill_timeout,
             packed=True,
             checksum=blockfile.preferred_checksum(),
+            window=WINDOW_BYTES,
         )
         path = self._dir / f"{transfer}.kv"
         ours = s.connector == JETLLM_CONNECTOR
@@ -117,7 +119,13 @@ class RemotePrefill:
         incoming = None
         if ours:
             incoming = await Incoming.open(
-                ctx.nc, ctx.names, transfer, max_bytes=s.kv_store_bytes, dest=path, packed=True
+                ctx.nc,
+                ctx.names,
+                transfer,
+                max_bytes=s.kv_store_bytes,
+                dest=path,
+                packed=True,
+                window=job.window,
             )
         answered = False
         try:
