@@ -1,7 +1,7 @@
 """`jetllm bench-kv`: how fast KV blocks cross NATS, against the physical limit on the same server.
 
 The limit is a plain nats-py publish of the same bytes, cut to the same chunks, to a subscriber on
-another connection (no JetStream, no checks). jetllm's transfer is what a handoff costs the two
+another connection (no JetStream, no checks), paced by the subscriber's receipts as jetllm's is. jetllm's transfer is what a handoff costs the two
 workers end to end: the prefill side reads the block file, checksums and publishes it to the block
 stream while the decode side receives it as published; then every block is checked and the
 decode side's block file written.
@@ -22,9 +22,10 @@ import msgspec
 
 from ..kvtransfer import blockfile
 from ..kvtransfer.chunking import blocks_per_message, chunk_size, chunks
-from ..kvtransfer.transport import Incoming, fetch_blocks, publish_blocks, remove_blocks
-from ..kvtransfer.window import WINDOW_BYTES
-from ..schemas.disagg import Checksum, KvBlocksHeader, KvLayer, Prefilled
+from ..kvtransfer.transport import Incoming, Pacing, fetch_blocks, publish_blocks, remove_blocks
+from ..kvtransfer.window import WINDOW_BYTES, Receipts
+from ..schemas.disagg import Checksum, KvBlocksHeader, KvLayer, KvReceived, Prefilled
+from ..subjects import codec
 from ..subjects.connection import connect
 from ..subjects.names import Names
 from ..subjects.setup import ensure_kv_blocks_stream
@@ -44,28 +45,43 @@ def make_block_file(path: Path, num_blocks: int, block_bytes: int, block_size: i
 
 
 async def plain(url: str, data: memoryview, block_bytes: int, num_blocks: int) -> float:
-    """Seconds for the bytes to reach a subscriber through core NATS publishes."""
+    """Seconds for the bytes to reach a subscriber through core NATS publishes, paced by the
+    subscriber's receipts as jetllm's transfer is: unpaced, a subscriber that falls more than the
+    server's max_pending behind is cut off, and the limit would never arrive."""
     pub, sub_nc = await connect(url, name="bench-plain-pub"), await connect(url, name="bench-plain-sub")
     try:
-        subject = f"bench.plain.{uuid.uuid4().hex}"
+        transfer = uuid.uuid4().hex
+        subject, receipts_to = f"bench.plain.{transfer}", f"bench.plainrecv.{transfer}"
         chunk = chunk_size(pub.max_payload)
         per_message = blocks_per_message(block_bytes, chunk, packed=True)
         pieces = [bytes(p) for p in chunks(data, block_bytes, num_blocks, chunk, per_message)]
         got = anyio.Event()
         seen = [0]
+        receipts, pacing = Receipts(WINDOW_BYTES), Pacing(WINDOW_BYTES)
 
         async def on_msg(msg) -> None:
             seen[0] += 1
             if seen[0] == len(pieces):
                 got.set()
+            total = receipts.add(len(msg.data))
+            if total is not None:
+                await sub_nc.publish(
+                    receipts_to, codec.encode(KvReceived(transfer_id=transfer, received=total))
+                )
 
         await sub_nc.subscribe(subject, cb=on_msg, pending_bytes_limit=1 << 30, pending_msgs_limit=1 << 20)
+        await pub.subscribe(receipts_to, cb=pacing.on_receipt)
         await sub_nc.flush()
-        started = time.perf_counter()
-        for p in pieces:
-            await pub.publish(subject, p)
         await pub.flush()
-        await got.wait()
+        started = time.perf_counter()
+        with anyio.fail_after(120):
+            for p in pieces:
+                if not await pacing.wait():
+                    raise RuntimeError("the plain subscriber stopped sending receipts")
+                pacing.window.sending(len(p))
+                await pub.publish(subject, p)
+            await pub.flush()
+            await got.wait()
         return time.perf_counter() - started
     finally:
         await pub.close()
@@ -169,7 +185,7 @@ async def _bench(args: argparse.Namespace, url: str, server_pid: int | None = No
         f"({per_token:,.0f} bytes per prompt token), median of {args.rounds} rounds, "
         f"1-minute load average {load:.1f} on {os.cpu_count()} CPUs at the end; CPU: {where}:\n\n"
         "| path | MB/s | share of the limit | CPU ms per MB |\n|---|---:|---:|---:|\n"
-        f"| plain nats-py publish to a subscriber (the limit) | {mbs['plain']:,.0f} | 100% "
+        f"| plain nats-py publish to a subscriber, paced alike (the limit) | {mbs['plain']:,.0f} | 100% "
         f"| {ms_per_mb['plain']:.1f} |\n{ours}"
     )
 

@@ -107,7 +107,7 @@ async def publish_blocks(
     async def take_checksums() -> None:
         sums.extend(await anyio.to_thread.run_sync(_checksums, data, header))
 
-    paced = _Paced(window)
+    paced = Pacing(window)
     try:
         if window > 0:
             paced.sub = await nc.subscribe(names.kv_received(transfer_id), cb=paced.on_receipt)
@@ -147,8 +147,9 @@ async def publish_blocks(
     )
 
 
-class _Paced:
-    """The prefill side of the flow control: the window, and the receipts that move it."""
+class Pacing:
+    """The sending side of the flow control: the window, and the receipts (subscribed to with
+    `on_receipt`) that move it."""
 
     def __init__(self, window: int) -> None:
         self.window = SendWindow(window)
