@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import uuid
@@ -482,3 +483,51 @@ async def test_a_prefill_side_with_no_receipts_fails_the_transfer_instead_of_wai
     finally:
         await _drop(nc, names)
         await nc.close()
+
+
+@pytest.mark.parametrize("window", [1 << 40, 2 << 20])
+async def test_blocks_read_back_from_the_store_come_in_batches_the_server_will_buffer(tmp_path, window):
+    """The fallback read: a whole transfer asked for at once (`1 << 40`) gets a decode worker that
+    falls behind cut off as the live copy would; batches of a window do not."""
+    with NatsServer(tmp_path / "nats", extra_config="max_payload: 1MB\nmax_pending: 8MB") as server:
+        names = Names("refetch")
+        prefill = await connect(server.url, name="prefill")
+        cut = anyio.Event()
+
+        async def on_disconnect() -> None:
+            cut.set()
+
+        decode = await connect(server.url, name="decode", disconnected_cb=on_disconnect)
+        try:
+            await _stream(prefill, names)
+            src = tmp_path / "src.kv"
+            blocks = make_file(src, 24 * 16, 64 << 10)
+            transfer = uuid.uuid4().hex
+            pub = await publish_blocks(prefill, names, transfer, src, packed=True)
+            dest = tmp_path / "dest.kv"
+            got: list[str] = []
+            async with anyio.create_task_group() as tg:
+
+                async def fetch() -> None:
+                    with contextlib.suppress(TransferFailed):
+                        got.append(
+                            await fetch_blocks(
+                                decode, names, done_of(pub, transfer), dest, timeout=10, window=window
+                            )
+                        )
+
+                _pause_reading(decode)
+                tg.start_soon(fetch)
+                await anyio.sleep(1.0)
+                _resume_reading(decode)
+                if window == 1 << 40:
+                    with anyio.fail_after(10):
+                        await cut.wait()
+                    tg.cancel_scope.cancel()
+                    return
+            assert not cut.is_set() and "Slow Consumer" not in server.log_file.read_text()
+            _, offset = blockfile.read_header(dest)
+            assert got == ["stored"] and dest.read_bytes()[offset:] == b"".join(blocks)
+        finally:
+            await prefill.close()
+            await decode.close()

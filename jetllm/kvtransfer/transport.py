@@ -40,7 +40,7 @@ from .chunking import (  # noqa: F401  # chunks_per_block: imported from here to
     message_count,
 )
 from .live import LiveFile
-from .window import Receipts, SendWindow
+from .window import WINDOW_BYTES, Receipts, SendWindow
 
 _receipt = codec.Decoder(KvReceived)
 
@@ -262,7 +262,14 @@ class Incoming:
 
 
 async def fetch_blocks(
-    nc: NATS, names: Names, done: Prefilled, dest: Path, *, timeout: float, incoming: Incoming | None = None
+    nc: NATS,
+    names: Names,
+    done: Prefilled,
+    dest: Path,
+    *,
+    timeout: float,
+    incoming: Incoming | None = None,
+    window: int = WINDOW_BYTES,
 ) -> str:
     """Write the blocks `done` announces into the block file `dest`, every block checked against
     its checksum: from `incoming` when it holds them all and they check out, else from the store.
@@ -300,7 +307,7 @@ async def fetch_blocks(
     subject = names.kv_blocks(done.transfer_id)
     try:
         with anyio.fail_after(timeout):
-            async for data in _direct_batch(nc, names.kv_blocks_stream, subject, done.messages):
+            async for data in _direct_batch(nc, names.kv_blocks_stream, subject, done.messages, window):
                 msgs.append(data)
     except TimeoutError:
         got = _blocks_in(len(msgs), per_block, per_message, n)
@@ -348,9 +355,13 @@ def _assemble(msgs: list[bytes], done: Prefilled, dest: Path) -> None:
         raise
 
 
-async def _direct_batch(nc: NATS, stream: str, subject: str, count: int) -> AsyncGenerator[bytes, None]:
+async def _direct_batch(
+    nc: NATS, stream: str, subject: str, count: int, max_bytes: int
+) -> AsyncGenerator[bytes, None]:
     """The payloads of the first `count` messages on `subject`, by batched direct gets: the server
-    streams them to an inbox with no consumer to create, pace or delete (ADR-31; nats-server 2.11+).
+    streams them to an inbox with no consumer to create, pace or delete (ADR-31; nats-server 2.11+),
+    at most `max_bytes` a batch (a whole transfer at once could put this connection more than the
+    server's max_pending behind, and get it cut).
     A server that sends fewer per batch than asked says so in its end-of-batch message, and the
     rest is asked for from there. Ends early when the subject holds fewer."""
     inbox = nc.new_inbox()
@@ -360,7 +371,7 @@ async def _direct_batch(nc: NATS, stream: str, subject: str, count: int) -> Asyn
     try:
         seq, left = 1, count
         while left:
-            body = {"seq": seq, "next_by_subj": subject, "batch": left}
+            body = {"seq": seq, "next_by_subj": subject, "batch": left, "max_bytes": max_bytes}
             await nc.publish(api, json.dumps(body).encode(), reply=inbox)
             while True:
                 msg = await recv.receive()
