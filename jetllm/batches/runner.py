@@ -156,12 +156,15 @@ class _HeldBatch:
         action = plan.on_take(state.status, time.time(), state.expires_at)
         if action == "skip":
             return
+        taken = time.monotonic()
         try:
             lines = await self.service.input_lines(state.input_file_id, state.endpoint)
         except (BadInput, ApiError) as exc:
             await self._fail(exc.message, getattr(exc, "line", None), exc.param)
             return
-        await self._read_finished(lines)
+        if state.in_progress_at is not None:  # no line is submitted before the batch is in progress
+            await self._read_finished(lines)
+        read = time.monotonic()
         stop: plan.Stop
         if action == "run":
             await self.service.update(self.id, self._started(len(lines)))
@@ -171,7 +174,16 @@ class _HeldBatch:
             if state.in_progress_at is not None:  # an earlier runner may have left lines queued
                 self.in_flight = {line.line for line in lines if line.line not in self.outcomes}
                 await self._stop_in_flight(wait=False)
+        ran = time.monotonic()
         await self._finalize(lines, state, stop)
+        log.info(
+            "batch %s: %d lines read in %.0f ms, run in %.2f s, output written in %.0f ms",
+            self.id,
+            len(lines),
+            (read - taken) * 1000,
+            ran - read,
+            (time.monotonic() - ran) * 1000,
+        )
 
     def _started(self, total: int):  # noqa: ANN202
         now = int(time.time())
@@ -226,23 +238,20 @@ class _HeldBatch:
                         written = now_counts
                 for _ in range(plan.to_submit(len(pending), len(self.in_flight), self.runner.window)):
                     line = pending.popleft()
-                    rid = line_request_id(self.id, line.line)
-                    try:
-                        await self.client.submit(prepare(endpoint, line.body, rid).job.request)
-                    except (JetllmError, OpenAIError) as exc:  # this line cannot be a job: it fails alone
-                        self.outcomes[line.line] = _failed(rid, exc)
-                        continue
                     self.in_flight.add(line.line)
-                    tg.start_soon(self._await, line.line, rid)
+                    tg.start_soon(self._run_line, line, endpoint)
                 self.changed = anyio.Event()
                 with anyio.move_on_after(STATE_EVERY):
                     await self.changed.wait()
         return "done"
 
-    async def _await(self, line: int, rid: str) -> None:
-        """Until the line's result is in its request log: seen live on the log's subject (no
-        consumer on the server per line), and read directly now and then, for a result stored
-        before the subscription or missed across a reconnect."""
+    async def _run_line(self, line: InputLine, endpoint: str) -> None:
+        """Submit the line's job and wait until its result is in its request log: seen live on
+        the log's subject, subscribed to before the job is submitted (no consumer on the server per
+        line), and read directly now and then, for a result an earlier runner's job stored before
+        the subscription, or one missed across a reconnect. Lines submit concurrently, so their
+        publish acks overlap."""
+        rid = line_request_id(self.id, line.line)
         found: list[Result] = []
         ended = anyio.Event()
 
@@ -256,6 +265,7 @@ class _HeldBatch:
                 ended.set()
 
         sub = None
+        submitted = False
         try:
             while not found:
                 try:
@@ -263,12 +273,20 @@ class _HeldBatch:
                         sub = await self.client.nc.subscribe(
                             self.service.names.request_log(rid), cb=on_record
                         )
-                    stored = await self.client.result(rid)
-                    if stored is not None:
-                        found.append(stored)
-                        break
-                except Exception as exc:  # the server is away for now: the log still has it later
-                    log.info("batch %s: reading %s again after %s", self.id, rid, exc)
+                    if not submitted:
+                        try:
+                            await self.client.submit(prepare(endpoint, line.body, rid).job.request)
+                        except (JetllmError, OpenAIError) as exc:
+                            found.append(_failed(rid, exc))  # this line cannot be a job: it fails alone
+                            break
+                        submitted = True
+                    else:
+                        stored = await self.client.result(rid)
+                        if stored is not None:
+                            found.append(stored)
+                            break
+                except Exception as exc:  # the server is away for now: submitted or read again later
+                    log.info("batch %s: trying %s again after %s", self.id, rid, exc)
                 with anyio.move_on_after(RESULT_CHECK):
                     await ended.wait()
         finally:
@@ -278,8 +296,8 @@ class _HeldBatch:
                         await sub.unsubscribe()
                     except Exception:
                         pass
-        self.outcomes[line] = found[0]
-        self.in_flight.discard(line)
+        self.outcomes[line.line] = found[0]
+        self.in_flight.discard(line.line)
         self.changed.set()
 
     async def _stop_in_flight(self, wait: bool = True) -> None:
