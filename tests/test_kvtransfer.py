@@ -411,15 +411,12 @@ def _resume_reading(nc) -> None:
     nc._transport._io_reader._transport.resume_reading()
 
 
-@pytest.mark.parametrize("window", [0, 2 << 20])
-async def test_a_decode_worker_that_falls_behind_paces_the_prefill_side_instead_of_being_cut_off(
-    tmp_path, window
-):
-    """Without the window (an older decode worker) the server cuts the connection of a decode worker
-    that falls more than its max_pending behind, and with it every stream that worker serves; with
-    the window the prefill side waits for it."""
+@contextlib.asynccontextmanager
+async def _tight_server(tmp_path, namespace: str):
+    """A server that buffers 8 MB per connection, a prefill and a decode connection, and an event
+    set when the decode connection is cut; the block stream is there."""
     with NatsServer(tmp_path / "nats", extra_config="max_payload: 1MB\nmax_pending: 8MB") as server:
-        names = Names("pace")
+        names = Names(namespace)
         prefill = await connect(server.url, name="prefill")
         cut = anyio.Event()
 
@@ -429,43 +426,54 @@ async def test_a_decode_worker_that_falls_behind_paces_the_prefill_side_instead_
         decode = await connect(server.url, name="decode", disconnected_cb=on_disconnect)
         try:
             await _stream(prefill, names)
-            src = tmp_path / "src.kv"
-            blocks = make_file(src, 24 * 16, 64 << 10)  # 24 MB: three times what the server buffers
-            transfer = uuid.uuid4().hex
-            dest = tmp_path / "dest.kv"
-            incoming = await Incoming.open(
-                decode, names, transfer, max_bytes=64 << 20, dest=dest, packed=True, window=window
-            )
-            await decode.flush()
-            _pause_reading(decode)
-            published: list = []
-            async with anyio.create_task_group() as tg:
-
-                async def publish() -> None:
-                    published.append(
-                        await publish_blocks(prefill, names, transfer, src, packed=True, window=window)
-                    )
-
-                tg.start_soon(publish)
-                await anyio.sleep(1.0)
-                assert bool(published) is (window == 0)  # with a window, the prefill side waits
-                _resume_reading(decode)
-            slow = "Slow Consumer Detected" in server.log_file.read_text()
-            if window == 0:
-                with anyio.fail_after(10):  # noticed once the socket is read again
-                    await cut.wait()
-                assert slow
-                return
-            assert not slow and not cut.is_set()
-            got = await fetch_blocks(
-                decode, names, done_of(published[0], transfer), dest, timeout=10, incoming=incoming
-            )
-            _, offset = blockfile.read_header(dest)
-            assert got == "live" and dest.read_bytes()[offset:] == b"".join(blocks)
-            await incoming.close()
+            yield server, names, prefill, decode, cut
         finally:
             await prefill.close()
             await decode.close()
+
+
+@pytest.mark.parametrize("window", [0, 2 << 20])
+async def test_a_decode_worker_that_falls_behind_paces_the_prefill_side_instead_of_being_cut_off(
+    tmp_path, window
+):
+    """Without the window (an older decode worker) the server cuts the connection of a decode worker
+    that falls more than its max_pending behind, and with it every stream that worker serves; with
+    the window the prefill side waits for it."""
+    async with _tight_server(tmp_path, "pace") as (server, names, prefill, decode, cut):
+        src = tmp_path / "src.kv"
+        blocks = make_file(src, 24 * 16, 64 << 10)  # 24 MB: three times what the server buffers
+        transfer = uuid.uuid4().hex
+        dest = tmp_path / "dest.kv"
+        incoming = await Incoming.open(
+            decode, names, transfer, max_bytes=64 << 20, dest=dest, packed=True, window=window
+        )
+        await decode.flush()
+        _pause_reading(decode)
+        published: list = []
+        async with anyio.create_task_group() as tg:
+
+            async def publish() -> None:
+                published.append(
+                    await publish_blocks(prefill, names, transfer, src, packed=True, window=window)
+                )
+
+            tg.start_soon(publish)
+            await anyio.sleep(1.0)
+            assert bool(published) is (window == 0)  # with a window, the prefill side waits
+            _resume_reading(decode)
+        slow = "Slow Consumer Detected" in server.log_file.read_text()
+        if window == 0:
+            with anyio.fail_after(10):  # noticed once the socket is read again
+                await cut.wait()
+            assert slow
+            return
+        assert not slow and not cut.is_set()
+        got = await fetch_blocks(
+            decode, names, done_of(published[0], transfer), dest, timeout=10, incoming=incoming
+        )
+        _, offset = blockfile.read_header(dest)
+        assert got == "live" and dest.read_bytes()[offset:] == b"".join(blocks)
+        await incoming.close()
 
 
 async def test_a_prefill_side_with_no_receipts_fails_the_transfer_instead_of_waiting_forever(
@@ -489,45 +497,32 @@ async def test_a_prefill_side_with_no_receipts_fails_the_transfer_instead_of_wai
 async def test_blocks_read_back_from_the_store_come_in_batches_the_server_will_buffer(tmp_path, window):
     """The fallback read: a whole transfer asked for at once (`1 << 40`) gets a decode worker that
     falls behind cut off as the live copy would; batches of a window do not."""
-    with NatsServer(tmp_path / "nats", extra_config="max_payload: 1MB\nmax_pending: 8MB") as server:
-        names = Names("refetch")
-        prefill = await connect(server.url, name="prefill")
-        cut = anyio.Event()
+    async with _tight_server(tmp_path, "refetch") as (server, names, prefill, decode, cut):
+        src = tmp_path / "src.kv"
+        blocks = make_file(src, 24 * 16, 64 << 10)
+        transfer = uuid.uuid4().hex
+        pub = await publish_blocks(prefill, names, transfer, src, packed=True)
+        dest = tmp_path / "dest.kv"
+        got: list[str] = []
+        async with anyio.create_task_group() as tg:
 
-        async def on_disconnect() -> None:
-            cut.set()
-
-        decode = await connect(server.url, name="decode", disconnected_cb=on_disconnect)
-        try:
-            await _stream(prefill, names)
-            src = tmp_path / "src.kv"
-            blocks = make_file(src, 24 * 16, 64 << 10)
-            transfer = uuid.uuid4().hex
-            pub = await publish_blocks(prefill, names, transfer, src, packed=True)
-            dest = tmp_path / "dest.kv"
-            got: list[str] = []
-            async with anyio.create_task_group() as tg:
-
-                async def fetch() -> None:
-                    with contextlib.suppress(TransferFailed):
-                        got.append(
-                            await fetch_blocks(
-                                decode, names, done_of(pub, transfer), dest, timeout=10, window=window
-                            )
+            async def fetch() -> None:
+                with contextlib.suppress(TransferFailed):
+                    got.append(
+                        await fetch_blocks(
+                            decode, names, done_of(pub, transfer), dest, timeout=10, window=window
                         )
+                    )
 
-                _pause_reading(decode)
-                tg.start_soon(fetch)
-                await anyio.sleep(1.0)
-                _resume_reading(decode)
-                if window == 1 << 40:
-                    with anyio.fail_after(10):
-                        await cut.wait()
-                    tg.cancel_scope.cancel()
-                    return
-            assert not cut.is_set() and "Slow Consumer" not in server.log_file.read_text()
-            _, offset = blockfile.read_header(dest)
-            assert got == ["stored"] and dest.read_bytes()[offset:] == b"".join(blocks)
-        finally:
-            await prefill.close()
-            await decode.close()
+            _pause_reading(decode)
+            tg.start_soon(fetch)
+            await anyio.sleep(1.0)
+            _resume_reading(decode)
+            if window == 1 << 40:
+                with anyio.fail_after(10):
+                    await cut.wait()
+                tg.cancel_scope.cancel()
+                return
+        assert not cut.is_set() and "Slow Consumer" not in server.log_file.read_text()
+        _, offset = blockfile.read_header(dest)
+        assert got == ["stored"] and dest.read_bytes()[offset:] == b"".join(blocks)

@@ -37,6 +37,14 @@ _TOKEN = re.compile(r"^(?:[A-Za-z0-9-]|_[0-9A-F]{2})+$")
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
 _TRANSFER = re.compile(r"^[0-9a-f]{16,64}$")
 
+
+def _transfer(transfer_id: str) -> str:
+    """A transfer id as a subject token: a decode worker's uuid4 hex, nothing else."""
+    if not _TRANSFER.match(transfer_id):
+        raise ValueError(f"transfer id {transfer_id!r} is not 16-64 lowercase hex characters")
+    return transfer_id
+
+
 ROLES = ("generate",)
 """The job queues producers may use: those with workers. Queues are named by what the job asks
 for, so the scheme has room for more (a prefill or encode queue of a disaggregated fleet); a role
@@ -203,9 +211,7 @@ class Names:
 
     # prefill/decode handoff
     def kv_blocks(self, transfer_id: str) -> str:
-        if not _TRANSFER.match(transfer_id):
-            raise ValueError(f"transfer id {transfer_id!r} is not 16-64 lowercase hex characters")
-        return f"{self._root}.kvblocks.{transfer_id}"
+        return f"{self._root}.kvblocks.{_transfer(transfer_id)}"
 
     @property
     def kv_blocks_all(self) -> str:
@@ -213,9 +219,7 @@ class Names:
 
     def kv_received(self, transfer_id: str) -> str:
         """Where the decode worker says how much of a transfer it has received (flow control)."""
-        if not _TRANSFER.match(transfer_id):
-            raise ValueError(f"transfer id {transfer_id!r} is not 16-64 lowercase hex characters")
-        return f"{self._root}.kvrecv.{transfer_id}"
+        return f"{self._root}.kvrecv.{_transfer(transfer_id)}"
 
     @property
     def kv_received_all(self) -> str:
