@@ -11,7 +11,7 @@ import anyio
 import msgspec
 import pytest
 
-from jetllm.kvtransfer import blockfile, chunking, transport
+from jetllm.kvtransfer import blockfile, chunking, pacing
 from jetllm.kvtransfer.chunking import blocks_per_message, message_count
 from jetllm.kvtransfer.transport import (
     Incoming,
@@ -479,7 +479,7 @@ async def test_a_decode_worker_that_falls_behind_paces_the_prefill_side_instead_
 async def test_a_prefill_side_with_no_receipts_fails_the_transfer_instead_of_waiting_forever(
     nats_url, namespace, tmp_path, monkeypatch
 ):
-    monkeypatch.setattr(transport, "STALL_TIMEOUT", 0.5)
+    monkeypatch.setattr(pacing, "STALL_TIMEOUT", 0.5)
     names = Names(namespace)
     nc = await connect(nats_url)
     try:

@@ -20,7 +20,6 @@ import msgspec
 from nats.aio.msg import Msg
 
 from ..errors import JetllmError
-from ..openai import stored
 from ..openai.endpoints import prepare
 from ..openai.errors import OpenAIError
 from ..producer import Client
@@ -28,12 +27,12 @@ from ..schemas import BatchIssue, BatchRun, BatchState, ErrorCode, ErrorFrame, R
 from ..subjects import codec
 from . import plan
 from .lines import BadInput, InputLine, line_request_id
+from .output import output_files, output_lines
 from .service import ApiError, BatchService
 
 log = logging.getLogger(__name__)
 _run_decoder = codec.Decoder(BatchRun)
 _record_decoder = codec.KindDecoder(Record)
-_encoder = msgspec.json.Encoder()
 
 STATE_EVERY = 0.5
 """Seconds between reads of the batch's state (a cancel) and writes of its counts."""
@@ -41,13 +40,6 @@ RESULT_CHECK = 5.0
 """Seconds between direct reads of a running line's result, behind the live subscription."""
 CANCEL_WAIT = 10.0
 """Seconds a stopping batch waits for the lines it cancelled to report their end."""
-
-
-def output_files(batch_id: str) -> tuple[str, str]:
-    """Ids of a batch's output and error files: fixed, so a runner that finalizes again after a
-    crash overwrites what an earlier one wrote instead of leaving a second copy."""
-    tail = batch_id.removeprefix("batch_")
-    return f"file-{tail}-output", f"file-{tail}-errors"
 
 
 def counts(total: int, outcomes: dict[int, Result]) -> RequestCounts:
@@ -334,7 +326,9 @@ class _HeldBatch:
                     else msgspec.structs.replace(s, status="finalizing", finalizing_at=now)
                 ),
             )
-        out, errors = await anyio.to_thread.run_sync(self._files, lines, state.endpoint, stop)
+        out, errors = await anyio.to_thread.run_sync(
+            output_lines, self.id, lines, self.outcomes, state.endpoint, stop
+        )
         out_id, err_id = output_files(self.id)
         tail = self.id.removeprefix("batch_")
         if out:
@@ -361,36 +355,6 @@ class _HeldBatch:
         done = await self.service.update(self.id, change)
         log.info("batch %s: %s (%d ok, %d failed)", self.id, done.status, final.completed, final.failed)
 
-    def _files(
-        self, lines: list[InputLine], endpoint: str, stop: plan.Stop
-    ) -> tuple[list[bytes], list[bytes]]:
-        """Lines of the output file (responses with status 200) and of the error file (the rest),
-        in input order: every input line is in exactly one of them. Run in a thread: each line's
-        body is translated again, to read its result as the gateway would."""
-        out: list[bytes] = []
-        errors: list[bytes] = []
-        created = int(time.time())
-        for line in lines:
-            rid = line_request_id(self.id, line.line)
-            entry: dict = {
-                "id": f"batch_req_{rid}",
-                "custom_id": line.custom_id,
-                "response": None,
-                "error": None,
-            }
-            result = self.outcomes.get(line.line)
-            if result is None:
-                entry["error"] = {
-                    "code": plan.UNRUN_CODE[stop],
-                    "message": f"the batch stopped ({stop}) first",
-                }
-                errors.append(_encoder.encode(entry) + b"\n")
-                continue
-            status, body = _response(endpoint, line, rid, result, created)
-            entry["response"] = {"status_code": status, "request_id": rid, "body": body}
-            (out if status == 200 else errors).append(_encoder.encode(entry) + b"\n")
-        return out, errors
-
 
 def _with_counts(c: RequestCounts):  # noqa: ANN202
     def change(state: BatchState) -> BatchState | None:
@@ -406,12 +370,3 @@ def _failed(rid: str, exc: JetllmError | OpenAIError) -> Result:
     batch was created and no longer does (another version's runner)."""
     code = exc.code if isinstance(exc, JetllmError) else ErrorCode.INVALID_REQUEST
     return Result(attempt=0, error=ErrorFrame(seq=1, request_id=rid, code=code, message=exc.message))
-
-
-def _response(endpoint: str, line: InputLine, rid: str, result: Result, created: int) -> tuple[int, dict]:
-    """The line's response: what the gateway answers for its body, from the line's result."""
-    try:
-        prepared = prepare(endpoint, line.body, rid)
-    except OpenAIError as err:
-        return err.status, err.body()
-    return stored.response(prepared, result, created)

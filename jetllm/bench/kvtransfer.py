@@ -22,10 +22,10 @@ import msgspec
 
 from ..kvtransfer import blockfile
 from ..kvtransfer.chunking import blocks_per_message, chunk_size, chunks
-from ..kvtransfer.transport import Incoming, Pacing, fetch_blocks, publish_blocks, remove_blocks
-from ..kvtransfer.window import WINDOW_BYTES, Receipts
-from ..schemas.disagg import Checksum, KvBlocksHeader, KvLayer, KvReceived, Prefilled
-from ..subjects import codec
+from ..kvtransfer.pacing import Pacing, Receiving
+from ..kvtransfer.transport import Incoming, fetch_blocks, publish_blocks, remove_blocks
+from ..kvtransfer.window import WINDOW_BYTES
+from ..schemas.disagg import Checksum, KvBlocksHeader, KvLayer, Prefilled
 from ..subjects.connection import connect
 from ..subjects.names import Names
 from ..subjects.setup import ensure_kv_blocks_stream
@@ -57,17 +57,13 @@ async def plain(url: str, data: memoryview, block_bytes: int, num_blocks: int) -
         pieces = [bytes(p) for p in chunks(data, block_bytes, num_blocks, chunk, per_message)]
         got = anyio.Event()
         seen = [0]
-        receipts, pacing = Receipts(WINDOW_BYTES), Pacing(WINDOW_BYTES)
+        receiving, pacing = Receiving(sub_nc, receipts_to, transfer, WINDOW_BYTES), Pacing(WINDOW_BYTES)
 
         async def on_msg(msg) -> None:
             seen[0] += 1
             if seen[0] == len(pieces):
                 got.set()
-            total = receipts.add(len(msg.data))
-            if total is not None:
-                await sub_nc.publish(
-                    receipts_to, codec.encode(KvReceived(transfer_id=transfer, received=total))
-                )
+            await receiving.took(len(msg.data))
 
         await sub_nc.subscribe(subject, cb=on_msg, pending_bytes_limit=1 << 30, pending_msgs_limit=1 << 20)
         await pub.subscribe(receipts_to, cb=pacing.on_receipt)

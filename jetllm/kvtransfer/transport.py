@@ -7,7 +7,7 @@ chunk sizes follow from the header and the answer, so the chunks carry no header
 The header and the last chunk are published with a JetStream ack: once the last one is acked,
 the server has stored every message before it, since one connection's messages are handled in
 order; a store that is full refuses them, loudly. When the decode worker asks for it, its
-receipts on `Names.kv_received(transfer_id)` pace the publishing (window.py).
+receipts on `Names.kv_received(transfer_id)` pace the publishing (pacing.py).
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from ..schemas.disagg import Checksum, KvBlocksHeader, KvReceived, Prefilled
-from ..subjects import codec
+from ..schemas.disagg import Checksum, KvBlocksHeader, Prefilled
 from ..subjects.names import Names
 from . import blockfile
 from .chunking import (  # noqa: F401  # chunks_per_block: imported from here too
@@ -40,13 +39,8 @@ from .chunking import (  # noqa: F401  # chunks_per_block: imported from here to
     message_count,
 )
 from .live import LiveFile
-from .window import WINDOW_BYTES, Receipts, SendWindow
-
-_receipt = codec.Decoder(KvReceived)
-
-STALL_TIMEOUT = 10.0
-"""Seconds a prefill worker waits for a receipt with a whole window unconfirmed: then the decode
-worker is gone or cut off, and the transfer fails rather than holding the prefill slot."""
+from .pacing import Pacing, Receiving
+from .window import WINDOW_BYTES
 
 
 class TransferFailed(Exception):
@@ -108,6 +102,7 @@ async def publish_blocks(
         sums.extend(await anyio.to_thread.run_sync(_checksums, data, header))
 
     paced = Pacing(window)
+    stalled = False
     try:
         if window > 0:
             paced.sub = await nc.subscribe(names.kv_received(transfer_id), cb=paced.on_receipt)
@@ -118,6 +113,7 @@ async def publish_blocks(
             await js.publish(subject, head, timeout=5)
             for i, piece in enumerate(pieces):
                 if not await paced.wait():
+                    stalled = True
                     break
                 paced.window.sending(len(piece))
                 if i < len(pieces) - 1:
@@ -132,11 +128,8 @@ async def publish_blocks(
         data.release()
         with contextlib.suppress(BufferError):  # a chunk still referenced: unmapped when it goes
             mapped.close()
-    if paced.stalled:
-        raise TransferFailed(
-            f"the decode worker confirmed nothing for {STALL_TIMEOUT:.0f}s with "
-            f"{paced.window.sent - paced.window.received:,} bytes unconfirmed: it is gone or cut off"
-        )
+    if stalled:
+        raise TransferFailed(paced.stall_message())
     return Published(
         header=header,
         checksums=sums,
@@ -145,41 +138,6 @@ async def publish_blocks(
         messages=messages,
         bytes=size,
     )
-
-
-class Pacing:
-    """The sending side of the flow control: the window, and the receipts (subscribed to with
-    `on_receipt`) that move it."""
-
-    def __init__(self, window: int) -> None:
-        self.window = SendWindow(window)
-        self.sub: Any = None
-        self.stalled = False
-        self._moved = anyio.Event()
-
-    async def on_receipt(self, msg: Msg) -> None:
-        try:
-            receipt = _receipt.decode(msg.data)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            return  # not a receipt: nothing moves
-        if self.window.receipt(receipt.received):
-            self._moved.set()
-
-    async def wait(self) -> bool:
-        """Whether the window lets the next message go before the receipts stall."""
-        while not self.window.may_send():
-            self._moved = anyio.Event()
-            with anyio.move_on_after(STALL_TIMEOUT):
-                await self._moved.wait()
-            if not self._moved.is_set():
-                self.stalled = True
-                return False
-        return True
-
-    async def close(self) -> None:
-        if self.sub is not None:
-            with contextlib.suppress(Exception):
-                await self.sub.unsubscribe()
 
 
 class Incoming:
@@ -216,8 +174,7 @@ class Incoming:
         if dest is not None:
             incoming.live = LiveFile(dest, chunk_size(nc.max_payload), packed)
             incoming.live.start()
-        receipts = Receipts(window) if window > 0 else None
-        receipt_subject = names.kv_received(transfer_id)
+        receiving = Receiving(nc, names.kv_received(transfer_id), transfer_id, window)
 
         async def on_msg(msg: Msg) -> None:
             incoming._bytes += len(msg.data)
@@ -226,11 +183,7 @@ class Incoming:
                 if incoming.live is not None:
                     incoming.live.put(msg.data)
             incoming._arrived.set()
-            total = receipts.add(len(msg.data)) if receipts is not None else None
-            if total is not None:
-                receipt = KvReceived(transfer_id=transfer_id, received=total)
-                with contextlib.suppress(Exception):  # a lost receipt: the next one carries the total
-                    await nc.publish(receipt_subject, codec.encode(receipt))
+            await receiving.took(len(msg.data))
 
         incoming._sub = await nc.subscribe(
             names.kv_blocks(transfer_id), cb=on_msg, pending_msgs_limit=-1, pending_bytes_limit=-1

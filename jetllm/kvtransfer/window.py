@@ -5,7 +5,7 @@ Without it a prefill worker publishes as fast as its socket takes the bytes, and
 whose event loop is busy (or merely slower) falls behind by more than the server buffers for one
 connection (`max_pending`, 64 MB by default). The server then cuts the decode worker's connection
 as a slow consumer, and with it every token stream that worker serves. Pure counting here; the
-messages are moved in transport.py.
+receipts travel in pacing.py.
 """
 
 from __future__ import annotations
