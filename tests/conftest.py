@@ -18,6 +18,7 @@ from pathlib import Path
 import anyio
 import pytest
 
+from jetllm.cpus import engine_cores
 from jetllm.natsserver import NatsServer
 from jetllm.producer import Client
 from jetllm.producer.fleet import worker_statuses
@@ -190,6 +191,8 @@ class WorkerProcess:
     """`jetllm worker` as a child process, as an operator would run it."""
 
     _terminated = False
+    _started = 0
+    """Workers started so far: consecutive ones get different cores (jetllm/cpus.py)."""
 
     def __init__(
         self,
@@ -228,11 +231,14 @@ class WorkerProcess:
             *args,
         ]
         self._log = open(log_path, "wb")
+        ranks = "--data-parallel-size" in args or "--headless" in args  # vLLM splits cores per rank
+        cores = {} if ranks else engine_cores(WorkerProcess._started, 2)
+        WorkerProcess._started += 1
         self.proc = subprocess.Popen(
             cmd,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **cores},
             start_new_session=True,
             cwd=Path(__file__).resolve().parent.parent,
         )

@@ -20,6 +20,7 @@ from jetllm.schemas import (
     HealthCheck,
     HealthReport,
     LoadReport,
+    PulledFrame,
     SleepRequest,
 )
 from jetllm.subjects import codec
@@ -190,7 +191,9 @@ async def test_a_trace_id_travels_on_the_job_its_first_and_last_frame_and_the_wo
         kinds = [type(codec.frame_decoder.decode(m.data, "json")).__name__ for m in traced]
         assert kinds == ["AcceptedFrame", "FinalFrame"]
         headers = {m.headers.get("traceparent") for m in traced}
-        assert len(seen) == len(frames) and len(headers) == 1
+        pulled = [m for m in seen if isinstance(codec.frame_decoder.decode(m.data, "json"), PulledFrame)]
+        assert len(pulled) == 1  # the client's to act on, not passed to the caller
+        assert len(seen) == len(frames) + 1 and len(headers) == 1
         (header,) = headers
         assert header.startswith(f"00-{trace_id}-") and not header.startswith(f"00-{trace_id}-{parent}")
 

@@ -14,6 +14,7 @@ import pytest
 
 from jetllm.errors import RequestFailed
 from jetllm.producer import Client
+from jetllm.producer.fleet import instance_status
 from jetllm.schemas import (
     AcceptedFrame,
     ErrorCode,
@@ -84,6 +85,41 @@ async def test_sigkill_mid_stream_continues_on_another_worker_without_gap_or_dup
     final = frames[-1]
     assert isinstance(final, FinalFrame) and final.usage.completion_tokens == 120
     assert final.usage.prompt_tokens == 3
+
+
+async def test_a_worker_killed_after_pulling_a_job_before_accepting_it_hands_it_on_at_once(
+    nats_url, namespace, start_fake_worker
+):
+    """Its `pulled` frame names it: the producer's ping finds it gone and NAKs the delivery, long
+    before the queue's ack_wait (60 s here) would."""
+    stuck = await start_ready(
+        start_fake_worker, nats_url, namespace, "--stuck-before-claim", "--ack-wait", "60"
+    )
+    result: list = []
+    first = anyio.Event()
+    async with Client(nats_url, namespace=namespace) as c:
+
+        async def read() -> None:
+            async for f in c.generate(req("fake", [3, 1, 4], max_tokens=5)):
+                result.append(f)
+                first.set()
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(read)
+                while (await instance_status(c.nc, c.names, stuck.instance)).in_flight == 0:
+                    await anyio.sleep(0.05)
+                assert not first.is_set()  # pulled, never accepted
+                other = await start_ready(start_fake_worker, nats_url, namespace, "--ack-wait", "60")
+                stuck.signal(signal.SIGKILL)
+                with anyio.fail_after(15):
+                    await first.wait()
+    accepted = [f for f in result if isinstance(f, AcceptedFrame)]
+    assert [(f.worker, f.attempt) for f in accepted] == [(other.instance, 2)]
+    assert isinstance(result[-1], FinalFrame)
+    assert [t for f in result if isinstance(f, TokensFrame) for t in f.token_ids] == expected_tokens(
+        [3, 1, 4], 5
+    )
 
 
 async def test_tokens_not_yet_checkpointed_are_handed_over_by_the_producer(

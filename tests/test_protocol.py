@@ -218,6 +218,7 @@ async def completes(job: JobHandle) -> None:
 async def test_with_an_interval_of_zero_the_log_leads_every_frame_and_the_ack_comes_last():
     wire, deps = await run_job(completes, checkpoint_interval=0)
     assert wire.kinds() == [
+        "PulledFrame:0",
         "Claim",
         "AcceptedFrame:0",
         "Steps:1",
@@ -229,13 +230,16 @@ async def test_with_an_interval_of_zero_the_log_leads_every_frame_and_the_ack_co
         "+ACK",
     ]
     assert ("purge", b"") in wire.sent[-2:]  # the log is compacted to its result afterwards
+    pulled = wire.frames[0]  # before the log is read: whom to ping, which delivery to NAK
+    assert (pulled.worker, pulled.job_ack) == ("w1", wire.frames[1].job_ack) and pulled.job_ack
     c = deps.ctx.counters
-    assert (c.acked, c.completed, c.dead_lettered, c.frames_sent) == (1, 1, 0, 4)
+    assert (c.acked, c.completed, c.dead_lettered, c.frames_sent) == (1, 1, 0, 5)
 
 
 async def test_by_default_a_short_request_logs_no_token_record_its_result_holds_them():
     wire, deps = await run_job(completes)
     assert wire.kinds() == [
+        "PulledFrame:0",
         "Claim",
         "AcceptedFrame:0",
         "TokensFrame:1",
@@ -271,6 +275,7 @@ async def test_a_takeover_asks_the_producer_and_logs_the_frames_it_adds_before_g
 
     wire, _ = await run_job(_taking_over(1, [2, 3]), producer=producer)
     assert wire.kinds() == [
+        "PulledFrame:0",
         "Claim",
         "ResumeQuery:1",
         "Steps:2,3",
@@ -310,6 +315,7 @@ async def test_a_bug_mid_stream_ends_the_request_with_one_internal_error_and_a_d
 
     wire, deps = await run_job(breaks)
     assert wire.kinds() == [
+        "PulledFrame:0",
         "Claim",
         "AcceptedFrame:0",
         "TokensFrame:1",
@@ -333,8 +339,8 @@ async def test_a_typed_error_from_the_role_is_the_producer_s_error_frame():
         raise RequestRejected(ErrorCode.CONTEXT_LENGTH_EXCEEDED, "too long", field="$.prompt")
 
     wire, deps = await run_job(refuses)
-    assert wire.kinds() == ["Result", "ErrorFrame:1", "dead-letter", "+TERM"]
-    (err,) = wire.frames
+    assert wire.kinds() == ["PulledFrame:0", "Result", "ErrorFrame:1", "dead-letter", "+TERM"]
+    _, err = wire.frames
     assert err.code == ErrorCode.CONTEXT_LENGTH_EXCEEDED and err.field == "$.prompt"
 
 
@@ -365,8 +371,8 @@ async def test_a_request_cancelled_before_it_started_ends_cancelled_with_its_res
         job.cancelled("the producer left")
 
     wire, deps = await run_job(cancelled)
-    assert wire.kinds() == ["Result", "ErrorFrame:1", "+TERM"]
-    assert wire.frames[0].code == ErrorCode.CANCELLED and wire.frames[0].message == "the producer left"
+    assert wire.kinds() == ["PulledFrame:0", "Result", "ErrorFrame:1", "+TERM"]
+    assert wire.frames[1].code == ErrorCode.CANCELLED and wire.frames[1].message == "the producer left"
     assert deps.ctx.counters.cancelled == 1
 
 
@@ -382,7 +388,7 @@ async def test_a_job_handed_back_records_its_hand_off_and_goes_back_to_the_queue
         deps.running.hand_back_all()
 
     wire, deps = await run_job(runs, during=drain)
-    assert wire.kinds() == ["Claim", "AcceptedFrame:0", "Handoff", "-NAK"]
+    assert wire.kinds() == ["PulledFrame:0", "Claim", "AcceptedFrame:0", "Handoff", "-NAK"]
     assert deps.ctx.counters.handed_back == 1 and not deps.running
 
 
@@ -392,7 +398,7 @@ async def test_a_dead_engine_hands_the_job_back_without_a_hand_off_and_stops_the
         raise EngineDead("EngineCore died")
 
     wire, deps = await run_job(dies)
-    assert wire.kinds() == ["Claim", "-NAK"]  # a death counts against the request's budget
+    assert wire.kinds() == ["PulledFrame:0", "Claim", "-NAK"]  # a death counts against the request's budget
     assert deps.lifecycle.engine_dead and deps.lifecycle.stop_requested.is_set()
 
 
@@ -421,5 +427,6 @@ async def test_a_claim_numbers_the_attempt_above_the_log_and_tells_the_older_one
     wire, _ = await run_job(takes_over)
     (cancel,) = [d for s, d in wire.sent if s == NAMES.cancel(wire.frames[0].request_id)]
     assert b"superseded" in cancel and b"below_attempt" in cancel
-    assert {f.attempt for f in wire.frames} == {5}
-    assert isinstance(wire.frames[0], AcceptedFrame) and isinstance(wire.frames[1], TokensFrame)
+    pulled, *rest = wire.frames
+    assert pulled.attempt == 1 and {f.attempt for f in rest} == {5}  # the delivery's, then the claim's
+    assert isinstance(rest[0], AcceptedFrame) and isinstance(rest[1], TokensFrame)

@@ -12,7 +12,7 @@ import pytest
 
 from jetllm.producer.fleet import ask, instance_status
 from jetllm.producer.registry import instances
-from jetllm.schemas import ErrorCode, ErrorFrame, FinalFrame, HealthReport, TokensFrame
+from jetllm.schemas import ErrorCode, ErrorFrame, FinalFrame, HealthReport, PulledFrame, TokensFrame
 from jetllm.subjects import codec
 from jetllm.subjects.connection import connect
 from jetllm.subjects.names import Names
@@ -41,11 +41,12 @@ async def test_a_role_the_runtime_never_heard_of_is_served_through_the_job_proto
         async with inproc_worker(nats_url, engine, role=EchoRole, namespace=namespace) as w:
             async with RawInbox(nc) as inbox:
                 frames = await echo(nc, names, "hello role world", inbox)
-            accepted, *tokens, final = frames
+            pulled, accepted, *tokens, final = frames
+            assert isinstance(pulled, PulledFrame) and pulled.worker == w.instance  # every role's
             assert type(accepted).__name__ == "AcceptedFrame" and accepted.worker == w.instance
             assert [t.text for t in tokens] == ["hello ", "role ", "world "]
             assert all(isinstance(t, TokensFrame) for t in tokens)
-            assert [f.seq for f in frames[1:]] == [1, 2, 3, 4]  # numbered by the protocol, not the role
+            assert [f.seq for f in frames[2:]] == [1, 2, 3, 4]  # numbered by the protocol, not the role
             assert isinstance(final, FinalFrame) and final.usage.completion_tokens == 3
             assert engine.started == 0  # the echo role never asked the engine to generate
             with anyio.fail_after(5):  # the final frame leaves before the job is acked and counted
@@ -69,7 +70,7 @@ async def test_a_role_s_typed_error_and_its_bug_each_fail_that_job_only(nats_url
     try:
         async with inproc_worker(nats_url, FakeEngine(), role=EchoRole, namespace=namespace):
             async with RawInbox(nc) as inbox:
-                (refused,) = await echo(nc, names, "refuse", inbox)
+                _, refused = await echo(nc, names, "refuse", inbox)
             assert isinstance(refused, ErrorFrame) and refused.code == ErrorCode.INVALID_REQUEST
             assert refused.field == "$.text"
             dead = await wait_dead_letter(nc, names, lambda d: d.code == ErrorCode.INVALID_REQUEST)

@@ -16,6 +16,7 @@ from jetllm.schemas import (
     ErrorFrame,
     FinalFrame,
     HeartbeatFrame,
+    PulledFrame,
     Result,
     ResumeQuery,
     TokensFrame,
@@ -30,6 +31,10 @@ def acc(attempt: int = 1, seq: int = 0, worker: str = "w1") -> AcceptedFrame:
     return AcceptedFrame(
         seq=seq, attempt=attempt, request_id="r", worker=worker, model="m", job_ack=f"ack.{worker}"
     )
+
+
+def pul(attempt: int = 1, worker: str = "w1") -> PulledFrame:
+    return PulledFrame(seq=0, attempt=attempt, request_id="r", worker=worker, job_ack=f"ack.{worker}")
 
 
 def tok(seq: int, attempt: int = 1, ids: list[int] | None = None) -> TokensFrame:
@@ -97,6 +102,8 @@ def label(frame: Any) -> str:
         return f"accepted#{frame.attempt}"
     if isinstance(frame, TokensFrame):
         return f"t{frame.seq}"
+    if isinstance(frame, PulledFrame):
+        return f"pulled#{frame.attempt}"
     return f"{frame.__struct_config__.tag}{frame.seq}"
 
 
@@ -352,6 +359,49 @@ TIMERS = [
         ["accepted#1", "probe w1", "lookup", "gone w1 nak ack.w1", "t1", "probe w1"],
     ),
     (
+        "a worker that dies after pulling the job, before accepting it: pinged, its delivery NAKed",
+        {},
+        [
+            at(0, pul()),
+            wake(0.125),
+            wake(0.25),
+            probed(True),
+            at(0.5, pul(2, "w2")),
+            at(0.6, acc(2, 0, "w2")),
+        ],
+        ["-", "-", "probe w1", "gone w1 nak ack.w1", "-", "accepted#2"],
+    ),
+    (
+        "a worker that pulled the job and is slow to accept is not given up on",
+        {},
+        [at(0, pul()), wake(0.25), probed(False), wake(0.5), probed(False), at(0.6, acc()), at(0.7, tok(1))],
+        ["-", "probe w1", "-", "probe w1", "-", "accepted#1", "t1"],
+    ),
+    (
+        "once a worker accepted, a late pulled frame (of it or of an older delivery) changes nothing",
+        {},
+        [
+            at(0, pul(2, "w2")),
+            at(0.1, pul(1, "w1")),
+            at(0.2, acc(2, 0, "w2")),
+            at(0.3, pul(2, "w2")),
+            wake(0.45),
+        ],
+        [
+            "-",
+            "drop pulled by an attempt already superseded",
+            "accepted#2",
+            "drop pulled by an attempt already superseded",
+            "probe w2",
+        ],
+    ),
+    (
+        "migrate off: a pulled job is waited for, never pinged",
+        {"migrate": False},
+        [at(0, pul()), wake(0.25), at(0.3, acc())],
+        ["-", "-", "accepted#1"],
+    ),
+    (
         "migrate off: silence for heartbeat_timeout fails the stream, without pings",
         {"migrate": False},
         [at(0, acc()), wake(1.0), wake(2.0)],
@@ -384,6 +434,10 @@ def test_timers(options, events, decisions):
         ({"probe_after": 5.0}, [at(1.0, acc())], 3.0),  # reading the log comes first then
         ({"migrate": False}, [at(1.0, acc())], 3.0),
         ({"accept_timeout": 5.0}, [at(1.0, acc()), wake(1.25), probed(True), looked_up(None)], 6.25),
+        ({}, [at(1.0, pul())], 1.25),  # a worker holds it: ping it soon
+        ({"accept_timeout": 5.0}, [at(4.9, pul())], 5.0),  # the accept timeout still comes first
+        ({}, [at(1.0, pul()), wake(1.25), probed(True)], None),  # its delivery went back: wait again
+        ({"migrate": False}, [at(1.0, pul())], None),
     ],
 )
 def test_deadline(options, events, deadline):

@@ -21,8 +21,10 @@ from pathlib import Path
 
 import anyio
 import msgspec
+import nats.errors
 
 from ..aio import run
+from ..cpus import engine_cores
 from ..producer import Client
 from ..producer.fleet import wait_for_workers, worker_statuses
 from ..schemas import (
@@ -53,6 +55,8 @@ class Run(msgspec.Struct, kw_only=True):
     """Per request running on a killed worker: kill to its next token, sorted."""
     free_slots: list[int] = []
     """Per kill: free slots on the other serving workers just before it (their status)."""
+    gone_s: list[float] = []
+    """Per kill: seconds until the server answered "no responders" for the victim's ping subject."""
     outputs: dict[str, list[int]] = {}
 
 
@@ -76,6 +80,7 @@ class Fleet:
             *extra,
         ]
         self.log_dir = log_dir
+        self.count = n
         self.procs: list[subprocess.Popen] = [self._start(i) for i in range(n)]
 
     def _start(self, i: int) -> subprocess.Popen:
@@ -84,7 +89,7 @@ class Fleet:
             self.args,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **engine_cores(i, self.count)},
             start_new_session=True,
         )
 
@@ -130,6 +135,20 @@ def _resume_times(
     return resume
 
 
+async def _watch_gone(client: Client, instance: str, since: float, gone: list[float]) -> None:
+    """Ping a killed worker until the server answers "no responders": when producers can know."""
+    with anyio.move_on_after(30):
+        while True:
+            try:
+                await client.nc.request(client.names.instance_control(instance, "ping"), b"", timeout=0.05)
+            except nats.errors.NoRespondersError:
+                gone.append(time.monotonic() - since)
+                return
+            except nats.errors.TimeoutError:
+                pass
+            await anyio.sleep(0.01)
+
+
 async def _workload(client: Client, fleet: Fleet, served: str, args: argparse.Namespace, kills: int) -> Run:
     rng = random.Random(3)
     vocab = args.vocab
@@ -151,6 +170,7 @@ async def _workload(client: Client, fleet: Fleet, served: str, args: argparse.Na
     outputs: dict[int, list[int]] = {}
     kill_times: list[tuple[float, str]] = []
     free_slots: list[int] = []
+    gone: list[float] = []
     limiter = anyio.Semaphore(args.concurrency)
 
     async def one(i: int, r: GenerateRequest) -> None:
@@ -186,7 +206,9 @@ async def _workload(client: Client, fleet: Fleet, served: str, args: argparse.Na
                 )
             )
             kill_times.append((time.monotonic(), victim.instance))
-            await anyio.to_thread.run_sync(fleet.kill, victim.pid)  # frames keep arriving meanwhile
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_watch_gone, client, victim.instance, kill_times[-1][0], gone)
+                await anyio.to_thread.run_sync(fleet.kill, victim.pid)  # frames keep arriving meanwhile
 
     started = time.monotonic()
     async with anyio.create_task_group() as tg:
@@ -210,6 +232,7 @@ async def _workload(client: Client, fleet: Fleet, served: str, args: argparse.Na
         resume_p99_s=percentile(resume, 99) if resume else None,
         resume_s=sorted(resume),
         free_slots=free_slots,
+        gone_s=gone,
         outputs={str(i): o for i, o in sorted(outputs.items())},
     )
 
@@ -332,6 +355,8 @@ def report(base: Run, chaos: Run, cancels: CancelTimes, args: argparse.Namespace
         f"worker ({len(chaos.resume_s)} requests; free slots on the other workers at the kills: "
         f"{', '.join(map(str, chaos.free_slots)) or '-'}; a request beyond those waits for a slot): "
         f"{', '.join(f'{t:.2f}' for t in chaos.resume_s) or '-'} s\n"
+        f'- from a kill to the server answering "no responders" for the victim (what a producer\'s ping '
+        f"waits for): {', '.join(f'{t:.2f}' for t in chaos.gone_s) or '-'} s\n"
         f"- throughput with kills / without: {chaos.tokens_per_s / base.tokens_per_s:.2f}x (restarted workers "
         "spend ~15-30 s loading the engine, during which the others carry the load)\n\n"
         f"Cancellation ({cancels.cancels} requests, {args.concurrency} concurrent, each cancelled mid-decode): "

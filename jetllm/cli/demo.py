@@ -20,6 +20,7 @@ import anyio
 import msgspec
 
 from ..aio import run
+from ..cpus import engine_cores
 from ..schemas import BatchResult
 from .common import TINY_MODEL_NAME
 
@@ -131,7 +132,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     with NatsServer(work / "nats") as server:
         print(f"2/4 nats-server with JetStream at {server.url}", file=sys.stderr, flush=True)
         procs: list[subprocess.Popen] = []
-        for role, extra in workers.items():
+        for i, (role, extra) in enumerate(workers.items()):
             log_path = work / f"{role}-worker.log" if args.disagg else work / "worker.log"
             with open(log_path, "wb") as log:
                 procs.append(
@@ -139,7 +140,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                         _worker_cmd(server.url, model_dir, *extra),
                         stdout=log,
                         stderr=subprocess.STDOUT,
-                        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                        env={**os.environ, "PYTHONUNBUFFERED": "1", **engine_cores(i, len(workers))},
                     )
                 )
         try:

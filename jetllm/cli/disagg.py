@@ -73,14 +73,16 @@ def worker_argv(args: argparse.Namespace, role: str) -> list[str]:
 
 
 @contextlib.contextmanager
-def prefill_worker(url: str, args: argparse.Namespace) -> Iterator[None]:
-    """`jetllm worker --role prefill` beside this process's decode worker, stopped with it."""
+def prefill_worker(url: str, args: argparse.Namespace, env: dict[str, str]) -> Iterator[None]:
+    """`jetllm worker --role prefill` beside this process's decode worker, stopped with it; `env`
+    adds to ours (the cores its engine may use)."""
+    import os
     import subprocess
 
     cmd = [sys.executable, "-m", "jetllm", "worker", "--nats", url, *worker_argv(args, "prefill")]
     shown = [redact(url) if part == url else part for part in cmd[3:]]
     print(f"jetllm up: prefill worker: jetllm {' '.join(shown)}", file=sys.stderr, flush=True)
-    proc = subprocess.Popen(cmd)
+    proc = subprocess.Popen(cmd, env={**os.environ, **env})
     try:
         yield
     finally:

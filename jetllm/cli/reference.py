@@ -45,7 +45,16 @@ SECTIONS: list[tuple[str, list[type]]] = [
     ),
     (
         "Reply frames",
-        [s.AcceptedFrame, s.TokensFrame, s.HeartbeatFrame, s.FinalFrame, s.Choice, s.Usage, s.ErrorFrame],
+        [
+            s.PulledFrame,
+            s.AcceptedFrame,
+            s.TokensFrame,
+            s.HeartbeatFrame,
+            s.FinalFrame,
+            s.Choice,
+            s.Usage,
+            s.ErrorFrame,
+        ],
     ),
     ("Frame batches", [s.FrameBatch, s.BatchedFrame]),
     ("Taking a request over", [s.ResumeQuery, s.Delivered]),

@@ -456,6 +456,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     a prefill worker beside it), until Ctrl-C."""
     _engine_env()
     from ..aio import describe, run
+    from ..cpus import engine_cores
     from ..natsserver import NatsServer
     from ..workers.main import EXIT_STARTUP_FAILED, run_worker
 
@@ -491,7 +492,11 @@ def cmd_up(args: argparse.Namespace) -> int:
                 flush=True,
             )
             if args.disagg:
-                stack.enter_context(prefill_worker(url, args))
+                # data-parallel ranks take their cores from vLLM's per-rank lists: not ours to split
+                engines = 1 if args.data_parallel_size > 1 else 2
+                here, beside = engine_cores(0, engines), engine_cores(1, engines)
+                stack.enter_context(prefill_worker(url, args, beside))
+                os.environ.update(here)
             opts, config = stack.enter_context(block_dir(args.role, opts, worker_config(args)))
             return run(lambda: run_worker(url, opts, config, nats_wait=args.nats_wait))
     except KeyboardInterrupt:

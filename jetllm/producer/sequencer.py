@@ -17,6 +17,9 @@ the stream live here, so they can be tested row by row without NATS:
 - A worker is dead only when the server says so: a ping of its instance subject that has no
   responders (the server drops a connection's interest as soon as the connection closes). A ping
   that goes unanswered is a slow worker, never a dead one. So a short silence is enough to ping.
+- A worker that pulled the job says so (`pulled`) before it reads the log and claims the job; until
+  a worker accepts, the newest such worker is pinged the same way, so a death in between moves
+  the job on at once rather than after the queue's ack_wait.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from ..schemas import (
     FinalFrame,
     Frame,
     HeartbeatFrame,
+    PulledFrame,
     Result,
     ResumeQuery,
     TokensFrame,
@@ -105,6 +109,8 @@ class Sequencer:
         self.finished = False
         """A final or error frame was passed on: nothing is left to cancel."""
         self._held: Frame | None = None
+        self.holder: PulledFrame | None = None
+        """The newest worker that pulled the job, while none has accepted it."""
         self._suspect = False
         self._reconnects = reconnects
         self._accept_by = self._accept_deadline(now)
@@ -114,6 +120,8 @@ class Sequencer:
     def deadline(self) -> float | None:
         """When to wake up (`wake`) if nothing arrives before."""
         if not self.accepted:
+            if self.holder is not None and self.migrate:
+                return self._probe_at if self._accept_by is None else min(self._probe_at, self._accept_by)
             return self._accept_by
         if not self.migrate:
             return self._heard + self.heartbeat_timeout
@@ -133,6 +141,8 @@ class Sequencer:
             return Decision(drop="older attempt")  # from a worker that lost the job to a newer delivery
         if isinstance(frame, AcceptedFrame):
             return self._accepted(frame, now)
+        if isinstance(frame, PulledFrame):
+            return self._pulled(frame, now)
         if not self.accepted and self.worker is not None and frame.attempt == self.attempt:
             self.accepted = True  # the worker given up on is there after all: watch it again
         beat = isinstance(frame, HeartbeatFrame)
@@ -155,9 +165,17 @@ class Sequencer:
         then = self._next(held, now)
         return Decision(emit=(*frames, *then.emit), end=then.end, error=then.error)
 
+    def _pulled(self, frame: PulledFrame, now: float) -> Decision:
+        if self.accepted or (self.holder is not None and frame.attempt < self.holder.attempt):
+            return Decision(drop="pulled by an attempt already superseded")
+        self.holder = frame
+        self._probe_at = now + self.probe_after
+        return NOTHING
+
     def _accepted(self, frame: AcceptedFrame, now: float) -> Decision:
         if self.accepted and frame.attempt <= self.attempt:
             return Decision(drop="repeated accepted")
+        self.holder = None
         self.accepted = True
         self._suspect = False
         self.attempt = frame.attempt
@@ -215,6 +233,9 @@ class Sequencer:
                         f"request {self.request_id}: no worker accepted it within {self.accept_timeout}s"
                     )
                 )
+            if self.holder is not None and self.migrate and now >= self._probe_at:
+                self._probe_at = now + self.probe_after
+                return Decision(probe=self.holder.worker)
             return NOTHING
         if not self.migrate:
             if now >= self._heard + self.heartbeat_timeout:
@@ -241,6 +262,9 @@ class Sequencer:
     def probed(self, gone: bool, now: float) -> Decision:
         """Whether the worker's ping had no responders. Before the job moves on, the log is read:
         a request that ended while its last frames were lost is answered from it."""
+        if gone and not self.accepted and self.holder is not None:
+            holder, self.holder = self.holder, None  # its delivery goes back; the next one says so
+            return Decision(gone=holder.worker, nak=holder.job_ack)
         if not gone or not self.accepted:
             return NOTHING
         self._suspect = True

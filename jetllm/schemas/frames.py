@@ -2,7 +2,8 @@
 
 `seq` counts the frames that carry output (tokens, final, error) from 1 with no gaps, across
 every worker a request runs on. Accepted and heartbeat frames repeat the last seq sent, so a
-producer notices a lost frame even while the request is quiet.
+producer notices a lost frame even while the request is quiet; a pulled frame comes before the
+worker has read the log and carries no seq a producer acts on.
 """
 
 from __future__ import annotations
@@ -21,6 +22,18 @@ class _Frame(Report, kw_only=True, tag_field="kind"):
     """1, 2, 3, ... over the output frames of a request; a gap means a frame was lost."""
     attempt: int = 1
     """Which delivery of the job sent the frame; a migrated request continues with a higher one."""
+
+
+class PulledFrame(_Frame, tag="pulled"):
+    """A worker has pulled the job and is reading its request log; `accepted` follows once it has
+    claimed it. Sent at once, so that a worker dying in between is noticed by a ping rather than by
+    ack_wait. Not an output frame: seq is the last seq this worker knows of (0 before the log)."""
+
+    request_id: str
+    worker: str
+    """Instance id of the worker that holds the delivery."""
+    job_ack: str | None = None
+    """The delivery's ack subject, to NAK should the worker be gone before it accepts."""
 
 
 class AcceptedFrame(_Frame, tag="accepted"):
@@ -93,7 +106,7 @@ class ErrorFrame(_Frame, tag="error"):
     """Whether submitting the same job again may succeed."""
 
 
-Frame = AcceptedFrame | TokensFrame | HeartbeatFrame | FinalFrame | ErrorFrame
+Frame = PulledFrame | AcceptedFrame | TokensFrame | HeartbeatFrame | FinalFrame | ErrorFrame
 
 
 class ResumeQuery(Report, kw_only=True):

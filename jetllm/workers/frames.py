@@ -18,6 +18,7 @@ from ..schemas import (
     ErrorFrame,
     FinalFrame,
     HeartbeatFrame,
+    PulledFrame,
     Result,
     Steps,
     TokensFrame,
@@ -117,6 +118,13 @@ class FrameSink:
     def _next(self) -> int:
         self.seq += 1
         return self.seq
+
+    async def pulled(self, worker: str, *, job_ack: str | None) -> None:
+        await self._send(
+            PulledFrame(
+                seq=self.seq, attempt=self.attempt, request_id=self.request_id, worker=worker, job_ack=job_ack
+            )
+        )
 
     async def accepted(
         self, worker: str, model: str, *, resumed_tokens: int = 0, job_ack: str | None = None

@@ -137,6 +137,7 @@ class JobRun:
                 batch=self._batch(msg.headers, req.reply_to, encoding),
             )
             self.tokens = frames.tokens
+            await frames.pulled(d.ctx.instance, job_ack=msg.reply)
             await self._serve()
             d.tasks.spawn(
                 d.traces.publish,

@@ -16,6 +16,15 @@ from tests.fake_engine import FakeEngine
 
 
 async def main(args: argparse.Namespace) -> int:
+    if args.stuck_before_claim:
+        import anyio
+
+        from jetllm.workers.requestlog import RequestLog
+
+        async def never(self, request_id):  # the log never answers: each job stays pulled, unclaimed
+            await anyio.sleep_forever()
+
+        RequestLog.last = never  # type: ignore[method-assign]
     nc = await connect(args.url, name="fake-worker")
     engine = FakeEngine(step_delay=args.step_delay, max_model_len=args.max_model_len)
     config = WorkerConfig(
@@ -45,6 +54,7 @@ if __name__ == "__main__":
     p.add_argument("--ack-wait", type=float, default=10.0)
     p.add_argument("--checkpoint-interval", type=float, default=0.5)
     p.add_argument("--replicas", type=int, default=None)
+    p.add_argument("--stuck-before-claim", action="store_true", help="never get past reading the request log")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     raise SystemExit(run(main, args))

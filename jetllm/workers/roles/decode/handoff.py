@@ -29,6 +29,7 @@ from ....schemas import (
     HeartbeatFrame,
     Prefilled,
     PrefillRequest,
+    PulledFrame,
     TokensPrompt,
 )
 from ....subjects import codec
@@ -36,7 +37,7 @@ from ...config import DisaggSettings
 from ...context import WorkerContext
 from .policy import PrefillQueue
 
-PrefillAnswer = AcceptedFrame | HeartbeatFrame | ErrorFrame | Prefilled
+PrefillAnswer = PulledFrame | AcceptedFrame | HeartbeatFrame | ErrorFrame | Prefilled
 answer_decoder = codec.KindDecoder(PrefillAnswer)
 
 PING_INTERVAL = 1.0
@@ -182,7 +183,7 @@ class RemotePrefill:
 
     async def _answer(self, sub: object, job: PrefillRequest) -> Prefilled:
         """The prefill worker's answer; fails on an error answer, on silence past the timeout, and
-        as soon as the worker that accepted the job stops answering pings (it died)."""
+        as soon as a worker that pulled or accepted the job stops answering pings (it died)."""
         got: list[Prefilled] = []
         failed: list[HandoffFailed] = []
         watched: set[str] = set()
@@ -196,7 +197,7 @@ class RemotePrefill:
                                 answer = answer_decoder.decode(msg.data)
                             except (msgspec.DecodeError, msgspec.ValidationError):
                                 continue  # a newer prefill worker's frame kind, or garbage
-                            if isinstance(answer, AcceptedFrame):
+                            if isinstance(answer, (PulledFrame, AcceptedFrame)):
                                 if answer.worker not in watched:  # one watch per worker, however many frames
                                     watched.add(answer.worker)
                                     tg.start_soon(self._watch, answer.worker, failed, tg.cancel_scope)
