@@ -60,6 +60,7 @@ from ..subjects.setup import ensure_routing_stream, ensure_streams
 from . import registry, results
 from .completion import Completion, assemble
 from .embeds import embeds_store, upload
+from .pings import Pings
 from .sequencer import Decision, Sequencer
 
 if TYPE_CHECKING:
@@ -67,14 +68,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _batch_decoder = codec.Decoder(FrameBatch)
-
-PROBE_TIMEOUT = 0.25
-"""How long a ping waits: "no responders" comes back within a round trip to the server; later
-than this, the worker is there and busy, and the next ping is soon anyway."""
-PROBE_SHARED = 0.05
-"""A ping sent this recently (or still out) answers for every request on the same worker: many
-quiet requests on one busy worker cost it one ping, not one each."""
-
 
 _PUBLISH_RETRIED = (
     nats.errors.TimeoutError,
@@ -114,17 +107,6 @@ class _Inbox:
             finally:
                 self.waiter = None
         return self.items.popleft()
-
-
-class _Probe:
-    """One ping of a worker, shared by the requests that wait for it."""
-
-    __slots__ = ("sent", "done", "gone")
-
-    def __init__(self, sent: float) -> None:
-        self.sent = sent
-        self.done = anyio.Event()
-        self.gone = False
 
 
 class Client:
@@ -176,7 +158,7 @@ class Client:
         self._inbox_root = ""
         self._sub: Subscription | None = None
         self._inboxes: dict[str, _Inbox] = {}
-        self._probes: dict[str, _Probe] = {}
+        self._pings: Pings | None = None
         self._tg: TaskGroup | None = None
         self._registry: KeyValue | None = None
 
@@ -203,6 +185,9 @@ class Client:
             self._tg = anyio.create_task_group()
             await self._tg.__aenter__()
             self._tg.start_soon(self._watchdog)
+            self._pings = Pings(
+                self._nc, lambda w: self.names.instance_control(w, "ping"), self._tg.start_soon
+            )
         except BaseException:
             await self.close()
             raise
@@ -219,6 +204,7 @@ class Client:
             self._tg.cancel_scope.cancel()
             await self._tg.__aexit__(None, None, None)
             self._tg = None
+            self._pings = None
         if self._sub is not None:
             try:
                 await self._sub.unsubscribe()
@@ -538,29 +524,8 @@ class Client:
         return decision
 
     async def _gone(self, worker: str) -> bool:
-        """Whether the worker's connection is gone: then its ping subject has no responders, which the
-        server says at once. No answer in time is a busy worker (or trouble on our side), not a dead one."""
-        now = time.monotonic()
-        probe = self._probes.get(worker)
-        if probe is None or (probe.done.is_set() and now - probe.sent > PROBE_SHARED):
-            if len(self._probes) > 64:  # workers come and go; keep the recent ones
-                self._probes = {w: p for w, p in self._probes.items() if now - p.sent <= PROBE_SHARED}
-            if self._tg is None:  # closing
-                return False
-            probe = self._probes[worker] = _Probe(now)
-            self._tg.start_soon(self._ping, worker, probe)  # its own task: a waiter's cancel is not its end
-        await probe.done.wait()
-        return probe.gone
-
-    async def _ping(self, worker: str, probe: _Probe) -> None:
-        try:
-            await self.nc.request(self.names.instance_control(worker, "ping"), b"", timeout=PROBE_TIMEOUT)
-        except nats.errors.NoRespondersError:
-            probe.gone = True
-        except Exception:
-            pass
-        finally:
-            probe.done.set()
+        """Whether the worker's connection is gone (False while closing: nobody to act on it)."""
+        return False if self._pings is None else await self._pings.gone(worker)
 
     async def _leave(
         self, req: GenerateRequest, traceparent: str, cancel: bool, uploaded: str | None
