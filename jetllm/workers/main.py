@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 
@@ -24,14 +23,6 @@ async def connect_waiting(url: str, wait: float, name: str) -> NATS:
     return await connect(url, name=name, wait=wait)
 
 
-def freeze_heap() -> None:
-    """Exempt everything loaded so far (vLLM, torch, the tokenizer: millions of objects) from the
-    garbage collector, as `vllm serve` does once it is up: otherwise every full collection walks
-    them all, and under load the collector took 28 % of the worker's event loop."""
-    gc.collect()
-    gc.freeze()
-
-
 async def run_worker(
     url: str, engine_opts: EngineOptions, config: WorkerConfig, *, nats_wait: float = 60.0
 ) -> int:
@@ -44,7 +35,6 @@ async def run_worker(
         started = time.monotonic()
         engine = await VllmEngine.start(engine_opts)
         log.info("engine ready in %.1fs: %s", time.monotonic() - started, engine.facts)
-        freeze_heap()
         try:
             return await Worker(nc, engine, config).serve()
         finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import shutil
 import tempfile
@@ -178,6 +179,10 @@ class VllmEngine:
             from vllm import envs as vllm_envs
 
             vllm_envs.enable_envs_cache()
+            # Everything loaded so far (vLLM, torch, the tokenizer) lives as long as the process:
+            # exempt it from the collector, as `vllm serve` does once it is up (decisions.md).
+            gc.collect()
+            gc.freeze()
         except BaseException:
             if kv_dir:
                 shutil.rmtree(kv_dir, ignore_errors=True)
