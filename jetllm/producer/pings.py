@@ -36,7 +36,7 @@ class _Probe:
 class Pings:
     """Pings of workers' instance subjects, shared by the requests that wait on them."""
 
-    def __init__(self, nc: NATS, subject: Callable[[str], str], start_soon: Callable[..., None]) -> None:
+    def __init__(self, nc: NATS, subject: Callable[[str], str], start_soon: Callable[..., object]) -> None:
         """`subject`: a worker's ping subject; `start_soon`: runs a ping in a task the client owns,
         so a waiter's cancel is not the ping's end."""
         self._nc = nc
