@@ -76,6 +76,39 @@ def test_text_is_dropped_when_only_stop_strings_needed_it():
     assert c.text is None and c.stop_reason == "!" and out.finished
 
 
+CHARS = {1: "a", 2: "!", 3: "b", 4: "c", 5: "?"}
+
+
+@pytest.mark.parametrize(
+    ("include", "min_tokens", "steps", "kept", "text"),
+    [
+        (False, 0, [[1, 2, 3, 4]], [[1, 2]], "a"),  # vLLM merged four outputs: cut after the "!"
+        (True, 0, [[1, 2, 3, 4]], [[1, 2]], "a!"),
+        (False, 0, [[1], [3, 2, 4]], [[1], [3, 2]], "ab"),  # tokens of earlier steps count
+        (False, 2, [[2, 1, 2, 3]], [[2, 1, 2]], "!a"),  # not before min_tokens, as in vLLM
+        (False, 0, [[1, 3, 4]], [[1, 3, 4]], "abc"),  # no stop: every token stays
+    ],
+)
+def test_a_step_of_several_tokens_keeps_those_up_to_the_stop_string(include, min_tokens, steps, kept, text):
+    def text_of(ids):
+        return "".join(CHARS[i] for i in ids)
+
+    tails = TailChoices("Pq", 1, ["!"], include, min_tokens, want_text=True, text_of=text_of)
+    out = []
+    for n, ids in enumerate(steps):
+        leak = "Pq" if n == 0 else ""  # vLLM's first text carries the prompt's
+        step = EngineStep(
+            choices=[
+                ChoiceDelta(index=0, token_ids=ids, text=leak + text_of(ids), logprobs=[-1.0] * len(ids))
+            ],
+            finished=False,
+        )
+        out.extend(tails.repair(step).choices)
+    assert [c.token_ids for c in out] == kept
+    assert all(len(c.logprobs) == len(c.token_ids) for c in out)
+    assert "".join(c.text or "" for c in out) == text
+
+
 def _tokenizer(tiny_model):
     tokenizers = pytest.importorskip("tokenizers")
     return tokenizers.Tokenizer.from_file(str(tiny_model / "tokenizer.json"))

@@ -10,7 +10,9 @@ For such a prompt the engine runs without stop strings, and `TailText` repairs e
 text: it drops the prompt's text, which the first deltas carry whole (the decoded prompt up to its
 unfinished character), and applies the stop strings itself the way vLLM does: only after
 `min_tokens`, the text cut at the first match (after it with `include_stop_str_in_output`), and
-what could still become a stop string held back until the choice ends.
+what could still become a stop string held back until the choice ends. A step can carry several
+tokens (vLLM merges the outputs its reader has not taken yet): one that ends at a stop string
+keeps only the tokens up to the one that completed it, as vLLM's own check after every token does.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
-from .base import EngineStep
+from .base import ChoiceDelta, EngineStep
 
 log = logging.getLogger(__name__)
 
@@ -94,10 +96,21 @@ class TailChoices:
     engine would have said without the leak (`done` once every choice ended)."""
 
     def __init__(
-        self, leaked: str, n: int, stop: Sequence[str], include_stop: bool, min_tokens: int, want_text: bool
+        self,
+        leaked: str,
+        n: int,
+        stop: Sequence[str],
+        include_stop: bool,
+        min_tokens: int,
+        want_text: bool,
+        text_of: Callable[[Sequence[int]], str] | None = None,
     ) -> None:
+        """`text_of`: the text of a choice's generated tokens (after the prompt, without its leak),
+        to find which token of a several-token step completed a stop string."""
         self._tails = [TailText(leaked, stop, include_stop, min_tokens) for _ in range(n)]
         self._want_text = want_text
+        self._text_of = text_of
+        self._ids: list[list[int]] = [[] for _ in range(n)]
         self._ended: set[int] = set()
 
     @property
@@ -109,12 +122,47 @@ class TailChoices:
         for c in step.choices:
             if c.index in self._ended:
                 continue
-            tail = self._tails[c.index]
-            text = tail.take(len(c.token_ids), c.text or "", c.finish_reason is not None)
+            tail, before = self._tails[c.index], self._ids[c.index]
+            finished = c.finish_reason is not None
+            pieces = self._pieces(before, c.token_ids, c.text or "")
+            if pieces is None:
+                text = tail.take(len(c.token_ids), c.text or "", finished)
+            else:  # token by token, as vLLM checks its stop strings
+                text = ""
+                for keep, piece in enumerate(pieces, 1):
+                    text += tail.take(1, piece, finished and keep == len(pieces))
+                    if tail.stopped is not None:
+                        c = _cut(c, keep)
+                        break
             c = msgspec.structs.replace(c, text=text if self._want_text else None)
             if tail.stopped is not None:
                 c = msgspec.structs.replace(c, finish_reason="stop", stop_reason=tail.stopped)
+            before.extend(c.token_ids)
             if c.finish_reason is not None:
                 self._ended.add(c.index)
             choices.append(c)
         return msgspec.structs.replace(step, choices=choices, finished=step.finished or self.done)
+
+    def _pieces(self, before: list[int], ids: list[int], text: str) -> list[str] | None:
+        """A several-token step's text split at its tokens (the first piece keeps what is left of
+        the prompt's leaked text); None for a single token, or when the split does not add up."""
+        if self._text_of is None or len(ids) < 2:
+            return None
+        texts = [self._text_of(before + ids[:k]) for k in range(len(ids) + 1)]
+        if any(not b.startswith(a) for a, b in zip(texts, texts[1:], strict=False)):
+            return None
+        pieces = [b[len(a) :] for a, b in zip(texts, texts[1:], strict=False)]
+        new = texts[-1][len(texts[0]) :]
+        if not text.endswith(new):
+            return None
+        pieces[0] = text[: len(text) - len(new)] + pieces[0]
+        return pieces
+
+
+def _cut(c: ChoiceDelta, keep: int) -> ChoiceDelta:
+    return msgspec.structs.replace(
+        c,
+        token_ids=c.token_ids[:keep],
+        logprobs=None if c.logprobs is None else c.logprobs[:keep],
+        top_logprobs=None if c.top_logprobs is None else c.top_logprobs[:keep],
+    )

@@ -7,7 +7,7 @@ import gc
 import logging
 import shutil
 import tempfile
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
 import anyio
@@ -300,9 +300,19 @@ class VllmEngine:
             return None
         stop, params.stop = list(params.stop or ()), None
         if stop:
-            params.stream_interval = None  # one token an output: a stop cuts between tokens
+            params.stream_interval = None  # one token an output, unless vLLM merges outputs
+
+        def text_of(generated: Sequence[int]) -> str:
+            return self._decode(list(prompt_ids) + list(generated), skip_special_tokens=skip)[len(leaked) :]
+
         return TailChoices(
-            leaked, params.n, stop, params.include_stop_str_in_output, params.min_tokens, want_text
+            leaked,
+            params.n,
+            stop,
+            params.include_stop_str_in_output,
+            params.min_tokens,
+            want_text,
+            text_of if stop else None,
         )
 
     @staticmethod
