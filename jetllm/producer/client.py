@@ -518,7 +518,8 @@ class Client:
                 decision = seq.looked_up(ended, time.monotonic())
         if decision.gone is not None:
             log.info("request %s: worker %s is gone; moving the job on", rid, decision.gone)
-        if decision.nak is not None:
+        if decision.nak is not None and decision.nak.startswith(f"$JS.ACK.{self.names.jobs_stream}."):
+            # a frame names the subject: NAK jobs only, whatever a worker (or anyone) claims
             with anyio.CancelScope(shield=True):
                 await self.nc.publish(decision.nak, b"-NAK")
         return decision
