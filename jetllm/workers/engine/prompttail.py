@@ -68,6 +68,11 @@ class TailText:
         out, self._sent = self._text[self._sent : end], end
         return out
 
+    def may_stop(self, text: str) -> bool:
+        """Whether a stop string may end in `text` (the next raw text): a cheap test before the
+        token-by-token split."""
+        return any(s in self._text[-len(s) :] + text for s in self._stop)
+
     def _drop_leak(self, text: str) -> str:
         if not self._leaked:
             return text
@@ -124,7 +129,7 @@ class TailChoices:
                 continue
             tail, before = self._tails[c.index], self._ids[c.index]
             finished = c.finish_reason is not None
-            pieces = self._pieces(before, c.token_ids, c.text or "")
+            pieces = self._pieces(before, c.token_ids, c.text or "") if tail.may_stop(c.text or "") else None
             if pieces is None:
                 text = tail.take(len(c.token_ids), c.text or "", finished)
             else:  # token by token, as vLLM checks its stop strings
