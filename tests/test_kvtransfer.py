@@ -288,9 +288,7 @@ async def test_blocks_are_checked_and_written_as_they_arrive_and_a_forged_live_c
         for forged in (False, True):
             transfer = uuid.uuid4().hex
             dest = tmp_path / f"{transfer}.kv"
-            incoming = await Incoming.open(
-                decode, names, transfer, max_bytes=64 << 20, dest=dest, packed=packed
-            )
+            incoming = await Incoming.open(decode, names, transfer, max_bytes=64 << 20, dest=dest)
             await decode.flush()
             if forged:  # someone else's blocks first, gone from the store before the real ones
                 other = tmp_path / "other.kv"
@@ -354,15 +352,21 @@ def test_bench_kv_times_each_checksum_beside_the_plain_publish(nats_url, tmp_pat
     args = ["bench-kv", "--nats", nats_url, "--mb", "2", "--rounds", "1", "--write", str(out)]
     assert main([*args, "--checksums", "sha256-128,blake3-128"]) == 0
     rows = [line for line in out.read_text().splitlines() if line.startswith("| ")]
-    assert [r.split("|")[1].strip()[:22] for r in rows[1:]] == [
-        "plain nats-py publish ",
-        "jetllm, sha256-128 che",
-        "jetllm, blake3-128 che",
+    labels = [r.split("|")[1].strip() for r in rows[1:]]
+    assert labels[0].startswith("plain nats-py publish")
+    assert [(label.split()[1], "not stored" in label, "block stream" in label) for label in labels[1:]] == [
+        ("sha256-128", True, False),
+        ("sha256-128", False, True),
+        ("blake3-128", True, False),
+        ("blake3-128", False, True),
     ]
     assert "old" not in out.read_text()
     with pytest.raises(SystemExit):
         main([*args, "--checksums", "md5"])
     assert "unknown checksum algorithm 'md5'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*args, "--transfers", "carrier-pigeon"])
+    assert "'carrier-pigeon': a transfer is one of direct, stored" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -444,9 +448,7 @@ async def test_a_decode_worker_that_falls_behind_paces_the_prefill_side_instead_
         blocks = make_file(src, 24 * 16, 64 << 10)  # 24 MB: three times what the server buffers
         transfer = uuid.uuid4().hex
         dest = tmp_path / "dest.kv"
-        incoming = await Incoming.open(
-            decode, names, transfer, max_bytes=64 << 20, dest=dest, packed=True, window=window
-        )
+        incoming = await Incoming.open(decode, names, transfer, max_bytes=64 << 20, dest=dest, window=window)
         await decode.flush()
         _pause_reading(decode)
         published: list = []

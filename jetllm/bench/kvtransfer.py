@@ -31,7 +31,11 @@ from ..subjects.names import Names
 from ..subjects.setup import ensure_kv_blocks_stream
 
 
-def make_block_file(path: Path, num_blocks: int, block_bytes: int, block_size: int) -> KvBlocksHeader:
+def make_block_file(
+    path: Path, num_blocks: int, block_bytes: int, block_size: int, checksum: str | None = None
+) -> KvBlocksHeader:
+    """A block file of random blocks, with their checksums kept beside it by `checksum` as the
+    prefill engine's connector keeps them (it takes them while it writes the file)."""
     header = KvBlocksHeader(
         block_size=block_size,
         num_tokens=num_blocks * block_size,
@@ -40,7 +44,7 @@ def make_block_file(path: Path, num_blocks: int, block_bytes: int, block_size: i
         prompt_digest=blockfile.prompt_digest(range(num_blocks * block_size)),
         layers=[KvLayer(name="bench", dtype="uint8", block_shape=[block_bytes], block_dim=0)],
     )
-    blockfile.write(path, header, (os.urandom(block_bytes) for _ in range(num_blocks)))
+    blockfile.write(path, header, (os.urandom(block_bytes) for _ in range(num_blocks)), checksum)
     return header
 
 
@@ -85,7 +89,13 @@ async def plain(url: str, data: memoryview, block_bytes: int, num_blocks: int) -
 
 
 async def through_jetllm(
-    url: str, names: Names, src: Path, work: Path, checksum: Checksum, window: int = WINDOW_BYTES
+    url: str,
+    names: Names,
+    src: Path,
+    work: Path,
+    checksum: Checksum,
+    window: int = WINDOW_BYTES,
+    stored: bool = False,
 ) -> float:
     """The handoff as the two workers run it: the decode side listens for the blocks and the
     answer, the prefill side publishes the blocks and then the answer, the decode side checks the
@@ -95,13 +105,13 @@ async def through_jetllm(
         transfer = uuid.uuid4().hex
         dest = work / f"{transfer}.kv"
         incoming = await Incoming.open(
-            decode, names, transfer, max_bytes=1 << 40, dest=dest, packed=True, window=window
+            decode, names, transfer, max_bytes=1 << 40, dest=dest, window=window, stored=stored
         )
         answers = await decode.subscribe(f"bench.answer.{transfer}", max_msgs=1)
         await decode.flush()
         started = time.perf_counter()
         pub = await publish_blocks(
-            prefill, names, transfer, src, packed=True, checksum=checksum, window=window
+            prefill, names, transfer, src, packed=True, checksum=checksum, window=window, stored=stored
         )
         done = Prefilled(
             request_id="bench",
@@ -117,10 +127,11 @@ async def through_jetllm(
         await prefill.publish(f"bench.answer.{transfer}", msgspec.msgpack.encode(done))
         msg = await answers.next_msg(timeout=120)
         done = msgspec.msgpack.decode(msg.data, type=Prefilled)
-        await fetch_blocks(decode, names, done, dest, timeout=120, incoming=incoming)
+        await fetch_blocks(decode, names, done, dest, timeout=120, incoming=incoming, stored=stored)
         seconds = time.perf_counter() - started
         await incoming.close()
-        await remove_blocks(decode, names, transfer)
+        if stored:
+            await remove_blocks(decode, names, transfer)
         dest.unlink()
         return seconds
     finally:
@@ -149,12 +160,14 @@ async def _bench(args: argparse.Namespace, url: str, server_pid: int | None = No
     await ensure_kv_blocks_stream(nc.jetstream(), names, ttl=600, max_bytes=4 * args.mb << 20)
     await nc.close()
     num_blocks = max(1, (args.mb << 20) // args.block_bytes)
-    src = work / "src.kv"
-    make_block_file(src, num_blocks, args.block_bytes, args.block_size)
+    srcs = {c: work / f"src-{c}.kv" for c in args.checksums}
+    for c, src in srcs.items():
+        make_block_file(src, num_blocks, args.block_bytes, args.block_size, c)
+    src = next(iter(srcs.values()))
     header, offset = blockfile.read_header(src)
     data = memoryview(src.read_bytes())[offset:]
     size = len(data)
-    paths = ["plain", *args.checksums]
+    paths = ["plain", *(f"{c} {t}" for c in args.checksums for t in args.transfers)]
     rows: dict[str, list[float]] = {p: [] for p in paths}
     cpu: dict[str, list[float]] = {p: [] for p in paths}
     for _ in range(args.rounds):
@@ -163,15 +176,21 @@ async def _bench(args: argparse.Namespace, url: str, server_pid: int | None = No
             if path == "plain":
                 rows[path].append(await plain(url, data, args.block_bytes, num_blocks))
             else:
-                rows[path].append(await through_jetllm(url, names, src, work, path))
+                checksum, transfer = path.split()
+                rows[path].append(
+                    await through_jetllm(
+                        url, names, srcs[checksum], work, checksum, stored=transfer == "stored"
+                    )  # type: ignore[arg-type]
+                )
             cpu[path].append(cpu_seconds(server_pid) - before)
-    src.unlink()
+    for src in srcs.values():
+        blockfile.remove(src)
     mbs = {k: size / statistics.median(v) / 1e6 for k, v in rows.items()}
     ms_per_mb = {k: statistics.median(v) * 1000 / (size / 1e6) for k, v in cpu.items()}
     ours = "".join(
-        f"| jetllm, {c} checksums: publish to the block stream, fetch, check every block, write "
-        f"the file | {mbs[c]:,.0f} | {mbs[c] / mbs['plain']:.0%} | {ms_per_mb[c]:.1f} |\n"
-        for c in args.checksums
+        f"| jetllm, {p.split()[0]} checksums, {_TRANSFERS[p.split()[1]]} | {mbs[p]:,.0f} "
+        f"| {mbs[p] / mbs['plain']:.0%} | {ms_per_mb[p]:.1f} |\n"
+        for p in paths[1:]
     )
     per_token = args.block_bytes / args.block_size
     load = os.getloadavg()[0]
@@ -202,6 +221,20 @@ def cmd_bench_kv(args: argparse.Namespace) -> int:
     return 0
 
 
+_TRANSFERS = {
+    "direct": "published to the decode side (not stored), every block checked, the file written",
+    "stored": "published to the block stream, received as published, every block checked, the file written",
+}
+
+
+def _transfers(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    for name in names:
+        if name not in _TRANSFERS:
+            raise argparse.ArgumentTypeError(f"{name!r}: a transfer is one of {', '.join(_TRANSFERS)}")
+    return names
+
+
 def _checksums(text: str) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
     for name in names:
@@ -229,6 +262,13 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=[blockfile.preferred_checksum()],
         help="comma-separated checksum algorithms to time jetllm's path with, side by side "
         "(sha256-128, blake3-128; default: what a decode worker asks for)",
+    )
+    p.add_argument(
+        "--transfers",
+        type=_transfers,
+        default=["direct", "stored"],
+        help="comma-separated ways to time jetllm's path: direct (the decode worker's default: "
+        "--kv-transfer direct), stored (through the block stream)",
     )
     p.add_argument("--nats", default=None, help="use this NATS server instead of an embedded one")
     p.add_argument("--write", default=None, help="replace the bench-kv section of this markdown file")

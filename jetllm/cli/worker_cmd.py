@@ -225,6 +225,15 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
         help="decode: seconds the announced KV blocks get to arrive before prefilling here",
     )
     d.add_argument(
+        "--kv-transfer",
+        choices=("direct", "stored"),
+        default="direct",
+        help="decode: how the prefill worker sends the KV blocks: direct (to this worker, stored "
+        "nowhere; a transfer that arrives incomplete is prefilled here) or stored (through the "
+        "server's block stream, read back for what this worker's subscription missed, at the "
+        "price of the server storing every block)",
+    )
+    d.add_argument(
         "--kv-ttl",
         type=float,
         default=120.0,
@@ -375,6 +384,7 @@ def worker_config(args: argparse.Namespace, slots: int | None = None):
             max_prefill_queue=args.max_prefill_queue,
             prefill_timeout=args.prefill_timeout,
             transfer_timeout=args.kv_transfer_timeout,
+            stored=args.kv_transfer == "stored",
             kv_ttl=args.kv_ttl,
             kv_store_bytes=args.kv_store_bytes,
             connector=args.kv_connector,

@@ -12,6 +12,7 @@ import os
 import struct
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -71,6 +72,57 @@ def _load_blake3() -> Callable[[bytes | bytearray | memoryview], str] | None:
 _blake3 = _load_blake3()
 
 
+class BlockSums:
+    """Every block's checksum from the blocks' bytes fed in order, however they are cut into
+    pieces: taken where the bytes already are (the publishing loop, the receiving callback), since
+    a thread that took them block by block paid a GIL handoff per block, which cost a transfer more
+    than the hashing itself (docs/decisions.md, "Checksums where the bytes are")."""
+
+    def __init__(self, algorithm: str, block_bytes: int, num_blocks: int) -> None:
+        self._digest = checksummer(algorithm)
+        self._new, self._hex = _streaming(algorithm)
+        self._bb = block_bytes
+        self._n = num_blocks
+        self._part: Any = None
+        """The hash of a block that came in pieces, so far (it holds no reference to them)."""
+        self._have = 0
+        self.digests: list[str] = []
+
+    @property
+    def complete(self) -> bool:
+        return len(self.digests) == self._n and not self._have
+
+    def feed(self, data: bytes | memoryview) -> bool:
+        """Take the next bytes; False when they run past the last block (nothing of them is taken)."""
+        view = memoryview(data)
+        if self._have + len(view) > (self._n - len(self.digests)) * self._bb:
+            return False
+        pos = 0
+        while pos < len(view):
+            take = min(self._bb - self._have, len(view) - pos)
+            if take == self._bb:
+                self.digests.append(self._digest(view[pos : pos + take]))
+            else:
+                if not self._have:
+                    self._part = self._new()
+                self._part.update(view[pos : pos + take])
+                self._have += take
+                if self._have == self._bb:
+                    self.digests.append(self._hex(self._part))
+                    self._part, self._have = None, 0
+            pos += take
+        return True
+
+
+def _streaming(algorithm: str) -> tuple[Callable[[], Any], Callable[[Any], str]]:
+    """A new hash object for `algorithm`, and how its checksum is read (as `checksummer`'s)."""
+    if algorithm == "sha256-128":
+        return hashlib.sha256, lambda h: str(h.hexdigest()[:32])
+    from blake3 import blake3  # checksummer: installed
+
+    return blake3, lambda h: str(h.hexdigest(16))
+
+
 def encode_header(header: KvBlocksHeader) -> bytes:
     return msgspec.msgpack.encode(header)
 
@@ -89,23 +141,55 @@ def decode_header(data: bytes) -> KvBlocksHeader:
     return header
 
 
-def write(path: str | Path, header: KvBlocksHeader, blocks: Iterable[bytes | memoryview]) -> None:
-    """Write atomically: a reader sees the whole file or none."""
+def write(
+    path: str | Path,
+    header: KvBlocksHeader,
+    blocks: Iterable[bytes | memoryview],
+    checksum: str | None = None,
+) -> None:
+    """Write atomically: a reader sees the whole file or none. With `checksum`, every block's
+    checksum is taken as it is written (the bytes are in cache then) and kept beside the file
+    (`read_sums`), so the publisher need not read the blocks twice."""
     path = Path(path)
     tmp = path.with_name(path.name + ".part")
     head = encode_header(header)
+    digest = checksummer(checksum) if checksum is not None else None
+    sums: list[str] = []
     written = 0
     with open(tmp, "wb") as f:
         f.write(MAGIC + _LEN.pack(len(head)) + head)
         for block in blocks:
             if len(block) != header.block_bytes:
                 raise BadBlockFile(f"block {written} is {len(block)} bytes, not {header.block_bytes}")
+            if digest is not None:
+                sums.append(digest(block))
             f.write(block)
             written += 1
     if written != header.num_blocks:
         os.unlink(tmp)
         raise BadBlockFile(f"{written} blocks written, the header says {header.num_blocks}")
+    if checksum is not None:
+        sums_path(path).write_bytes(msgspec.msgpack.encode([checksum, sums]))
     os.replace(tmp, path)
+
+
+def sums_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sums")
+
+
+def read_sums(path: Path, algorithm: str, num_blocks: int) -> list[str] | None:
+    """The checksums `write` kept for the block file at `path`, if it took them by `algorithm`."""
+    try:
+        kept, sums = msgspec.msgpack.decode(sums_path(path).read_bytes(), type=tuple[str, list[str]])
+    except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return sums if kept == algorithm and len(sums) == num_blocks else None
+
+
+def remove(path: Path) -> None:
+    """The block file and the checksums kept beside it."""
+    path.unlink(missing_ok=True)
+    sums_path(path).unlink(missing_ok=True)
 
 
 def read_header(path: str | Path) -> tuple[KvBlocksHeader, int]:

@@ -6,7 +6,8 @@ network, thread or retry lives in the engine's processes, and everything about t
 (checks, time-outs, the fallback to a local prefill) is the worker's, in plain asyncio code.
 
 The worker asks per request through `kv_transfer_params`:
-  {"jetllm_save": "<name>.kv"}  (prefill) write the prompt's full blocks once they are computed;
+  {"jetllm_save": "<name>.kv", "jetllm_checksum": "blake3-128"}  (prefill) write the prompt's full
+      blocks once they are computed, with each block's checksum taken as it is written;
   {"jetllm_load": "<name>.kv"}  (decode) take the prompt's first tokens from that file.
 At least the prompt's last token is always computed by the engine itself (it needs its logits),
 so a file covers the full blocks of all but the last prompt token. Layout (layers, dtype, block
@@ -32,7 +33,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ..schemas.disagg import KvBlocksHeader, KvLayer
 from . import blockfile
-from .params import LOAD, SAVE, full_block_tokens
+from .params import CHECKSUM, LOAD, SAVE, full_block_tokens
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -47,11 +48,24 @@ log = logging.getLogger(__name__)
 _NAME = re.compile(r"^[0-9a-f]{16,64}\.kv$")
 
 
+def _checksum(params: dict[str, Any]) -> str | None:
+    """The checksum a save asks for, if this engine can take it (else the publisher takes it)."""
+    algorithm = params.get(CHECKSUM)
+    if not isinstance(algorithm, str):
+        return None
+    try:
+        blockfile.checksummer(algorithm)
+    except blockfile.BadBlockFile:
+        return None
+    return algorithm
+
+
 @dataclass
 class _Save:
     name: str
     num_tokens: int
     digest: str
+    checksum: str | None
     blocks: list[int] = field(default_factory=list)
 
 
@@ -70,6 +84,7 @@ class SaveOrder:
     block_ids: list[int]
     num_tokens: int
     digest: str
+    checksum: str | None
 
 
 @dataclass
@@ -120,7 +135,7 @@ class JetllmKvConnector(KVConnectorBase_V1):
             n = full_block_tokens(len(prompt), self._block_size)
             if n:
                 digest = blockfile.prompt_digest(prompt[:n])
-                self._saves[request.request_id] = _Save(params[SAVE], n, digest)
+                self._saves[request.request_id] = _Save(params[SAVE], n, digest, _checksum(params))
             return 0, False
         path = self._path(params[LOAD]) if LOAD in params else None
         if path is None:
@@ -178,7 +193,9 @@ class JetllmKvConnector(KVConnectorBase_V1):
         save = self._saves[rid]
         if computed_after_step >= save.num_tokens:
             n_blocks = save.num_tokens // self._block_size
-            meta.saves.append(SaveOrder(rid, save.name, save.blocks[:n_blocks], save.num_tokens, save.digest))
+            meta.saves.append(
+                SaveOrder(rid, save.name, save.blocks[:n_blocks], save.num_tokens, save.digest, save.checksum)
+            )
             del self._saves[rid]
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -244,7 +261,7 @@ class JetllmKvConnector(KVConnectorBase_V1):
             layers=self._layers,
         )
         blocks = (b"".join(a[j].tobytes() for a in per_layer) for j in range(len(order.block_ids)))
-        blockfile.write(self._dir / order.name, header, blocks)
+        blockfile.write(self._dir / order.name, header, blocks, checksum=order.checksum)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         if not self.has_connector_metadata():

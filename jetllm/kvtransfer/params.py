@@ -10,6 +10,9 @@ JETLLM_CONNECTOR = "jetllm"
 """`--kv-connector` naming jetllm's own connector (blocks through NATS), the default."""
 SAVE = "jetllm_save"
 """`kv_transfer_params` key: write the prompt's full blocks to this block file (prefill)."""
+CHECKSUM = "jetllm_checksum"
+"""`kv_transfer_params` key beside SAVE: take every block's checksum this way as it is written
+(blockfile.read_sums), while the bytes are in cache, rather than in a second pass on publishing."""
 LOAD = "jetllm_load"
 """`kv_transfer_params` key: take the prompt's first tokens from this block file (decode)."""
 

@@ -56,16 +56,13 @@ class Published(msgspec.Struct, kw_only=True):
     bytes: int
 
 
-def _map(path: Path) -> tuple[KvBlocksHeader, mmap.mmap, int]:
-    """The file mapped, not read: publishing starts at once and its chunks are never copied here."""
+def _map(path: Path, checksum: Checksum) -> tuple[KvBlocksHeader, mmap.mmap, int, list[str] | None]:
+    """The file mapped, not read: publishing starts at once and its chunks are never copied here;
+    and the checksums kept beside it, if taken by `checksum`."""
     header, offset = blockfile.read_header(path)
     with open(path, "rb") as f:
-        return header, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ), offset
-
-
-def _checksums(data: memoryview, header: KvBlocksHeader) -> list[str]:
-    bb, checksum = header.block_bytes, blockfile.checksummer(header.checksum)
-    return [checksum(data[j * bb : (j + 1) * bb]) for j in range(header.num_blocks)]
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    return header, mapped, offset, blockfile.read_sums(path, checksum, header.num_blocks)
 
 
 async def publish_blocks(
@@ -77,49 +74,49 @@ async def publish_blocks(
     packed: bool = False,
     checksum: Checksum = "sha256-128",
     window: int = 0,
+    stored: bool = True,
 ) -> Published:
-    """Publish the block file at `path` (its checksums, by `checksum`, are taken in a thread
-    meanwhile), several blocks to a message if `packed`, at most `window` bytes ahead of the
-    decode worker's receipts; raises TransferFailed when the store refuses it or the receipts
-    stop."""
+    """Publish the block file at `path` (its checksums, by `checksum`: the ones the engine's
+    connector kept as it wrote the file, else taken piece by piece as it goes), several blocks to a message if `packed`, at most `window` bytes ahead of the
+    decode worker's receipts, to the block stream if `stored`, else straight to the decode
+    worker; raises TransferFailed when the store refuses it or the receipts stop."""
     try:
         blockfile.checksummer(checksum)
     except blockfile.BadBlockFile as exc:
         raise TransferFailed(str(exc)) from None
-    header, mapped, offset = await anyio.to_thread.run_sync(_map, path)
+    header, mapped, offset, kept = await anyio.to_thread.run_sync(_map, path, checksum)
     header = msgspec.structs.replace(header, checksum=checksum)
     data = memoryview(mapped)[offset:]
     size = len(data)
-    subject = names.kv_blocks(transfer_id)
+    subject = names.kv_blocks(transfer_id) if stored else names.kv_live(transfer_id)
     js = nc.jetstream()
     chunk = chunk_size(nc.max_payload)
     per_message = blocks_per_message(header.block_bytes, chunk, packed)
     pieces = list(chunks(data, header.block_bytes, header.num_blocks, chunk, per_message))
     messages = 1 + len(pieces)
-    sums: list[str] = []
-
-    async def take_checksums() -> None:
-        sums.extend(await anyio.to_thread.run_sync(_checksums, data, header))
-
+    sums = blockfile.BlockSums(checksum, header.block_bytes, header.num_blocks)
     paced = Pacing(window)
     stalled = False
     try:
         if window > 0:
             paced.sub = await nc.subscribe(names.kv_received(transfer_id), cb=paced.on_receipt)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(take_checksums)
-            head = blockfile.encode_header(header)
-            paced.window.sending(len(head))
+        head = blockfile.encode_header(header)
+        paced.window.sending(len(head))
+        if stored:
             await js.publish(subject, head, timeout=5)
-            for i, piece in enumerate(pieces):
-                if not await paced.wait():
-                    stalled = True
-                    break
-                paced.window.sending(len(piece))
-                if i < len(pieces) - 1:
-                    await nc.publish(subject, piece)  # type: ignore[arg-type]  # any bytes-like will do
-                else:
-                    await js.publish(subject, bytes(piece), timeout=10)
+        else:
+            await nc.publish(subject, head)
+        for i, piece in enumerate(pieces):
+            if not await paced.wait():
+                stalled = True
+                break
+            if kept is None:
+                sums.feed(piece)
+            paced.window.sending(len(piece))
+            if i < len(pieces) - 1 or not stored:
+                await nc.publish(subject, piece)  # type: ignore[arg-type]  # any bytes-like will do
+            else:
+                await js.publish(subject, bytes(piece), timeout=10)
     except Exception as exc:
         raise TransferFailed(f"the block store refused the blocks: {type(exc).__name__}: {exc}") from None
     finally:
@@ -132,7 +129,7 @@ async def publish_blocks(
         raise TransferFailed(paced.stall_message())
     return Published(
         header=header,
-        checksums=sums,
+        checksums=kept if kept is not None else sums.digests,
         chunk_bytes=chunk,
         blocks_per_message=per_message,
         messages=messages,
@@ -165,14 +162,15 @@ class Incoming:
         *,
         max_bytes: int,
         dest: Path | None = None,
-        packed: bool = False,
         window: int = 0,
+        stored: bool = True,
     ) -> Incoming:
         """`window`: what the prefill job allows in flight (`PrefillRequest.window`); receipts
-        go to the prefill worker as the messages come. 0: none."""
+        go to the prefill worker as the messages come. 0: none. `stored`: as the prefill job says
+        (`PrefillRequest.stored`)."""
         incoming = cls(max_bytes)
         if dest is not None:
-            incoming.live = LiveFile(dest, chunk_size(nc.max_payload), packed)
+            incoming.live = LiveFile(dest)
             incoming.live.start()
         receiving = Receiving(nc, names.kv_received(transfer_id), transfer_id, window)
 
@@ -186,7 +184,10 @@ class Incoming:
             await receiving.took(len(msg.data))
 
         incoming._sub = await nc.subscribe(
-            names.kv_blocks(transfer_id), cb=on_msg, pending_msgs_limit=-1, pending_bytes_limit=-1
+            names.kv_blocks(transfer_id) if stored else names.kv_live(transfer_id),
+            cb=on_msg,
+            pending_msgs_limit=-1,
+            pending_bytes_limit=-1,
         )
         return incoming
 
@@ -223,10 +224,40 @@ async def fetch_blocks(
     timeout: float,
     incoming: Incoming | None = None,
     window: int = WINDOW_BYTES,
+    stored: bool = True,
 ) -> str:
     """Write the blocks `done` announces into the block file `dest`, every block checked against
-    its checksum: from `incoming` when it holds them all and they check out, else from the store.
-    Returns which ("live" or "stored"); raises TransferFailed naming what is missing, late or wrong."""
+    its checksum: from `incoming` when it holds them all and they check out, else from the store
+    (if the blocks were `stored`). Returns which ("live" or "stored"); raises TransferFailed naming
+    what is missing, late or wrong."""
+    per_block = _check_answer(done)
+    header = done.header
+    n, per_message = header.num_blocks, done.blocks_per_message
+    if incoming is not None and await _from_live(incoming, done, dest, stored):
+        return "live"
+    if not stored:
+        got = len(incoming.messages) if incoming is not None else 0
+        raise TransferFailed(
+            f"{got} of {done.messages} messages arrived and the blocks were not stored: nothing to read back"
+        )
+    msgs: list[bytes] = []
+    subject = names.kv_blocks(done.transfer_id)
+    try:
+        with anyio.fail_after(timeout):
+            async for data in _direct_batch(nc, names.kv_blocks_stream, subject, done.messages, window):
+                msgs.append(data)
+    except TimeoutError:
+        got = _blocks_in(len(msgs), per_block, per_message, n)
+        raise TransferFailed(f"only {got} of {n} blocks arrived within {timeout:.1f}s") from None
+    if len(msgs) < done.messages:
+        got = _blocks_in(len(msgs), per_block, per_message, n)
+        raise TransferFailed(f"only {got} of {n} blocks are in the store")
+    await anyio.to_thread.run_sync(_assemble, msgs, done, dest)
+    return "stored"
+
+
+def _check_answer(done: Prefilled) -> int:
+    """Chunks per block, once the answer is found consistent and unexpired."""
     header = done.header
     n, bb = header.num_blocks, header.block_bytes
     if len(done.checksums) != n or done.chunk_bytes <= 0:
@@ -244,32 +275,27 @@ async def fetch_blocks(
         raise TransferFailed(f"the handoff says {done.messages} messages, its header means {want}")
     if done.expires_at < time.time():
         raise TransferFailed("the blocks expired before they were fetched")
-    if incoming is not None and await incoming.wait_for(done.messages):
-        live = incoming.live
-        if live is not None and live.dest == dest:
-            live.put(None)  # every message is in: a writer still waiting expected others
-            await anyio.to_thread.run_sync(live.join)
-            if live.install(header, done.checksums, done.chunk_bytes, per_message):
-                return "live"
-        try:
-            await anyio.to_thread.run_sync(_assemble, incoming.messages[: done.messages], done, dest)
-            return "live"
-        except TransferFailed:
-            pass  # a damaged live copy: the stored one decides
-    msgs: list[bytes] = []
-    subject = names.kv_blocks(done.transfer_id)
+    return per_block
+
+
+async def _from_live(incoming: Incoming, done: Prefilled, dest: Path, stored: bool) -> bool:
+    """Whether the blocks as received make `dest`: the live file, or the messages assembled again.
+    A damaged copy raises when the blocks were not `stored`; else the store decides."""
+    if not await incoming.wait_for(done.messages):
+        return False
+    live = incoming.live
+    if live is not None and live.dest == dest:
+        live.finish()
+        await anyio.to_thread.run_sync(live.join)
+        if live.install(done.header, done.checksums):
+            return True
     try:
-        with anyio.fail_after(timeout):
-            async for data in _direct_batch(nc, names.kv_blocks_stream, subject, done.messages, window):
-                msgs.append(data)
-    except TimeoutError:
-        got = _blocks_in(len(msgs), per_block, per_message, n)
-        raise TransferFailed(f"only {got} of {n} blocks arrived within {timeout:.1f}s") from None
-    if len(msgs) < done.messages:
-        got = _blocks_in(len(msgs), per_block, per_message, n)
-        raise TransferFailed(f"only {got} of {n} blocks are in the store")
-    await anyio.to_thread.run_sync(_assemble, msgs, done, dest)
-    return "stored"
+        await anyio.to_thread.run_sync(_assemble, incoming.messages[: done.messages], done, dest)
+        return True
+    except TransferFailed:
+        if not stored:
+            raise
+        return False
 
 
 def _blocks_in(messages: int, per_block: int, per_message: int, num_blocks: int) -> int:

@@ -2,7 +2,7 @@
 
 A decode worker renders the prompt, publishes a `PrefillRequest` on the prefill queue and waits
 on its reply subject for `Prefilled` (or an ErrorFrame). The blocks travel on their own subject
-(`Names.kv_blocks(transfer_id)`): first a `KvBlocksHeader`, then the blocks in order, each block
+(`Names.kv_live(transfer_id)`, or `Names.kv_blocks(transfer_id)` when they are stored): first a `KvBlocksHeader`, then the blocks in order, each block
 split into chunks that fit the server's max payload. `Prefilled.checksums` are taken from the
 bytes the prefill engine wrote, so the decode worker checks every block it fetched against a
 digest that came by another path. With one of vLLM's own connectors (`Prefilled.connector`) the
@@ -52,6 +52,12 @@ class PrefillRequest(Command, kw_only=True):
     """Bytes the prefill worker may have published beyond what the decode worker confirmed
     (`KvReceived`); at most one message more goes. 0: publish without waiting (older decode
     workers, which send no receipts). Older prefill workers refuse the field, as `packed`."""
+    stored: bool = True
+    """Publish the blocks to the block stream (`Names.kv_blocks`), where the decode worker can
+    read back what its subscription missed, or, when false, straight to the decode worker
+    (`Names.kv_live`), stored nowhere: cheaper for the server and both workers, and a transfer
+    that arrives incomplete is prefilled by the decode worker itself. Older prefill workers
+    refuse the field, as `packed`."""
 
 
 class KvLayer(Tolerant, kw_only=True):

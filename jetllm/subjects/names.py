@@ -217,6 +217,14 @@ class Names:
     def kv_blocks_all(self) -> str:
         return f"{self._root}.kvblocks.*"
 
+    def kv_live(self, transfer_id: str) -> str:
+        """Blocks sent straight to the decode worker: no stream holds this subject."""
+        return f"{self._root}.kvlive.{_transfer(transfer_id)}"
+
+    @property
+    def kv_live_all(self) -> str:
+        return f"{self._root}.kvlive.*"
+
     def kv_received(self, transfer_id: str) -> str:
         """Where the decode worker says how much of a transfer it has received (flow control)."""
         return f"{self._root}.kvrecv.{_transfer(transfer_id)}"

@@ -262,6 +262,7 @@ def _worker(n: Names, inbox: str) -> tuple[list[str], list[str]]:
         n.jobs_of_role("prefill"),
         n.shared_jobs_all,  # directed jobs moved to the shared queues
         n.kv_blocks_all,
+        n.kv_live_all,  # blocks sent straight to the decode worker, stored nowhere
         n.kv_received_all,  # a decode worker's receipts pace the prefill worker's publishing
         *_stream(n.kv_blocks_stream, "CREATE", "UPDATE", "PURGE"),
         *_direct(n.kv_blocks_stream),
@@ -269,6 +270,7 @@ def _worker(n: Names, inbox: str) -> tuple[list[str], list[str]]:
     sub = [
         f"{inbox}.>",
         n.kv_blocks_all,  # a decode worker receives the blocks as they are published
+        n.kv_live_all,
         n.kv_received_all,  # and a prefill worker the decode worker's receipts
         n.directed_jobs_all,  # a directed job's publish tells its instance to pull it
         n.cancel_all,

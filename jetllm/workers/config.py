@@ -25,6 +25,9 @@ class DisaggSettings(msgspec.Struct, kw_only=True, frozen=True):
     """Seconds a decode worker waits for a prefill worker's answer before prefilling itself."""
     transfer_timeout: float = 30.0
     """Seconds a decode worker gives the blocks to arrive once they are announced."""
+    stored: bool = False
+    """Whether a decode worker asks for its blocks through the block stream (`PrefillRequest.
+    stored`), which it can read back what it missed from, or straight to it (the default)."""
     kv_ttl: float = 120.0
     """Seconds the block store keeps blocks nobody removed (a decode worker died, say)."""
     connector: str = "jetllm"

@@ -20,8 +20,8 @@ from typing import Any, ClassVar
 import nats.js.errors
 
 from ...errors import EngineRequestError, RequestRejected
-from ...kvtransfer.blockfile import prompt_digest
-from ...kvtransfer.params import JETLLM_CONNECTOR, REMOTE_DECODE, SAVE, full_block_tokens
+from ...kvtransfer import blockfile
+from ...kvtransfer.params import CHECKSUM, JETLLM_CONNECTOR, REMOTE_DECODE, SAVE, full_block_tokens
 from ...kvtransfer.transport import TransferFailed, publish_blocks
 from ...schemas import (
     ErrorCode,
@@ -96,7 +96,7 @@ class PrefillRole(Role):
         if self._settings.connector != JETLLM_CONNECTOR:
             await self._hand_over(req, job, full_block_tokens(len(req.prompt.token_ids), block))
             return
-        if not self._store_ready:
+        if req.stored and not self._store_ready:
             job.stage = "preparing the KV block store"
             s = self._settings
             try:
@@ -116,7 +116,7 @@ class PrefillRole(Role):
         try:
             job.stage = "prefilling its prompt on the engine"
             started = time.monotonic()
-            await self._prefill(req, {SAVE: name})
+            await self._prefill(req, {SAVE: name, CHECKSUM: req.checksum})
             if not path.exists():
                 raise EngineRequestError("the engine's KV connector wrote no blocks for this prompt")
             prefill_ms = (time.monotonic() - started) * 1000
@@ -131,12 +131,13 @@ class PrefillRole(Role):
                     packed=req.packed,
                     checksum=req.checksum,
                     window=req.window,
+                    stored=req.stored,
                 )
             except TransferFailed as exc:
                 raise RequestRejected(ErrorCode.KV_TRANSFER_FAILED, str(exc)) from None
             publish_ms = (time.monotonic() - started) * 1000
         finally:
-            path.unlink(missing_ok=True)
+            blockfile.remove(path)
         log.info(
             "prefill %s: %d tokens in %d blocks (%.1f MB) prefilled in %.0f ms, published in %.0f ms",
             req.request_id,
@@ -181,7 +182,7 @@ class PrefillRole(Role):
                     num_tokens=covered,
                     num_blocks=covered // block,
                     block_bytes=0,
-                    prompt_digest=prompt_digest(req.prompt.token_ids[:covered]),
+                    prompt_digest=blockfile.prompt_digest(req.prompt.token_ids[:covered]),
                     layers=[],
                 ),
                 checksums=[],

@@ -113,6 +113,7 @@ class RemotePrefill:
             packed=True,
             checksum=blockfile.preferred_checksum(),
             window=WINDOW_BYTES,
+            stored=s.stored,
         )
         path = self._dir / f"{transfer}.kv"
         ours = s.connector == JETLLM_CONNECTOR
@@ -125,8 +126,8 @@ class RemotePrefill:
                 transfer,
                 max_bytes=s.kv_store_bytes,
                 dest=path,
-                packed=True,
                 window=job.window,
+                stored=job.stored,
             )
         answered = False
         try:
@@ -142,7 +143,7 @@ class RemotePrefill:
             done = await self._answer(sub, job)
             answered = True
             if done.connector != s.connector:
-                if done.connector == JETLLM_CONNECTOR:
+                if done.connector == JETLLM_CONNECTOR and job.stored:
                     await self._remove(transfer)
                 raise HandoffFailed(
                     f"{done.worker} moved the blocks with the {done.connector} KV connector; this "
@@ -154,14 +155,21 @@ class RemotePrefill:
             started = time.monotonic()
             try:
                 source = await fetch_blocks(
-                    ctx.nc, ctx.names, done, path, timeout=s.transfer_timeout, incoming=incoming
+                    ctx.nc,
+                    ctx.names,
+                    done,
+                    path,
+                    timeout=s.transfer_timeout,
+                    incoming=incoming,
+                    stored=job.stored,
                 )
             except TransferFailed as exc:
                 raise HandoffFailed(
                     f"the blocks from {done.worker} are unusable: {exc}", "fallback_transfer"
                 ) from None
             finally:
-                await self._remove(transfer)
+                if job.stored:
+                    await self._remove(transfer)
             return Handoff(done=done, path=path, fetch_ms=(time.monotonic() - started) * 1000, source=source)
         finally:
             with anyio.CancelScope(shield=True):

@@ -39,6 +39,7 @@ class DecodeRole(GenerateRole):
             "--max-prefill-queue",
             "--prefill-timeout",
             "--kv-transfer-timeout",
+            "--kv-transfer",
         }
     )
 
