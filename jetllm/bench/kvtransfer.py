@@ -16,6 +16,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import cast
 
 import anyio
 import msgspec
@@ -176,12 +177,10 @@ async def _bench(args: argparse.Namespace, url: str, server_pid: int | None = No
             if path == "plain":
                 rows[path].append(await plain(url, data, args.block_bytes, num_blocks))
             else:
-                checksum, transfer = path.split()
-                rows[path].append(
-                    await through_jetllm(
-                        url, names, srcs[checksum], work, checksum, stored=transfer == "stored"
-                    )  # type: ignore[arg-type]
-                )
+                name, transfer = path.split()
+                checksum = cast(Checksum, name)
+                stored = transfer == "stored"
+                rows[path].append(await through_jetllm(url, names, srcs[name], work, checksum, stored=stored))
             cpu[path].append(cpu_seconds(server_pid) - before)
     for src in srcs.values():
         blockfile.remove(src)
