@@ -6,6 +6,7 @@ import contextlib
 import os
 import time
 import uuid
+from pathlib import Path
 
 import anyio
 import msgspec
@@ -310,6 +311,99 @@ async def test_blocks_are_checked_and_written_as_they_arrive_and_a_forged_live_c
         await _drop(prefill, names)
         for nc in (prefill, decode, forger):
             await nc.close()
+
+
+@pytest.mark.parametrize(("packed", "block_bytes"), [(True, 4096), (False, 4096), (True, None)])
+async def test_blocks_sent_straight_to_the_decode_worker_are_checked_and_never_stored(
+    nats_url, namespace, tmp_path, packed, block_bytes
+):
+    """`--kv-transfer direct`: no stream holds the blocks, so a copy that is damaged or incomplete
+    fails the transfer with the reason (the decode worker then prefills itself)."""
+    names = Names(namespace)
+    prefill, decode, forger = await connect(nats_url), await connect(nats_url), await connect(nats_url)
+    try:
+        await _stream(prefill, names)
+        n = 6 if block_bytes else 2
+        block_bytes = block_bytes or prefill.max_payload + 1000
+        src = tmp_path / "src.kv"
+        blocks = make_file(src, n, block_bytes)
+
+        async def transfer_once(forged: bool, listening: bool = True) -> tuple[str, Path]:
+            transfer = uuid.uuid4().hex
+            dest = tmp_path / f"{transfer}.kv"
+            incoming = None
+            if listening:
+                incoming = await Incoming.open(
+                    decode, names, transfer, max_bytes=64 << 20, dest=dest, stored=False
+                )
+                await decode.flush()
+            try:
+                if forged:  # someone else's blocks on the subject first
+                    other = tmp_path / "other.kv"
+                    make_file(other, n, block_bytes)
+                    await publish_blocks(forger, names, transfer, other, packed=packed, stored=False)
+                    await forger.flush()
+                pub = await publish_blocks(prefill, names, transfer, src, packed=packed, stored=False)
+                done = done_of(pub, transfer)
+                return await fetch_blocks(
+                    decode, names, done, dest, timeout=2, incoming=incoming, stored=False
+                ), dest
+            finally:
+                if incoming is not None:
+                    await incoming.close()
+
+        got, dest = await transfer_once(forged=False)
+        _, offset = blockfile.read_header(dest)
+        assert got == "live" and dest.read_bytes()[offset:] == b"".join(blocks)
+        info = await prefill.jetstream().stream_info(names.kv_blocks_stream)
+        assert info.state.messages == 0  # nothing went through the store
+        with pytest.raises(TransferFailed, match="block 1 of .* fails its checksum"):
+            await transfer_once(forged=True)
+        with pytest.raises(TransferFailed, match=r"0 of \d+ messages arrived and the blocks were not stored"):
+            await transfer_once(forged=False, listening=False)
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["src.kv", "other.kv", dest.name])
+    finally:
+        await _drop(prefill, names)
+        for nc in (prefill, decode, forger):
+            await nc.close()
+
+
+@pytest.mark.parametrize("checksum", ["sha256-128", "blake3-128"])
+@pytest.mark.parametrize("cut", [4096, 1000, 8192 * 3, 4095, 7, 4 * 4096])
+def test_block_checksums_come_out_the_same_however_the_bytes_are_cut(checksum, cut):
+    data = os.urandom(4 * 4096)
+    want = [blockfile.checksum(data[j * 4096 : (j + 1) * 4096], checksum) for j in range(4)]
+    sums = blockfile.BlockSums(checksum, 4096, 4)
+    for at in range(0, len(data), cut):
+        assert sums.feed(data[at : at + cut])
+    assert sums.digests == want and sums.complete
+    short = blockfile.BlockSums(checksum, 4096, 4)
+    assert short.feed(data[:5000]) and not short.complete and len(short.digests) == 1
+    assert not short.feed(data[: 3 * 4096])  # runs past the last block: refused, nothing taken
+    assert short.feed(data[5000:]) and short.digests == want
+
+
+async def test_checksums_the_engine_kept_while_writing_are_the_ones_announced(nats_url, namespace, tmp_path):
+    """The prefill engine's connector takes them as it writes the file (the bytes are in cache
+    then); publishing does not read the blocks a second time for them."""
+    names = Names(namespace)
+    nc = await connect(nats_url)
+    try:
+        blocks = [os.urandom(4096) for _ in range(3)]
+        src = tmp_path / "src.kv"
+        blockfile.write(src, header(3), blocks, checksum="blake3-128")
+        kept = blockfile.read_sums(src, "blake3-128", 3)
+        assert kept == [blockfile.checksum(b, "blake3-128") for b in blocks]
+        assert blockfile.read_sums(src, "sha256-128", 3) is None  # kept for another algorithm
+        blockfile.sums_path(src).write_bytes(msgspec.msgpack.encode(["blake3-128", ["0" * 32] * 3]))
+        pub = await publish_blocks(nc, names, uuid.uuid4().hex, src, checksum="blake3-128", stored=False)
+        assert pub.checksums == ["0" * 32] * 3
+        pub = await publish_blocks(nc, names, uuid.uuid4().hex, src, checksum="sha256-128", stored=False)
+        assert pub.checksums == [blockfile.checksum(b, "sha256-128") for b in blocks]
+        blockfile.remove(src)
+        assert list(tmp_path.iterdir()) == []
+    finally:
+        await nc.close()
 
 
 @pytest.mark.parametrize("transfer", ["../../etc/passwd", "ABCDEF0123456789", "0123", "0" * 65, "a.b"])

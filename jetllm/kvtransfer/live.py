@@ -1,21 +1,21 @@
 """A transfer's blocks checked and written while they arrive, so that little is left to do when
 the prefill worker's answer comes.
 
-The decode worker's subscription hands every message to `put`, in order: the blocks' checksums
-are taken there, on the event loop (blockfile.BlockSums: blake3 takes ~0.2 ms per MiB here), and
-the bytes go to a thread that appends them to a block file beside the one the engine will load
-(one write per message, which releases the GIL). When the answer comes, its checksums are compared
-with the ones taken here and the file is renamed into place. Whatever does not fit (a header that
-does not decode, bytes past the last block, a failed write) just leaves no live file: the caller
-then assembles the messages as before, or reads the store.
+The decode worker's subscription hands every message to `put`, in order, on the event loop: the
+blocks' checksums are taken there (blockfile.BlockSums; blake3 takes ~0.2 ms per MiB here) and
+the bytes appended to a block file beside the one the engine will load (a page-cache copy of the
+same order; the block directory is on tmpfs where there is one, so no write waits for a disk).
+Threads did this before and cost the transfer more than the work itself: on two cores every
+handoff of the GIL between them and the event loop waited (docs/decisions.md, "Checksums where
+the bytes are"). No message is kept once written. When the answer comes, its checksums are
+compared with the ones taken here and the file is renamed into place.
 """
 
 from __future__ import annotations
 
 import os
-import queue
-import threading
 from pathlib import Path
+from typing import BinaryIO
 
 from ..schemas.disagg import KvBlocksHeader
 from . import blockfile
@@ -29,63 +29,63 @@ class LiveFile:
         self.tmp = dest.with_name(dest.name + ".live")
         self.header: KvBlocksHeader | None = None
         self._sums: blockfile.BlockSums | None = None
-        self._broken = False
-        self._written = False
-        self._q: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-        self._writer = threading.Thread(target=self._write, name=f"kv-live-{dest.name}", daemon=True)
-
-    def start(self) -> None:
-        self._writer.start()
+        self._file: BinaryIO | None = None
+        self._broken: str | None = None
 
     def put(self, data: bytes) -> None:
         """The transfer's next message (the header first)."""
-        if self._broken:
+        if self._broken is not None:
             return
         try:
-            if self.header is None:
+            if self._sums is None:
                 header = blockfile.decode_header(data)
                 self._sums = blockfile.BlockSums(header.checksum, header.block_bytes, header.num_blocks)
                 self.header = header
-                self._q.put(blockfile.MAGIC + len(data).to_bytes(4, "little") + data)
-            elif self._sums is not None and self._sums.feed(data):
-                self._q.put(data)
+                self._file = open(self.tmp, "wb")  # noqa: SIM115  # closed by install or close
+                self._file.write(blockfile.MAGIC + len(data).to_bytes(4, "little") + data)
+            elif self._sums.complete:
+                return  # past the last block: not this transfer's
+            elif self._sums.feed(data) and self._file is not None:
+                self._file.write(data)
             else:
-                self.stop()
-        except blockfile.BadBlockFile:
-            self.stop()
+                self._fail("a message runs past the last block of the header received")
+        except blockfile.BadBlockFile as exc:
+            self._fail(str(exc))
+        except OSError as exc:
+            self._fail(f"the block file cannot be written: {exc}")
 
-    def finish(self) -> None:
-        """Every message is in: the writer ends once it has written them."""
-        self._q.put(None)
-
-    def stop(self) -> None:
-        """No live file after all: the writer drops what it holds."""
-        self._broken = True
-        self._q.put(None)
-
-    def join(self) -> None:
-        self._writer.join()
-
-    def _write(self) -> None:
-        try:
-            with open(self.tmp, "wb") as f:
-                while (data := self._q.get()) is not None:
-                    if self._broken:
-                        break
-                    f.write(data)
-            self._written = not self._broken
-        except OSError:  # no live file: the caller assembles or reads the store
-            self._written = False
-        if not self._written:
-            self.tmp.unlink(missing_ok=True)
-
-    def install(self, header: KvBlocksHeader, checksums: list[str]) -> bool:
-        """Whether the finished file holds exactly these blocks; if so it becomes `dest`.
-        Call after `finish` and `join`."""
+    def problem(self, header: KvBlocksHeader, checksums: list[str]) -> str | None:
+        """Why the file received is not the blocks the answer announces; None: it is."""
         sums = self._sums
-        same = sums is not None and sums.complete and sums.digests == checksums
-        if not (self._written and header == self.header and same):
-            self.tmp.unlink(missing_ok=True)
-            return False
+        if self._broken is not None:
+            return self._broken
+        if sums is None or header != self.header:
+            return "the block header received differs from the handoff's"
+        for j, (got, want) in enumerate(zip(sums.digests, checksums, strict=False)):
+            if got != want:
+                return f"block {j + 1} of {header.num_blocks} fails its checksum"
+        if not sums.complete:
+            return f"only {len(sums.digests)} of {header.num_blocks} blocks arrived"
+        return None
+
+    def install(self, header: KvBlocksHeader, checksums: list[str]) -> str | None:
+        """Make the file `dest` if it holds exactly these blocks; else remove it and say why."""
+        problem = self.problem(header, checksums)
+        if problem is not None or self._file is None:
+            self.close()
+            return problem or "the block file was closed"
+        self._file.close()
+        self._file = None
         os.replace(self.tmp, self.dest)
-        return True
+        return None
+
+    def close(self) -> None:
+        """Drop the file unless it was installed."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+            self.tmp.unlink(missing_ok=True)
+
+    def _fail(self, why: str) -> None:
+        self._broken = why
+        self.close()

@@ -140,11 +140,15 @@ async def publish_blocks(
 class Incoming:
     """A transfer's messages as they are published: a plain subscription the decode worker opens
     before it sends the prefill job. Usually every block is here when the answer comes, and nothing
-    is read back from the store; the store is there for what this copy missed or got wrong. Given
-    the block file it will fetch into, it checks and writes the blocks as they come (live.py)."""
+    is read back from the store, which is there (if the decode worker asked for it) for what this
+    copy missed or got wrong. Given the block file it will fetch into, it checks and writes the
+    blocks as they come (live.py) and keeps none of them."""
 
     def __init__(self, max_bytes: int) -> None:
+        self.count = 0
+        """Messages received (up to `max_bytes`)."""
         self.messages: list[bytes] = []
+        """The messages themselves, kept only when no live file takes them."""
         self.max_bytes = max_bytes
         """More than the store itself holds is not a transfer: the rest is not kept (anyone who
         may publish on the subject could otherwise fill this worker's memory)."""
@@ -171,15 +175,16 @@ class Incoming:
         incoming = cls(max_bytes)
         if dest is not None:
             incoming.live = LiveFile(dest)
-            incoming.live.start()
         receiving = Receiving(nc, names.kv_received(transfer_id), transfer_id, window)
 
         async def on_msg(msg: Msg) -> None:
             incoming._bytes += len(msg.data)
             if incoming._bytes <= incoming.max_bytes:
-                incoming.messages.append(msg.data)
+                incoming.count += 1
                 if incoming.live is not None:
                     incoming.live.put(msg.data)
+                else:
+                    incoming.messages.append(msg.data)
             incoming._arrived.set()
             await receiving.took(len(msg.data))
 
@@ -193,14 +198,14 @@ class Incoming:
 
     async def wait_for(self, count: int, quiet: float = 0.2) -> bool:
         """Whether `count` messages came, waiting while they still arrive (none for `quiet` s: stop)."""
-        while len(self.messages) < count:
-            seen = len(self.messages)
+        while self.count < count:
+            seen = self.count
             self._arrived = anyio.Event()
             with anyio.move_on_after(quiet):
                 await self._arrived.wait()
-            if len(self.messages) == seen:
+            if self.count == seen:
                 break
-        return len(self.messages) >= count
+        return self.count >= count
 
     async def close(self) -> None:
         if self._sub is not None:
@@ -209,9 +214,7 @@ class Incoming:
             except Exception:
                 pass
         if self.live is not None:
-            self.live.stop()
-            await anyio.to_thread.run_sync(self.live.join)
-            self.live.tmp.unlink(missing_ok=True)
+            self.live.close()
         self.messages = []
 
 
@@ -236,7 +239,7 @@ async def fetch_blocks(
     if incoming is not None and await _from_live(incoming, done, dest, stored):
         return "live"
     if not stored:
-        got = len(incoming.messages) if incoming is not None else 0
+        got = incoming.count if incoming is not None else 0
         raise TransferFailed(
             f"{got} of {done.messages} messages arrived and the blocks were not stored: nothing to read back"
         )
@@ -279,16 +282,18 @@ def _check_answer(done: Prefilled) -> int:
 
 
 async def _from_live(incoming: Incoming, done: Prefilled, dest: Path, stored: bool) -> bool:
-    """Whether the blocks as received make `dest`: the live file, or the messages assembled again.
+    """Whether the blocks as received make `dest`: the live file, or the messages assembled.
     A damaged copy raises when the blocks were not `stored`; else the store decides."""
     if not await incoming.wait_for(done.messages):
         return False
     live = incoming.live
-    if live is not None and live.dest == dest:
-        live.finish()
-        await anyio.to_thread.run_sync(live.join)
-        if live.install(done.header, done.checksums):
+    if live is not None:
+        problem = live.install(done.header, done.checksums) if live.dest == dest else "received elsewhere"
+        if problem is None:
             return True
+        if not stored:
+            raise TransferFailed(problem)
+        return False
     try:
         await anyio.to_thread.run_sync(_assemble, incoming.messages[: done.messages], done, dest)
         return True
