@@ -1,35 +1,43 @@
 """`jetllm bench-kv`: how fast KV blocks cross NATS, against the physical limit on the same server.
 
-The limit is a plain nats-py publish of the same bytes, cut to the same chunks, to a subscriber on
-another connection (no JetStream, no checks), paced by the subscriber's receipts as jetllm's is. jetllm's transfer is what a handoff costs the two
-workers end to end: the prefill side reads the block file, checksums and publishes it to the block
-stream while the decode side receives it as published; then every block is checked and the
-decode side's block file written.
+The limit is a plain nats-py publish of the same bytes, cut to the same chunks, to a subscriber in
+another process (no JetStream, no checks), paced by the subscriber's receipts as jetllm's is.
+jetllm's transfer is what a handoff costs the two workers end to end: the prefill side (this
+process) publishes the block file, with the checksums its engine's connector kept, straight to
+the decode side or to the block stream; the decode side (kvreceiver.py, in a process of its own
+as a decode worker is) checks and writes every block as it arrives, then compares the answer's
+checksums and puts its block file in place.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import shutil
 import statistics
+import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import anyio
 import msgspec
+from anyio.abc import Process
+from nats.aio.client import Client as NATS
 
 from ..kvtransfer import blockfile
 from ..kvtransfer.chunking import blocks_per_message, chunk_size, chunks
-from ..kvtransfer.pacing import Pacing, Receiving
-from ..kvtransfer.transport import Incoming, fetch_blocks, publish_blocks, remove_blocks
+from ..kvtransfer.pacing import Pacing
+from ..kvtransfer.transport import publish_blocks
 from ..kvtransfer.window import WINDOW_BYTES
 from ..schemas.disagg import Checksum, KvBlocksHeader, KvLayer, Prefilled
 from ..subjects.connection import connect
 from ..subjects.names import Names
 from ..subjects.setup import ensure_kv_blocks_stream
+from .kvreceiver import Received, ReceiveOrder, done_subject, plain_subjects
 
 
 def make_block_file(
@@ -49,51 +57,77 @@ def make_block_file(
     return header
 
 
-async def plain(url: str, data: memoryview, block_bytes: int, num_blocks: int) -> float:
+class Receiver:
+    """The receiving side of both paths in a process of its own (kvreceiver.py), as a decode
+    worker is: in this process it would take its CPU from the sending side's event loop."""
+
+    def __init__(self, url: str, names: Names, work: Path) -> None:
+        self.url, self.names, self.work = url, names, work
+        self.control = f"bench.kvctl.{uuid.uuid4().hex}"
+        self.proc: Process | None = None
+
+    async def start(self, nc: NATS) -> None:
+        up = await nc.subscribe(f"{self.control}.up", max_msgs=1)
+        argv = [sys.executable, "-m", "jetllm.bench.kvreceiver", self.url]
+        self.proc = await anyio.open_process([*argv, self.names.namespace, self.control, str(self.work)])
+        await up.next_msg(timeout=60)
+
+    async def receive(self, nc: NATS, order: ReceiveOrder) -> Any:
+        """Once the receiver listens: the subscription its report comes on."""
+        done = await nc.subscribe(done_subject(order.transfer), max_msgs=1)
+        await nc.request(self.control, msgspec.msgpack.encode(order), timeout=30)
+        return done
+
+    async def stop(self, nc: NATS) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(Exception):
+            await nc.publish(self.control, b"")
+            await nc.flush()
+        with anyio.move_on_after(10):
+            await self.proc.wait()
+        if self.proc.returncode is None:
+            self.proc.kill()
+            await self.proc.wait()
+
+
+async def _reported(done: Any) -> None:
+    msg = await done.next_msg(timeout=120)
+    report = msgspec.msgpack.decode(msg.data, type=Received)
+    if report.error is not None:
+        raise RuntimeError(f"the receiving side failed: {report.error}")
+
+
+async def plain(nc: NATS, receiver: Receiver, data: memoryview, block_bytes: int, num_blocks: int) -> float:
     """Seconds for the bytes to reach a subscriber through core NATS publishes, paced by the
     subscriber's receipts as jetllm's transfer is: unpaced, a subscriber that falls more than the
     server's max_pending behind is cut off, and the limit would never arrive."""
-    pub, sub_nc = await connect(url, name="bench-plain-pub"), await connect(url, name="bench-plain-sub")
+    transfer = uuid.uuid4().hex
+    subject, receipts_to, _ = plain_subjects(transfer)
+    chunk = chunk_size(nc.max_payload)
+    per_message = blocks_per_message(block_bytes, chunk, packed=True)
+    pieces = [bytes(p) for p in chunks(data, block_bytes, num_blocks, chunk, per_message)]
+    pacing = Pacing(WINDOW_BYTES)
+    pacing.sub = await nc.subscribe(receipts_to, cb=pacing.on_receipt)
     try:
-        transfer = uuid.uuid4().hex
-        subject, receipts_to = f"bench.plain.{transfer}", f"bench.plainrecv.{transfer}"
-        chunk = chunk_size(pub.max_payload)
-        per_message = blocks_per_message(block_bytes, chunk, packed=True)
-        pieces = [bytes(p) for p in chunks(data, block_bytes, num_blocks, chunk, per_message)]
-        got = anyio.Event()
-        seen = [0]
-        receiving, pacing = Receiving(sub_nc, receipts_to, transfer, WINDOW_BYTES), Pacing(WINDOW_BYTES)
-
-        async def on_msg(msg) -> None:
-            seen[0] += 1
-            if seen[0] == len(pieces):
-                got.set()
-            await receiving.took(len(msg.data))
-
-        await sub_nc.subscribe(subject, cb=on_msg, pending_bytes_limit=1 << 30, pending_msgs_limit=1 << 20)
-        await pub.subscribe(receipts_to, cb=pacing.on_receipt)
-        await sub_nc.flush()
-        await pub.flush()
+        done = await receiver.receive(nc, ReceiveOrder(path="plain", transfer=transfer, messages=len(pieces)))
         started = time.perf_counter()
         with anyio.fail_after(120):
             for p in pieces:
                 if not await pacing.wait():
                     raise RuntimeError("the plain subscriber stopped sending receipts")
                 pacing.window.sending(len(p))
-                await pub.publish(subject, p)
-            await pub.flush()
-            await got.wait()
+                await nc.publish(subject, p)
+            await _reported(done)
         return time.perf_counter() - started
     finally:
-        await pub.close()
-        await sub_nc.close()
+        await pacing.close()
 
 
 async def through_jetllm(
-    url: str,
-    names: Names,
+    nc: NATS,
+    receiver: Receiver,
     src: Path,
-    work: Path,
     checksum: Checksum,
     window: int = WINDOW_BYTES,
     stored: bool = False,
@@ -101,53 +135,39 @@ async def through_jetllm(
     """The handoff as the two workers run it: the decode side listens for the blocks and the
     answer, the prefill side publishes the blocks and then the answer, the decode side checks the
     blocks and writes its block file."""
-    prefill, decode = await connect(url, name="bench-prefill"), await connect(url, name="bench-decode")
-    try:
-        transfer = uuid.uuid4().hex
-        dest = work / f"{transfer}.kv"
-        incoming = await Incoming.open(
-            decode, names, transfer, max_bytes=1 << 40, dest=dest, window=window, stored=stored
-        )
-        answers = await decode.subscribe(f"bench.answer.{transfer}", max_msgs=1)
-        await decode.flush()
-        started = time.perf_counter()
-        pub = await publish_blocks(
-            prefill, names, transfer, src, packed=True, checksum=checksum, window=window, stored=stored
-        )
-        done = Prefilled(
-            request_id="bench",
-            transfer_id=transfer,
-            worker="bench",
-            header=pub.header,
-            checksums=pub.checksums,
-            chunk_bytes=pub.chunk_bytes,
-            blocks_per_message=pub.blocks_per_message,
-            messages=pub.messages,
-            expires_at=time.time() + 600,
-        )
-        await prefill.publish(f"bench.answer.{transfer}", msgspec.msgpack.encode(done))
-        msg = await answers.next_msg(timeout=120)
-        done = msgspec.msgpack.decode(msg.data, type=Prefilled)
-        await fetch_blocks(decode, names, done, dest, timeout=120, incoming=incoming, stored=stored)
-        seconds = time.perf_counter() - started
-        await incoming.close()
-        if stored:
-            await remove_blocks(decode, names, transfer)
-        dest.unlink()
-        return seconds
-    finally:
-        await prefill.close()
-        await decode.close()
+    transfer = uuid.uuid4().hex
+    done = await receiver.receive(
+        nc, ReceiveOrder(path="jetllm", transfer=transfer, messages=0, stored=stored)
+    )
+    started = time.perf_counter()
+    pub = await publish_blocks(
+        nc, receiver.names, transfer, src, packed=True, checksum=checksum, window=window, stored=stored
+    )
+    answer = Prefilled(
+        request_id="bench",
+        transfer_id=transfer,
+        worker="bench",
+        header=pub.header,
+        checksums=pub.checksums,
+        chunk_bytes=pub.chunk_bytes,
+        blocks_per_message=pub.blocks_per_message,
+        messages=pub.messages,
+        expires_at=time.time() + 600,
+    )
+    await nc.publish(plain_subjects(transfer)[2], msgspec.msgpack.encode(answer))
+    await _reported(done)
+    return time.perf_counter() - started
 
 
-def cpu_seconds(server_pid: int | None) -> float:
-    """CPU time of this process (both sides of either path run here, threads included) and of the
-    embedded server: on a shared machine it tells what a path costs where wall time cannot."""
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU time of this process (the sending side, threads included) and of `pids` (the receiving
+    side's, the embedded server's): on a shared machine it tells what a path costs where wall
+    time cannot."""
     t = os.times()
     total = t.user + t.system
-    if server_pid is not None:
+    for pid in pids:
         try:
-            fields = Path(f"/proc/{server_pid}/stat").read_text().rsplit(")", 1)[1].split()
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
             total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
         except (OSError, ValueError, IndexError):
             pass
@@ -157,33 +177,40 @@ def cpu_seconds(server_pid: int | None) -> float:
 async def _bench(args: argparse.Namespace, url: str, server_pid: int | None = None) -> str:
     work = Path(tempfile.mkdtemp(prefix="jetllm-bench-kv-"))
     names = Names(f"benchkv{uuid.uuid4().hex[:6]}")
-    nc = await connect(url)
-    await ensure_kv_blocks_stream(nc.jetstream(), names, ttl=600, max_bytes=4 * args.mb << 20)
-    await nc.close()
-    num_blocks = max(1, (args.mb << 20) // args.block_bytes)
-    srcs = {c: work / f"src-{c}.kv" for c in args.checksums}
-    for c, src in srcs.items():
-        make_block_file(src, num_blocks, args.block_bytes, args.block_size, c)
-    src = next(iter(srcs.values()))
-    header, offset = blockfile.read_header(src)
-    data = memoryview(src.read_bytes())[offset:]
-    size = len(data)
-    paths = ["plain", *(f"{c} {t}" for c in args.checksums for t in args.transfers)]
-    rows: dict[str, list[float]] = {p: [] for p in paths}
-    cpu: dict[str, list[float]] = {p: [] for p in paths}
-    for _ in range(args.rounds):
-        for path in paths:  # interleaved, so a change in the machine's load hits every path
-            before = cpu_seconds(server_pid)
-            if path == "plain":
-                rows[path].append(await plain(url, data, args.block_bytes, num_blocks))
-            else:
-                name, transfer = path.split()
-                checksum = cast(Checksum, name)
-                stored = transfer == "stored"
-                rows[path].append(await through_jetllm(url, names, srcs[name], work, checksum, stored=stored))
-            cpu[path].append(cpu_seconds(server_pid) - before)
-    for src in srcs.values():
-        blockfile.remove(src)
+    nc = await connect(url, name="bench-kv-sender")
+    receiver = Receiver(url, names, work)
+    try:
+        await ensure_kv_blocks_stream(nc.jetstream(), names, ttl=600, max_bytes=4 * args.mb << 20)
+        num_blocks = max(1, (args.mb << 20) // args.block_bytes)
+        srcs = {c: work / f"src-{c}.kv" for c in args.checksums}
+        for c, src in srcs.items():
+            make_block_file(src, num_blocks, args.block_bytes, args.block_size, c)
+        header, offset = blockfile.read_header(srcs[args.checksums[0]])
+        data = memoryview(srcs[args.checksums[0]].read_bytes())[offset:]
+        size = len(data)
+        await receiver.start(nc)
+        pids = [p for p in (server_pid, receiver.proc.pid if receiver.proc else None) if p is not None]
+        paths = ["plain", *(f"{c} {t}" for c in args.checksums for t in args.transfers)]
+        rows: dict[str, list[float]] = {p: [] for p in paths}
+        cpu: dict[str, list[float]] = {p: [] for p in paths}
+        for _ in range(args.rounds):
+            for path in paths:  # interleaved, so a change in the machine's load hits every path
+                before = cpu_seconds(pids)
+                if path == "plain":
+                    rows[path].append(await plain(nc, receiver, data, args.block_bytes, num_blocks))
+                else:
+                    name, transfer = path.split()
+                    checksum, stored = cast(Checksum, name), transfer == "stored"
+                    rows[path].append(await through_jetllm(nc, receiver, srcs[name], checksum, stored=stored))
+                cpu[path].append(cpu_seconds(pids) - before)
+        for src in srcs.values():
+            blockfile.remove(src)
+    finally:
+        await receiver.stop(nc)
+        with contextlib.suppress(Exception):
+            await nc.jetstream().delete_stream(names.kv_blocks_stream)
+        await nc.close()
+        shutil.rmtree(work, ignore_errors=True)
     mbs = {k: size / statistics.median(v) / 1e6 for k, v in rows.items()}
     ms_per_mb = {k: statistics.median(v) * 1000 / (size / 1e6) for k, v in cpu.items()}
     ours = "".join(
@@ -193,7 +220,7 @@ async def _bench(args: argparse.Namespace, url: str, server_pid: int | None = No
     )
     per_token = args.block_bytes / args.block_size
     load = os.getloadavg()[0]
-    where = "this process and the server" if server_pid is not None else "this process"
+    where = "both sides and the server" if server_pid is not None else "both sides"
     return (
         f"{size / 1e6:,.1f} MB in {num_blocks} blocks of {args.block_bytes:,} bytes "
         f"({per_token:,.0f} bytes per prompt token), median of {args.rounds} rounds, "

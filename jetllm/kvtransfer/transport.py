@@ -178,6 +178,7 @@ class Incoming:
         receiving = Receiving(nc, names.kv_received(transfer_id), transfer_id, window)
 
         async def on_msg(msg: Msg) -> None:
+            await receiving.took(len(msg.data))  # first: the prefill side goes on meanwhile
             incoming._bytes += len(msg.data)
             if incoming._bytes <= incoming.max_bytes:
                 incoming.count += 1
@@ -186,7 +187,6 @@ class Incoming:
                 else:
                     incoming.messages.append(msg.data)
             incoming._arrived.set()
-            await receiving.took(len(msg.data))
 
         incoming._sub = await nc.subscribe(
             names.kv_blocks(transfer_id) if stored else names.kv_live(transfer_id),
