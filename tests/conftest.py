@@ -203,8 +203,10 @@ class WorkerProcess:
         *args: str,
         served: str = TINY,
         module: str = "jetllm",
+        env: dict[str, str] | None = None,
     ) -> None:
-        """`module`: what `python -m` runs (tests/helpers/faulty_worker.py wraps the CLI)."""
+        """`module`: what `python -m` runs (tests/helpers/faulty_worker.py wraps the CLI); `env`:
+        added to this process's environment."""
         self.namespace = namespace
         self.served = served
         self.log_path = log_path
@@ -238,7 +240,7 @@ class WorkerProcess:
             cmd,
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **cores},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **cores, **(env or {})},
             start_new_session=True,
             cwd=Path(__file__).resolve().parent.parent,
         )

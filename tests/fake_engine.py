@@ -8,12 +8,16 @@ log-probabilities, cancellation, and death. Token i of a request is (sum of the 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import anyio
 
 from jetllm.errors import EngineDead, EngineRequestError, RequestRejected
+from jetllm.kvtransfer import blockfile
+from jetllm.kvtransfer.params import CHECKSUM, LOAD, SAVE, full_block_tokens
 from jetllm.schemas import ChatPrompt, ErrorCode, GenerateRequest, Prompt, TextPrompt, TokensPrompt
+from jetllm.schemas.disagg import KvBlocksHeader, KvLayer
 from jetllm.workers.engine import (
     ChoiceDelta,
     EngineAdapter,
@@ -84,6 +88,10 @@ class FakeEngine:
         self.adapters: dict[int, EngineAdapter] = {}
         self.ran_with: dict[str, str | None] = {}
         """Request id -> the adapter it ran with (None: the base model)."""
+        self.block_dir: Path | None = None
+        """Where a stand-in for jetllm's KV connector saves and loads block files (prefill/decode)."""
+        self.loaded: dict[str, int] = {}
+        """Request id -> prompt tokens its blocks covered, as loaded from a block file."""
 
     async def render(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, TokensPrompt):
@@ -109,6 +117,7 @@ class FakeEngine:
         if self.dead:
             raise EngineDead("fake engine is dead")
         self.ran_with[req.request_id] = adapter.name.split("@")[0] if adapter else None
+        self._connector(req.request_id, list(prompt_ids), kv_transfer or {})
         if req.stop.min_tokens > max_tokens:
             raise RequestRejected(
                 ErrorCode.INVALID_REQUEST, "min_tokens must be <= max_tokens", field="$.stop.min_tokens"
@@ -168,6 +177,30 @@ class FakeEngine:
             raise
         finally:
             self.running.discard(rid)
+
+    def _connector(self, rid: str, prompt: list[int], kv: dict[str, Any]) -> None:
+        """What kvtransfer/connector.py does in vLLM, on made-up blocks: a prefill writes the
+        prompt's full blocks (as many bytes per token as the tiny model's KV), a decode loads them
+        when they are this prompt's."""
+        if self.block_dir is None:
+            return
+        block = self.facts.block_size or 16
+        if SAVE in kv:
+            n = full_block_tokens(len(prompt), block)
+            header = KvBlocksHeader(
+                block_size=block,
+                num_tokens=n,
+                num_blocks=n // block,
+                block_bytes=block * 2048,
+                prompt_digest=blockfile.prompt_digest(prompt[:n]),
+                layers=[KvLayer(name="fake", dtype="uint8", block_shape=[block * 2048], block_dim=0)],
+            )
+            blocks = (bytes([prompt[j * block] % 256]) * header.block_bytes for j in range(n // block))
+            blockfile.write(self.block_dir / kv[SAVE], header, blocks, kv.get(CHECKSUM))
+        elif LOAD in kv:
+            header, _ = blockfile.read_header(self.block_dir / kv[LOAD])
+            if header.prompt_digest == blockfile.prompt_digest(prompt[: header.num_tokens]):
+                self.loaded[rid] = header.num_tokens
 
     async def check_health(self) -> None:
         if self.dead:

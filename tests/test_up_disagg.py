@@ -18,6 +18,7 @@ from jetllm.cli.worker_cmd import check_role
             ["--slots", "4", "--kv-ttl", "30", "--disagg-threshold", "64", "--no-kv-events"],
             ["--role", "prefill", "--no-kv-events", "--slots", "4", "--kv-ttl", "30.0"],
         ),
+        (["--kv-transfer", "stored", "--kv-transfer-timeout", "5"], ["--role", "prefill"]),  # decode's
         (
             ["--engine-arg", "a=1", "--engine-arg", "b=2", "--max-migrations", "5", "--instance-id", "x"],
             ["--role", "prefill", "--engine-arg", "a=1", "--engine-arg", "b=2"],

@@ -10,6 +10,7 @@ import uuid
 from collections.abc import Iterator
 
 import anyio
+import nats.js.errors
 import pytest
 
 from jetllm.producer import Client
@@ -62,6 +63,8 @@ def disagg(nats_url, tiny_model, tmp_path_factory) -> Iterator[dict[str, WorkerP
     require_vllm()
     namespace = f"pd{uuid.uuid4().hex[:8]}"
     logs = tmp_path_factory.mktemp("disagg")
+    for role in ("prefill", "decode"):
+        (logs / f"{role}-tmp").mkdir()
     prefill = WorkerProcess(
         nats_url,
         namespace,
@@ -72,6 +75,7 @@ def disagg(nats_url, tiny_model, tmp_path_factory) -> Iterator[dict[str, WorkerP
         "--kv-store-bytes",
         str(64 << 20),
         module="tests.helpers.faulty_prefill",
+        env={"TMPDIR": str(logs / "prefill-tmp")},
     )
     decode = WorkerProcess(
         nats_url,
@@ -84,6 +88,7 @@ def disagg(nats_url, tiny_model, tmp_path_factory) -> Iterator[dict[str, WorkerP
         str(THRESHOLD),
         "--prefill-timeout",
         "600",
+        env={"TMPDIR": str(logs / "decode-tmp")},
     )
     workers = {"prefill": prefill, "decode": decode}
     try:
@@ -93,6 +98,17 @@ def disagg(nats_url, tiny_model, tmp_path_factory) -> Iterator[dict[str, WorkerP
         yield workers
     finally:
         stop_all(list(workers.values()))
+
+
+def leftover_blocks(workers: dict[str, WorkerProcess]) -> list[str]:
+    """Files in the prefill and decode workers' block directories (the CLI makes them in TMPDIR)."""
+    dirs = [
+        d
+        for role in ("prefill", "decode")
+        for d in (workers[role].log_path.parent / f"{role}-tmp").glob("jetllm-kvblocks-*")
+    ]
+    assert len(dirs) == 2, dirs
+    return [f.name for d in dirs for f in d.iterdir()]
 
 
 async def run(url: str, namespace: str, req: GenerateRequest):
@@ -141,8 +157,11 @@ async def test_disaggregated_output_equals_aggregated_for_token_text_and_chat_pr
     async with Client(nats_url, namespace=ns) as c:
         s = await instance_status(c.nc, c.names, disagg["decode"].instance)
         assert int(s.extra["prefill_remote"]) >= 3
-        blocks = await c.js.stream_info(c.names.kv_blocks_stream)
-        assert blocks.state.messages == 0  # every transfer was removed once loaded
+        with pytest.raises(nats.js.errors.NotFoundError):  # went straight to the decode worker
+            await c.js.stream_info(c.names.kv_blocks_stream)
+    with anyio.fail_after(5):  # every block file is removed once published, or loaded
+        while leftover_blocks(disagg):
+            await anyio.sleep(0.1)
 
 
 async def test_a_prompt_in_the_decode_engines_prefix_cache_is_prefilled_there(nats_url, disagg, shared_vllm):
