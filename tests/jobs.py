@@ -8,6 +8,7 @@ import anyio
 import msgspec
 from nats.aio.client import Client as NATS
 
+from jetllm.producer.traces import trace_records
 from jetllm.schemas import (
     DeadLetter,
     Frame,
@@ -131,3 +132,14 @@ def kv_blocks(events) -> dict[int, list[int]]:
         elif isinstance(ev, KvCleared):
             live.clear()
     return live
+
+
+async def prefill_note(c, rid: str) -> str | None:
+    """Where the request's prompt was prefilled, as its trace record says (a decode worker writes
+    it once the request ends)."""
+    with anyio.fail_after(10):
+        while True:
+            records = [r for r in await trace_records(c.js, c.names, rid) if r.request_id == rid]
+            if records:
+                return records[-1].prefill
+            await anyio.sleep(0.05)

@@ -11,7 +11,6 @@ import pytest
 
 from jetllm.producer import Client
 from jetllm.producer.fleet import instance_status
-from jetllm.producer.traces import trace_records
 from jetllm.router.hashing import DEFAULT_SEED, BlockHasher
 from jetllm.schemas import KvCleared, KvRemoved, KvStored
 from jetllm.workers.cachedblocks import CachedBlocks
@@ -22,7 +21,7 @@ from jetllm.workers.roles.decode import DecodeRole
 
 from .conftest import inproc_worker
 from .fake_engine import FakeEngine
-from .jobs import req
+from .jobs import prefill_note, req
 from .test_kvevents import EnginePublisher
 
 SIZE = 4
@@ -127,15 +126,6 @@ def engine_stored(ids: list[int], parent: int | None, tokens: list[int]) -> dict
         "medium": "GPU",
         "lora_name": None,
     }
-
-
-async def prefill_note(c: Client, rid: str) -> str | None:
-    with anyio.fail_after(10):
-        while True:
-            records = [r for r in await trace_records(c.js, c.names, rid) if r.request_id == rid]
-            if records:
-                return records[-1].prefill
-            await anyio.sleep(0.05)
 
 
 @pytest.mark.anyio

@@ -12,27 +12,17 @@ import pytest
 
 from jetllm.producer import Client
 from jetllm.producer.fleet import instance_status
-from jetllm.producer.traces import trace_records
 from jetllm.workers.config import DisaggSettings
 from jetllm.workers.roles.decode.role import DecodeRole
 from jetllm.workers.roles.prefill import PrefillRole
 
 from .conftest import inproc_worker
 from .fake_engine import FakeEngine
-from .jobs import req
+from .jobs import prefill_note, req
 
 pytestmark = pytest.mark.anyio
 
 PROMPT = [3 + i % 90 for i in range(100)]  # 6 full blocks of 16 tokens; the last token computed
-
-
-async def prefill_note(c: Client, rid: str) -> str | None:
-    with anyio.fail_after(10):
-        while True:
-            records = [r for r in await trace_records(c.js, c.names, rid) if r.request_id == rid]
-            if records:
-                return records[-1].prefill
-            await anyio.sleep(0.05)
 
 
 @pytest.mark.parametrize("stored", [False, True])

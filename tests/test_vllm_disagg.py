@@ -15,7 +15,6 @@ import pytest
 
 from jetllm.producer import Client
 from jetllm.producer.fleet import instance_status
-from jetllm.producer.traces import trace_records
 from jetllm.schemas import (
     AcceptedFrame,
     ChatMessage,
@@ -29,6 +28,7 @@ from jetllm.schemas import (
 )
 
 from .conftest import TINY, WorkerProcess, require_vllm, stop_all
+from .jobs import prefill_note as note_of
 
 pytestmark = [pytest.mark.anyio, pytest.mark.vllm]
 
@@ -118,12 +118,7 @@ async def run(url: str, namespace: str, req: GenerateRequest):
 
 async def prefill_note(url: str, namespace: str, rid: str) -> str | None:
     async with Client(url, namespace=namespace) as c:
-        with anyio.fail_after(10):
-            while True:
-                records = [r for r in await trace_records(c.js, c.names, rid) if r.request_id == rid]
-                if records:
-                    return records[-1].prefill
-                await anyio.sleep(0.2)
+        return await note_of(c, rid)
 
 
 async def completed(url: str, namespace: str, w: WorkerProcess) -> int:
