@@ -76,7 +76,7 @@ class BlockSums:
     """Every block's checksum from the blocks' bytes fed in order, however they are cut into
     pieces: taken where the bytes already are (the publishing loop, the receiving callback), since
     a thread that took them block by block paid a GIL handoff per block, which cost a transfer more
-    than the hashing itself (docs/decisions.md, "Checksums where the bytes are")."""
+    than the hashing itself (docs/decisions.md, "... checksums where the bytes are")."""
 
     def __init__(self, algorithm: str, block_bytes: int, num_blocks: int) -> None:
         self._digest = checksummer(algorithm)

@@ -1,13 +1,17 @@
-"""A block file carried over NATS: published by the prefill worker, fetched and checked by the
-decode worker, removed once loaded (the stream's TTL removes what nobody fetched).
+"""A block file carried over NATS: published by the prefill worker, received and checked by the
+decode worker as it comes.
 
-On the subject `Names.kv_blocks(transfer_id)` go the header, then every block in order, cut
-into chunks that fit the server's max payload or packed several to a message (chunking.py; the
-chunk sizes follow from the header and the answer, so the chunks carry no headers of their own).
-The header and the last chunk are published with a JetStream ack: once the last one is acked,
-the server has stored every message before it, since one connection's messages are handled in
-order; a store that is full refuses them, loudly. When the decode worker asks for it, its
-receipts on `Names.kv_received(transfer_id)` pace the publishing (pacing.py).
+On the transfer's subject go the header, then every block in order, cut into chunks that fit the
+server's max payload or packed several to a message (chunking.py; the chunk sizes follow from the
+header and the answer, so the chunks carry no headers of their own). By default the subject is
+`Names.kv_live(transfer_id)`, which no stream holds: only the decode worker's subscription gets
+the blocks. When the decode worker asks for the store (`PrefillRequest.stored`), it is
+`Names.kv_blocks(transfer_id)`, and the header and the last chunk are published with a JetStream
+ack: once the last one is acked, the server has stored every message before it, since one
+connection's messages are handled in order; a store that is full refuses them, loudly. The decode
+worker reads back what its subscription missed and removes the blocks once loaded (the stream's
+TTL removes what nobody fetched). When the decode worker asks for it, its receipts on
+`Names.kv_received(transfer_id)` pace the publishing (pacing.py).
 """
 
 from __future__ import annotations
@@ -77,9 +81,10 @@ async def publish_blocks(
     stored: bool = True,
 ) -> Published:
     """Publish the block file at `path` (its checksums, by `checksum`: the ones the engine's
-    connector kept as it wrote the file, else taken piece by piece as it goes), several blocks to a message if `packed`, at most `window` bytes ahead of the
-    decode worker's receipts, to the block stream if `stored`, else straight to the decode
-    worker; raises TransferFailed when the store refuses it or the receipts stop."""
+    connector kept as it wrote the file, else taken piece by piece as it goes), several blocks to
+    a message if `packed`, at most `window` bytes ahead of the decode worker's receipts, to the
+    block stream if `stored`, else straight to the decode worker; raises TransferFailed when the
+    store refuses it or the receipts stop."""
     try:
         blockfile.checksummer(checksum)
     except blockfile.BadBlockFile as exc:
