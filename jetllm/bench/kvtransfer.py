@@ -16,6 +16,7 @@ import contextlib
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -69,7 +70,10 @@ class Receiver:
     async def start(self, nc: NATS) -> None:
         up = await nc.subscribe(f"{self.control}.up", max_msgs=1)
         argv = [sys.executable, "-m", "jetllm.bench.kvreceiver", self.url]
-        self.proc = await anyio.open_process([*argv, self.names.namespace, self.control, str(self.work)])
+        argv += [self.names.namespace, self.control, str(self.work)]
+        self.proc = await anyio.open_process(
+            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=None
+        )
         await up.next_msg(timeout=60)
 
     async def receive(self, nc: NATS, order: ReceiveOrder) -> Any:
