@@ -127,13 +127,13 @@ def test_an_unknown_role_is_refused_naming_the_roles_there_are():
 
 
 def test_the_worker_command_checks_its_flags_against_the_role(monkeypatch):
-    from jetllm.cli import parser, worker_cmd
+    from jetllm.cli import parser, worker_cmd, worker_flags
 
     monkeypatch.setitem(roles.ROLES, "echo", EchoRole)
     args = parser().parse_args(
         ["worker", "--role", "echo", "--slots", "4", "--enable-lora", "--lora-dir", "/x"]
     )
-    assert sorted(worker_cmd.given_flags(args)) == ["--enable-lora", "--lora-dir", "--role", "--slots"]
+    assert sorted(worker_flags.given_flags(args)) == ["--enable-lora", "--lora-dir", "--role", "--slots"]
     refused = worker_cmd.check_role(args)
     assert refused is not None and refused.startswith("--enable-lora means nothing for --role echo")
     assert "(also: --lora-dir)" in refused

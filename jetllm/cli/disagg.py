@@ -46,7 +46,7 @@ def worker_argv(args: argparse.Namespace, role: str) -> list[str]:
     option set to something other than its default, except those `role` does not take."""
     from ..workers.roles import ROLES
     from ..workers.roles.flags import misplaced
-    from .worker_cmd import add_worker_options
+    from .worker_flags import add_worker_options
 
     ref = argparse.ArgumentParser(add_help=False)
     add_worker_options(ref)
