@@ -244,6 +244,7 @@ async def test_64_concurrent_requests_complete_within_the_workers_slots(c, share
 
 async def test_cancel_aborts_the_engine_request_and_frees_the_slot(c, shared_vllm):
     from jetllm.producer.fleet import instance_status
+    from jetllm.producer.traces import trace_records
 
     async def counts():
         extra = (await instance_status(c.nc, c.names, shared_vllm.instance)).extra
@@ -261,9 +262,19 @@ async def test_cancel_aborts_the_engine_request_and_frees_the_slot(c, shared_vll
                     frozen.enter_context(shared_vllm.engine_frozen())
                     break
         with anyio.fail_after(10):
-            while (after := await counts()) == before:
+            while (await counts())[0] == before[0]:
                 await anyio.sleep(0.05)
-    assert after == (before[0] + 1, before[1])  # cancelled, not completed
+    # this request ended cancelled, not completed (another test's request may complete meanwhile)
+    with anyio.fail_after(10):
+        while not (
+            hops := [
+                r
+                for r in await trace_records(c.js, c.names, req.request_id)
+                if r.request_id == req.request_id
+            ]
+        ):
+            await anyio.sleep(0.05)
+    assert [r.outcome for r in hops] == ["cancelled"]
     # the engine's own scheduler dropped it too
     with anyio.fail_after(10):
         while True:
