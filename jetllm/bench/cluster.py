@@ -26,6 +26,7 @@ import anyio
 import msgspec
 
 from ..aio import run
+from ..cpus import engine_cores
 from ..natsserver import NatsCluster
 from ..producer import Client
 from ..producer.fleet import wait_for_workers, worker_statuses
@@ -107,7 +108,7 @@ class Workers:
         self.procs = []
         for i in range(args.workers):
             log = open(log_dir / f"worker-{i}.log", "wb")
-            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            env = {**os.environ, "PYTHONUNBUFFERED": "1", **engine_cores(i, args.workers)}
             self.procs.append(
                 subprocess.Popen(
                     cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True

@@ -15,6 +15,7 @@ from typing import Any
 
 import anyio
 
+from ..cpus import engine_cores
 from ..workers.engine import EngineOptions
 from .workload import Recorder, Summary, Timing, Workload, percentile, summarize
 
@@ -117,11 +118,15 @@ def worker_processes(
     for key, value in opts.extra.items():
         cmd += ["--engine-arg", f"{key}={json.dumps(value)}"]
     logs = [open(log_dir / f"bench-worker{i}.log", "wb") for i in range(len(workers))]
+    ranks = (opts.data_parallel_size or 1) > 1  # vLLM splits the cores among its ranks itself
     procs = [
         subprocess.Popen(
-            [*cmd, *extra], stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+            [*cmd, *extra],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **({} if ranks else engine_cores(i, len(workers)))},
         )
-        for extra, log in zip(workers, logs, strict=True)
+        for i, (extra, log) in enumerate(zip(workers, logs, strict=True))
     ]
     try:
         yield
