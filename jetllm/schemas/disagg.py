@@ -36,7 +36,7 @@ class PrefillRequest(Command, kw_only=True):
     prompt: TokensPrompt
     """Rendered by the decode worker, so both engines see exactly the same tokens."""
     transfer_id: TransferId
-    """Where the blocks go: hex, 16-64 characters (the subject token of `kv_blocks`)."""
+    """Where the blocks go: hex, 16-64 characters (the subject token of `kv_live` and `kv_blocks`)."""
     expires_at: Annotated[float, Meta(ge=0)]
     """Unix time after which nobody waits for the blocks: an older job is refused, and the block
     stream forgets blocks once they are this old anyway."""
