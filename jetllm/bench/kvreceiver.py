@@ -18,7 +18,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from ..kvtransfer.pacing import Receiving
-from ..kvtransfer.transport import Incoming, TransferFailed, fetch_blocks, remove_blocks
+from ..kvtransfer.transport import Incoming, fetch_blocks, remove_blocks
 from ..kvtransfer.window import WINDOW_BYTES
 from ..schemas.disagg import Prefilled
 from ..subjects.connection import connect
@@ -97,7 +97,7 @@ async def serve(url: str, namespace: str, control: str, work: Path) -> None:
                     await _plain(nc, order, ready)
                 else:
                     await _jetllm(nc, names, order, work, ready)
-            except (TransferFailed, TimeoutError, OSError) as exc:
+            except Exception as exc:  # reported to the bench, which stops with it
                 error = f"{type(exc).__name__}: {exc}"
             ready.set()
             await nc.publish(done_subject(order.transfer), msgspec.msgpack.encode(Received(error=error)))
