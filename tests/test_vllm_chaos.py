@@ -390,7 +390,7 @@ async def test_broker_restart_and_crash_during_batches_lose_nothing(
                 for i in range(32)
             )
         )
-        ran_before = 0
+        ran_before = acked_before = 0
         for how in ("restart", "crash"):
             out = tmp_path / f"{how}.jsonl"
             batch = run_batch(url, namespace, src, out, batch_id=how)
@@ -408,13 +408,17 @@ async def test_broker_restart_and_crash_during_batches_lose_nothing(
                     while len(statuses := await worker_statuses(c.nc, c.names)) < len(workers):
                         await anyio.sleep(0.2)
             completed = sum(int(s.extra["completed"]) for s in statuses) - ran_before
+            settled = sum(int(s.extra["acked"]) for s in statuses) - acked_before
             ran_before += completed
+            acked_before += settled
             if how == "restart":
                 assert completed == 32, [s.extra for s in statuses]
             else:
-                assert completed >= 32
+                # A job whose final frame went out just before the crash took its ack may come back:
+                # the worker then answers it from its stored result (acked, not completed again).
+                assert settled >= 32, [s.extra for s in statuses]
                 record_property("extra_runs_after_crash", completed - 32)
-                print(f"\nbroker crash: {completed - 32} request(s) ran to completion twice")
+                print(f"\nbroker crash: {completed - 32} more run(s) to completion than lines")
     finally:
         stop_all(workers)
         server.stop()
