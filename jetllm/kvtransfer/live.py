@@ -3,11 +3,11 @@ the prefill worker's answer comes.
 
 The decode worker's subscription hands every message to `put`, in order, on the event loop: the
 blocks' checksums are taken there (blockfile.BlockSums; blake3 takes ~0.2 ms per MiB here) and
-the bytes appended to a block file beside the one the engine will load (a page-cache copy of the
-same order; the block directory is on tmpfs where there is one, so no write waits for a disk).
-Threads did this before and cost the transfer more than the work itself: on two cores every
-handoff of the GIL between them and the event loop waited (docs/decisions.md, "KV blocks straight
-to the decode worker by default; checksums where the bytes are"). No message is kept once written. When the answer comes, its checksums are
+the bytes appended to a block file beside the one the engine will load, one write per message (a
+copy into the page cache: ~0.25 ms per MiB here). Threads did this before and cost the transfer
+more than the work itself: on two cores every handoff of the GIL between them and the event loop
+waited (docs/decisions.md, "KV blocks straight to the decode worker by default; checksums where
+the bytes are"). No message is kept once written. When the answer comes, its checksums are
 compared with the ones taken here and the file is renamed into place.
 """
 

@@ -2,10 +2,11 @@
 
 A decode worker renders the prompt, publishes a `PrefillRequest` on the prefill queue and waits
 on its reply subject for `Prefilled` (or an ErrorFrame). The blocks travel on their own subject
-(`Names.kv_live(transfer_id)`, or `Names.kv_blocks(transfer_id)` when they are stored): first a `KvBlocksHeader`, then the blocks in order, each block
-split into chunks that fit the server's max payload. `Prefilled.checksums` are taken from the
-bytes the prefill engine wrote, so the decode worker checks every block it fetched against a
-digest that came by another path. With one of vLLM's own connectors (`Prefilled.connector`) the
+(`Names.kv_live(transfer_id)`, or `Names.kv_blocks(transfer_id)` when they are stored): first a
+`KvBlocksHeader`, then the blocks in order, each block split into chunks that fit the server's
+max payload, or several to a message. `Prefilled.checksums` are taken from the bytes the prefill
+engine wrote, so the decode worker checks every block it received against a digest that came by
+another path. With one of vLLM's own connectors (`Prefilled.connector`) the
 same two messages pass, and the connectors move the bytes themselves.
 """
 
