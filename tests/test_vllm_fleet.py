@@ -206,18 +206,21 @@ async def test_registry_health_metrics_and_sleep_on_a_real_worker(nats_url, work
         async with anyio.create_task_group() as tg:
             for i in range(8):
                 tg.start_soon(c.complete, req(TINY, [10 + i] * 40, max_tokens=16))
-        after = await anyio.to_thread.run_sync(_scrape, record.metrics_url)
-        moved = {
-            name: _total(after, name) - _total(before, name)
-            for name in (
-                "vllm:prompt_tokens_total",
-                "vllm:generation_tokens_total",
-                "vllm:time_to_first_token_seconds_count",
-                "vllm:inter_token_latency_seconds_count",
-                "vllm:prefix_cache_queries_total",
-                "jetllm_frames_sent_total",
-            )
-        }
+        names_moved = (
+            "vllm:prompt_tokens_total",
+            "vllm:generation_tokens_total",
+            "vllm:time_to_first_token_seconds_count",
+            "vllm:inter_token_latency_seconds_count",
+            "vllm:prefix_cache_queries_total",
+            "jetllm_frames_sent_total",
+        )
+        with anyio.move_on_after(10):  # the engine's stats reach the worker with its next outputs
+            while True:
+                after = await anyio.to_thread.run_sync(_scrape, record.metrics_url)
+                moved = {name: _total(after, name) - _total(before, name) for name in names_moved}
+                if all(v > 0 for v in moved.values()):
+                    break
+                await anyio.sleep(0.2)
         assert moved["vllm:prompt_tokens_total"] >= 8 * 40 and moved["vllm:generation_tokens_total"] >= 8 * 16
         assert moved["vllm:time_to_first_token_seconds_count"] >= 8
         assert all(v > 0 for v in moved.values()), moved
