@@ -290,11 +290,13 @@ class JobRun:
                 migrations=migrations,
             ),
         )
+        # Counted once the result is stored and before the final frame: a producer that saw the
+        # frame and then reads the worker's status finds the request counted.
+        d.ctx.counters.completed += 1
         job.stage = "sending its final frame"
         await frames.send(final)
         await job.ack()
         d.ctx.counters.acked += 1
-        d.ctx.counters.completed += 1
         d.tasks.spawn(d.log.compact, rid)
 
     async def reply(self, message: msgspec.Struct, kind: str) -> None:
@@ -302,11 +304,11 @@ class JobRun:
         d, frames = self._d, self._frames
         assert frames is not None and self._run is not None
         self._run.ended = True
+        d.ctx.counters.completed += 1  # before the answer, as in finish()
         self.job.stage = f"sending its {kind} answer"
         await frames.answer(message, kind)
         await self.job.ack()
         d.ctx.counters.acked += 1
-        d.ctx.counters.completed += 1
 
     async def answer_from(self, result: Result) -> None:
         """The request already finished (a redelivery or a resubmission): answer from its result."""
