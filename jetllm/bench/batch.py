@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,7 +34,19 @@ class Figures(msgspec.Struct, kw_only=True):
     label: str
     lines: int
     seconds: float
+    """The median of `rounds`."""
     output_tokens: int
+    rounds: list[float] = []
+
+    @classmethod
+    def of(cls, label: str, lines: int, rounds: list[float], output_tokens: int) -> Figures:
+        return cls(
+            label=label,
+            lines=lines,
+            seconds=statistics.median(rounds),
+            output_tokens=output_tokens,
+            rounds=rounds,
+        )
 
     @property
     def tokens_per_second(self) -> float:
@@ -56,31 +69,41 @@ def _llm_kwargs(opts: EngineOptions) -> dict:
     return kw
 
 
-def offline(opts_json: str, prompts_json: str, output_len: int) -> None:
-    """The child process's part: print the offline figures as one JSON line."""
+def offline(opts_json: str, prompts_json: str, output_len: int, rounds: int) -> None:
+    """The child process's part: print the offline figures as JSON lines.
+
+    The reference detokenizes, as vLLM's default does and as the batch API must (its output
+    lines carry text); one more run without text shows what detokenizing costs."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     opts = msgspec.json.decode(opts_json, type=EngineOptions)
-    prompts = json.loads(prompts_json)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in json.loads(prompts_json)]
     llm = LLM(**_llm_kwargs(opts))
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, detokenize=False)
-    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:8]], params, use_tqdm=False)  # warm-up
-    started = time.perf_counter()
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-    seconds = time.perf_counter() - started
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    print(
-        msgspec.json.encode(
-            Figures(
-                label="vLLM offline LLM.generate", lines=len(prompts), seconds=seconds, output_tokens=tokens
-            )
-        ).decode(),
-        flush=True,
-    )
+
+    def timed(detokenize: bool, batch: list[Any] = prompts) -> tuple[float, int]:
+        params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, detokenize=detokenize)
+        started = time.perf_counter()
+        outs = llm.generate(batch, params, use_tqdm=False)
+        return time.perf_counter() - started, sum(len(o.outputs[0].token_ids) for o in outs)
+
+    timed(True, prompts[:8])  # warm-up
+    with_text = [timed(True) for _ in range(rounds)]
+    ids_only = timed(False)
+    for label, runs in (
+        (OFFLINE, with_text),
+        ("vLLM offline LLM.generate, token ids only (detokenize=False)", [ids_only]),
+    ):
+        figures = Figures.of(label, len(prompts), [r[0] for r in runs], runs[0][1])
+        print(msgspec.json.encode(figures).decode(), flush=True)
 
 
-def run_offline(opts: EngineOptions, prompts: list[list[int]], output_len: int, log: Path) -> Figures:
+OFFLINE = "vLLM offline LLM.generate"
+
+
+def run_offline(
+    opts: EngineOptions, prompts: list[list[int]], output_len: int, rounds: int, log: Path
+) -> list[Figures]:
     with open(log, "wb") as err:
         done = subprocess.run(
             [
@@ -90,6 +113,7 @@ def run_offline(opts: EngineOptions, prompts: list[list[int]], output_len: int, 
                 msgspec.json.encode(opts).decode(),
                 json.dumps(prompts),
                 str(output_len),
+                str(rounds),
             ],
             stdout=subprocess.PIPE,
             stderr=err,
@@ -98,13 +122,19 @@ def run_offline(opts: EngineOptions, prompts: list[list[int]], output_len: int, 
     if done.returncode != 0:
         raise RuntimeError(f"the offline run failed ({done.returncode}); see {log}")
     mine = [x for x in done.stdout.splitlines() if x.startswith(b'{"label"')]  # vLLM prints too
-    if not mine:
+    if len(mine) != 2:
         raise RuntimeError(f"the offline run printed no figures; see {log}")
-    return msgspec.json.decode(mine[-1], type=Figures)
+    return [msgspec.json.decode(x, type=Figures) for x in mine]
 
 
 async def run_batch_api(
-    opts: EngineOptions, prompts: list[list[int]], output_len: int, url: str, log_dir: Path, window: int
+    opts: EngineOptions,
+    prompts: list[list[int]],
+    output_len: int,
+    url: str,
+    log_dir: Path,
+    window: int,
+    rounds: int,
 ) -> list[Figures]:
     """The batch API, and for scale the same lines streamed through the same worker by one
     producer (`Client.complete`, `window` at a time): what the plane costs apart from the runner."""
@@ -178,8 +208,14 @@ async def run_batch_api(
                     return seconds, tokens
 
                 await one(prompts[:8], "warmup")
-                streamed = await _streamed(client, prompts, window, body)
-                seconds, tokens = await one(prompts, "measured")
+                streamed: list[tuple[float, int]] = []
+                batched: list[tuple[float, int]] = []
+                for n in range(rounds):  # alternating, so drift on the box touches both alike
+                    for measure in (0, 1) if n % 2 == 0 else (1, 0):
+                        if measure == 0:
+                            streamed.append(await _streamed(client, prompts, window, body))
+                        else:
+                            batched.append(await one(prompts, f"measured{n}"))
                 tg.cancel_scope.cancel()
     finally:
         proc.terminate()
@@ -189,12 +225,18 @@ async def run_batch_api(
             proc.kill()
         log.close()
     return [
-        streamed,
-        Figures(label="jetllm batch API", lines=len(prompts), seconds=seconds, output_tokens=tokens),
+        Figures.of(
+            f"jetllm, streamed by one producer ({window} in flight)",
+            len(prompts),
+            [r[0] for r in streamed],
+            streamed[0][1],
+        ),
+        Figures.of("jetllm batch API", len(prompts), [r[0] for r in batched], batched[0][1]),
     ]
 
 
-async def _streamed(client: Any, prompts: list[list[int]], window: int, body: Any) -> Figures:
+async def _streamed(client: Any, prompts: list[list[int]], window: int, body: Any) -> tuple[float, int]:
+    """Seconds and output tokens."""
     from ..openai.endpoints import COMPLETIONS, prepare
 
     limiter = anyio.Semaphore(window)
@@ -212,10 +254,7 @@ async def _streamed(client: Any, prompts: list[list[int]], window: int, body: An
     async with anyio.create_task_group() as tg:
         for i in range(len(prompts)):
             tg.start_soon(one, i)
-    label = f"jetllm, streamed by one producer ({window} in flight)"
-    return Figures(
-        label=label, lines=len(prompts), seconds=time.perf_counter() - started, output_tokens=tokens
-    )
+    return time.perf_counter() - started, tokens
 
 
 def cmd_bench_batch(args: argparse.Namespace) -> int:
@@ -242,7 +281,7 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
         requests=args.lines, concurrency=1, prompt_len=args.prompt_len, output_len=args.output_len
     ).prompts(vocab)
     log_dir = Path(tempfile.mkdtemp(prefix="jetllm-bench-batch-"))
-    rows = [run_offline(opts, prompts, args.output_len, log_dir / "offline.log")]
+    rows = run_offline(opts, prompts, args.output_len, args.rounds, log_dir / "offline.log")
     with NatsServer(log_dir / "nats") as server:
         rows.extend(
             run(
@@ -253,6 +292,7 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
                 server.url,
                 log_dir,
                 args.batch_window or opts.max_num_seqs or 256,
+                args.rounds,
             )
         )
     text = report(rows, args, command_line("bench-batch"))
@@ -261,20 +301,23 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
 
 
 def report(rows: list[Figures], args: argparse.Namespace, command: str) -> str:
+    """The first row is the reference the others are compared with."""
     base = rows[0].tokens_per_second
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     lines = [
         f"Measured {when} on {os.cpu_count()} CPUs.",
         "",
         f"`{command}`: {args.lines} lines, {args.prompt_len}-token prompts, {args.output_len} tokens each "
-        f"(greedy, ignore_eos), max_num_seqs {args.max_num_seqs}.",
+        f"(greedy, ignore_eos, text returned), max_num_seqs {args.max_num_seqs}; medians of the "
+        "rounds.",
         "",
-        "| target | seconds | output tokens/s | vs offline |",
-        "|---|---:|---:|---:|",
+        "| target | seconds | output tokens/s | vs offline | seconds per round |",
+        "|---|---:|---:|---:|---|",
     ]
     for r in rows:
         ratio = r.tokens_per_second / base if base else 0.0
-        lines.append(f"| {r.label} | {r.seconds:.1f} | {r.tokens_per_second:,.0f} | {ratio:.2f}x |")
+        each = ", ".join(f"{x:.2f}" for x in r.rounds)
+        lines.append(f"| {r.label} | {r.seconds:.2f} | {r.tokens_per_second:,.0f} | {ratio:.2f}x | {each} |")
     return "\n".join(lines) + "\n"
 
 
@@ -295,10 +338,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="default: the tiny model")
     p.add_argument("--batch-window", type=int, default=None, help="default: --max-num-seqs")
     p.add_argument(
+        "--rounds", type=int, default=3, help="timed runs per target (medians reported; jetllm's alternate)"
+    )
+    p.add_argument(
         "--write", default=None, help="put the table into this markdown file (bench-batch section)"
     )
     p.set_defaults(func=cmd_bench_batch)
 
 
 if __name__ == "__main__":
-    offline(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    offline(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
