@@ -12,12 +12,14 @@ import pytest
 from jetllm.errors import RequestFailed
 from jetllm.producer import Client
 from jetllm.schemas import (
+    AcceptedFrame,
     ChatMessage,
     ChatPrompt,
     ErrorCode,
     FinalFrame,
     GenerateRequest,
     OutputOptions,
+    PulledFrame,
     SamplingOptions,
     StopConditions,
     TextPrompt,
@@ -385,3 +387,27 @@ async def test_a_stream_interval_sends_the_same_tokens_in_fewer_frames(c):
     # the first token at once, then eight at a time, the rest at the end; vLLM merges outputs a
     # busy consumer has not taken yet, so frames may be larger, never smaller
     assert all(n >= 8 for n in tokens(coarse)[1:-1]) and len(tokens(coarse)) <= 6, tokens(coarse)
+
+
+async def test_a_cancel_lands_while_the_engine_has_not_made_a_step_for_the_request(c, shared_vllm):
+    """The engine is frozen before the job is sent, so it has not taken the request when the
+    producer cancels it right after `accepted`: the cancel still lands (result and count) without
+    waiting for the engine."""
+    from jetllm.producer.fleet import instance_status
+
+    async def cancelled() -> int:
+        return int((await instance_status(c.nc, c.names, shared_vllm.instance)).extra["cancelled"])
+
+    before = await cancelled()
+    req = request([7, 8, 10], stop=StopConditions(max_tokens=480, ignore_eos=True))
+    with shared_vllm.engine_frozen():
+        async for frame in c.generate(req):
+            assert isinstance(frame, (PulledFrame, AcceptedFrame)), frame
+            if isinstance(frame, AcceptedFrame):
+                break
+        with anyio.fail_after(10):
+            result = await c.wait_result(req.request_id)
+        assert result.error is not None and result.error.code.value == "cancelled"
+        with anyio.fail_after(10):
+            while await cancelled() == before:
+                await anyio.sleep(0.05)
