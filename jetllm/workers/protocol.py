@@ -304,9 +304,9 @@ class JobRun:
         d, frames = self._d, self._frames
         assert frames is not None and self._run is not None
         self._run.ended = True
-        d.ctx.counters.completed += 1  # before the answer, as in finish()
         self.job.stage = f"sending its {kind} answer"
         await frames.answer(message, kind)
+        d.ctx.counters.completed += 1  # before the ack's round trip, as in finish()
         await self.job.ack()
         d.ctx.counters.acked += 1
 
