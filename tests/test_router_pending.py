@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import time
 
+import msgspec
+import pytest
+
 from jetllm.router import Router
 from jetllm.router.pending import PendingBlocks, RecentJobs
 from jetllm.schemas import EngineInfo, InstanceRecord
@@ -108,3 +111,40 @@ def test_new_prefixes_at_equal_load_get_homes_spread_evenly():
         prefix = [1000 * (g + 1) + i for i in range(64)]
         homes.append(router.decide(req("m", prefix + [1]), prefix + [1]).instance)
     assert sorted(homes.count(w) for w in ("w1", "w2", "w3")) == [2, 2, 2], homes
+
+
+def test_a_new_prefix_another_router_placed_goes_where_that_router_sent_it():
+    """Two routers in front of one fleet: the second hears where the first sent a new prefix and
+    sends its jobs there too, though on its own it would have chosen another home."""
+    prefix = list(range(100, 164))
+    first_router = fleet_router("w1", "w2", "w3")
+    first = first_router.decide(req("m", prefix + [1]), prefix + [1])
+    (note,) = first_router.notes
+    assert (note.instance, note.router) == (first.instance, first_router.id)
+
+    def biased() -> Router:  # it sent the most jobs lately to that home: alone, it goes elsewhere
+        r = fleet_router("w1", "w2", "w3")
+        for _ in range(3):
+            r.recent.add(first.instance, time.monotonic())
+        return r
+
+    alone = biased().decide(req("m", prefix + [2]), prefix + [2])
+    assert alone.instance not in (None, first.instance), alone.why
+    told = biased()
+    told.heard(note)
+    follower = told.decide(req("m", prefix + [2]), prefix + [2])
+    assert follower.instance == first.instance, follower.why
+    own = biased()
+    own.heard(msgspec.structs.replace(note, router=own.id))  # its own note changes nothing
+    assert own.decide(req("m", prefix + [2]), prefix + [2]).instance == alone.instance
+
+
+@pytest.mark.anyio
+async def test_an_unreadable_placement_note_is_skipped():
+    router = fleet_router("w1", "w2")
+
+    class Msg:
+        data = b"\xc1 not msgpack"
+
+    await router._on_routed(Msg())
+    assert len(router.pending) == 0

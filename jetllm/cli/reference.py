@@ -67,6 +67,7 @@ SECTIONS: list[tuple[str, list[type]]] = [
             s.EngineInfo,
             s.ModelCard,
             s.LoadReport,
+            s.Routed,
             s.HealthCheck,
             s.HealthReport,
             s.SleepRequest,

@@ -39,6 +39,7 @@ def wire_types() -> dict[str, object]:
         "InstanceRecord": s.InstanceRecord,
         "ModelCard": s.ModelCard,
         "LoadReport": s.LoadReport,
+        "Routed": s.Routed,
         "KvEventBatch": s.KvEventBatch,
         # LoRA adapters: the desired set, its verbs and replies
         "AdapterSpec": s.AdapterSpec,

@@ -13,17 +13,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import anyio
+import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.subscription import Subscription
 
 from ..producer.registry import instances
-from ..schemas import GenerateRequest, InstanceRecord, RouteCandidate, RouteDecision
+from ..schemas import GenerateRequest, InstanceRecord, RouteCandidate, Routed, RouteDecision
+from ..subjects import codec
 from ..subjects.names import Names
 from .cost import Candidate, Choice, Weights, by_load, cached_tokens, choose, shortlist
 from .feed import KvFeed, LoadBook, follow_registry
@@ -34,6 +37,10 @@ from .tokens import PromptTokenizer
 from .trace import publish_decision
 
 log = logging.getLogger(__name__)
+_routed_decoder = codec.Decoder(Routed)
+
+ROUTED_BLOCKS = 4096
+"""Blocks of a peer's note taken at most (a prompt of 64k tokens at 16 a block)."""
 
 HOME_TOKENS = 256
 """A cold prompt's home is ranked by its chain up to the block covering this many tokens: deep
@@ -117,6 +124,8 @@ class Router:
         self.weights = weights or Weights()
         self.tokenizer = PromptTokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
         self.name = name
+        self.id = f"{name}-{uuid.uuid4().hex[:12]}"
+        """This router among its peers (names may repeat)."""
         self.trace = trace
         self.index = BlockIndex()
         self.pending = PendingBlocks()
@@ -140,6 +149,9 @@ class Router:
         self._watched: set[str] = set()
         """Instances the registry watch has shown (once shown, absence from it means gone)."""
         self._sub: Subscription | None = None
+        self._peers: Subscription | None = None
+        self.notes: deque[Routed] = deque()
+        """Placements decided and not yet told to the other routers."""
         self.feed: KvFeed | None = None
 
     # lifecycle
@@ -160,6 +172,7 @@ class Router:
             log.warning("router: cannot read the registry yet (%s); following it", exc)
         self.feed = KvFeed(nc, names, self.model, self.index, lambda: self._hasher)
         self._sub = await nc.subscribe(names.load_of(self.model), cb=self._on_load)
+        self._peers = await nc.subscribe(names.routed(self.role, self.model), cb=self._on_routed)
         # plain tasks, not a task group held open across calls: a router may be started and
         # closed from different scopes (a Client's, a test's)
         self._stopping = False
@@ -180,12 +193,13 @@ class Router:
             log.warning("router: KV events not replayed within %.0fs; placing jobs meanwhile", warm_timeout)
 
     async def close(self) -> None:
-        if self._sub is not None:
-            try:
-                await self._sub.unsubscribe()
-            except Exception:
-                pass
-            self._sub = None
+        for sub in (self._sub, self._peers):
+            if sub is not None:
+                try:
+                    await sub.unsubscribe()
+                except Exception:
+                    pass
+        self._sub = self._peers = None
         tasks, self._tasks = self._tasks, []
         self._stopping = True
         if tasks:  # they stop on their own within a second or two; cancelled only if they do not
@@ -223,6 +237,22 @@ class Router:
 
     async def _on_load(self, msg) -> None:  # type: ignore[no-untyped-def]
         self.loads.take(msg)
+
+    async def _on_routed(self, msg) -> None:  # type: ignore[no-untyped-def]
+        try:
+            note = _routed_decoder.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:  # a peer's bug, or not a peer
+            log.debug("router: skipping an unreadable placement note: %s", exc)
+            return
+        self.heard(note)
+
+    def heard(self, note: Routed) -> None:
+        """Another router directed a prompt: count its blocks as held there, as for our own."""
+        if note.router == self.id:
+            return
+        now = time.monotonic()
+        self.pending.note(note.blocks[:ROUTED_BLOCKS], note.instance, now)
+        self.recent.add(note.instance, now)
 
     def _on_instances(self, watched: dict[str, InstanceRecord]) -> None:
         """The registry watch's view. It delivers the records present at its start one at a time,
@@ -324,6 +354,7 @@ class Router:
             self.recent.add(choice.instance, now)
             if chain:
                 self.pending.note(chain, choice.instance, now)
+                self.notes.append(Routed(router=self.id, instance=choice.instance, blocks=chain))
         return choice
 
     def _home_depth(self) -> int:
@@ -346,6 +377,7 @@ class Router:
             tokens = list(req.prompt.token_ids)  # type: ignore[union-attr]
         choice = self.decide(req, tokens)
         elapsed_us = (time.perf_counter() - t0) * 1e6
+        await self._tell_peers()
         if req.session_id and choice.instance is not None:
             self._sessions[req.session_id] = choice.instance
             self._sessions.move_to_end(req.session_id)
@@ -385,6 +417,17 @@ class Router:
                 started=started,
             )
         return Placement(choice.instance, decision)
+
+    async def _tell_peers(self) -> None:
+        """A peer that misses a note only starts a new prefix elsewhere once: no retry."""
+        while self.notes:
+            note = self.notes.popleft()
+            if self._nc is None or self._names is None:
+                continue
+            try:
+                await self._nc.publish(self._names.routed(self.role, self.model), codec.encode(note))
+            except Exception as exc:
+                log.debug("router: could not tell the other routers about a placement: %s", exc)
 
     def _count(self, d: RouteDecision) -> None:
         s = self.stats

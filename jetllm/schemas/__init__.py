@@ -24,6 +24,7 @@ from .fleet import (
     InstanceState,
     LoadReport,
     ModelCard,
+    Routed,
     SleepRequest,
 )
 from .frames import (
@@ -100,6 +101,7 @@ __all__ = [
     "KvStored",
     "ModelCard",
     "LoadReport",
+    "Routed",
     "InstanceState",
     "InstanceRecord",
     "HealthReport",

@@ -93,6 +93,18 @@ class LoadReport(Report, kw_only=True):
     state: InstanceState = "serving"
 
 
+class Routed(Report, kw_only=True):
+    """Published by a router on `jetllm.<ns>.routed.<role>.<model>` for every job it directs: the
+    other routers count the prompt's blocks as held there too (router/pending.py), so a new
+    prefix's jobs follow its first to one instance whichever router places them."""
+
+    router: str
+    """The router that placed it (each skips its own)."""
+    instance: str
+    blocks: list[int]
+    """The prompt's chain of block hashes up to its last full block (router/hashing.py)."""
+
+
 class ControlFailed(Report, kw_only=True, tag="failed"):
     """A control verb that could not be carried out on one instance."""
 

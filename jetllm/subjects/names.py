@@ -14,6 +14,7 @@ Subject tree (one namespace `<ns>` per deployment):
     jetllm.<ns>.ctl.i.<instance>.<verb>      one instance's control subjects (core NATS)
     jetllm.<ns>.ctl.m.<model>.<verb>         every instance serving a model answers (core NATS)
     jetllm.<ns>.load.<model>.<instance>      load reports, about once a second (core NATS)
+    jetllm.<ns>.routed.<role>.<model>        where routers sent prompts, for each other (core NATS)
     jetllm.<ns>.kv.<model>.<instance>        KV-cache events (limits stream, replayable)
     jetllm.<ns>.trace.<request>              per-hop timing records of a request (limits stream)
     jetllm.<ns>.kvblocks.<transfer>          one prompt's KV blocks, prefill to decode (memory stream, TTL)
@@ -328,6 +329,13 @@ class Names:
         return f"m.{encode_token(model)}"
 
     # load reports, KV-cache events, traces
+    def routed(self, role: str, model: str) -> str:
+        return f"{self._root}.routed.{check_name('role', role)}.{encode_token(model)}"
+
+    @property
+    def routed_all(self) -> str:
+        return f"{self._root}.routed.>"
+
     def load(self, model: str, instance: str) -> str:
         return f"{self._root}.load.{encode_token(model)}.{encode_token(instance)}"
 

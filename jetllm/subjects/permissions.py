@@ -166,7 +166,8 @@ def _router(n: Names, inbox: str) -> tuple[list[str], list[str]]:
         *_reader(n.kv_events_stream),
         *_reader(n.traces_stream),
     ]
-    sub += [n.load_all]
+    sub += [n.load_all, n.routed_all]
+    pub += [n.routed_all]  # where it sent a prompt, for the other routers
     pub += _routing_queue(n)
     pub += _batch_plane(n)
     # a batch runner hears its lines' results as they are written: no more than a producer may
