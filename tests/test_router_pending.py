@@ -9,7 +9,7 @@ import pytest
 
 from jetllm.router import Router
 from jetllm.router.pending import PendingBlocks, RecentJobs
-from jetllm.schemas import EngineInfo, InstanceRecord
+from jetllm.schemas import EngineInfo, InstanceRecord, Routed
 
 from .jobs import req
 
@@ -148,3 +148,9 @@ async def test_an_unreadable_placement_note_is_skipped():
 
     await router._on_routed(Msg())
     assert len(router.pending) == 0
+
+
+def test_a_note_about_an_instance_the_router_does_not_know_is_ignored():
+    router = fleet_router("w1", "w2")
+    router.heard(Routed(router="other", instance="nobody", blocks=[1, 2, 3]))
+    assert len(router.pending) == 0 and router.recent.of("nobody", time.monotonic()) == 0.0

@@ -150,8 +150,8 @@ class Router:
         """Instances the registry watch has shown (once shown, absence from it means gone)."""
         self._sub: Subscription | None = None
         self._peers: Subscription | None = None
-        self.notes: deque[Routed] = deque()
-        """Placements decided and not yet told to the other routers."""
+        self.notes: deque[Routed] = deque(maxlen=1024)
+        """Placements decided and not yet told to the other routers (`place` tells them)."""
         self.feed: KvFeed | None = None
 
     # lifecycle
@@ -248,8 +248,8 @@ class Router:
 
     def heard(self, note: Routed) -> None:
         """Another router directed a prompt: count its blocks as held there, as for our own."""
-        if note.router == self.id:
-            return
+        if note.router == self.id or note.instance not in self.instances:
+            return  # ours, or an instance we do not know (yet): nothing to follow
         now = time.monotonic()
         self.pending.note(note.blocks[:ROUTED_BLOCKS], note.instance, now)
         self.recent.add(note.instance, now)
