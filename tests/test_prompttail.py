@@ -77,6 +77,22 @@ def test_text_is_dropped_when_only_stop_strings_needed_it():
 
 
 CHARS = {1: "a", 2: "!", 3: "b", 4: "c", 5: "?"}
+HALVES = (6, 7)
+"""Two tokens that are the two bytes of one character, "é"."""
+
+
+def text_of(ids):
+    """As a tokenizer decodes: a character's first byte alone is U+FFFD."""
+    out, i = [], 0
+    while i < len(ids):
+        if ids[i] == HALVES[0]:
+            whole = ids[i + 1 : i + 2] == [HALVES[1]]
+            out.append("é" if whole else "\ufffd")
+            i += 2 if whole else 1
+        else:
+            out.append(CHARS[ids[i]])
+            i += 1
+    return "".join(out)
 
 
 @pytest.mark.parametrize(
@@ -87,20 +103,21 @@ CHARS = {1: "a", 2: "!", 3: "b", 4: "c", 5: "?"}
         (False, 0, [[1], [3, 2, 4]], [[1], [3, 2]], "ab"),  # tokens of earlier steps count
         (False, 2, [[2, 1, 2, 3]], [[2, 1, 2]], "!a"),  # not before min_tokens, as in vLLM
         (False, 0, [[1, 3, 4]], [[1, 3, 4]], "abc"),  # no stop: every token stays
+        (False, 0, [[1, 6, 7, 2, 3]], [[1, 6, 7, 2]], "aé"),  # a character in two tokens (CI)
+        (False, 0, [[1, 6], [7, 2, 3]], [[1, 6], [7, 2]], "aé"),
     ],
 )
 def test_a_step_of_several_tokens_keeps_those_up_to_the_stop_string(include, min_tokens, steps, kept, text):
-    def text_of(ids):
-        return "".join(CHARS[i] for i in ids)
-
     tails = TailChoices("Pq", 1, ["!"], include, min_tokens, want_text=True, text_of=text_of)
-    out = []
+    out: list = []
+    seen: list[int] = []
     for n, ids in enumerate(steps):
         leak = "Pq" if n == 0 else ""  # vLLM's first text carries the prompt's
+        # vLLM's delta: the text that became whole with this step's tokens
+        new = text_of(seen + ids).rstrip("\ufffd")[len(text_of(seen).rstrip("\ufffd")) :]
+        seen += ids
         step = EngineStep(
-            choices=[
-                ChoiceDelta(index=0, token_ids=ids, text=leak + text_of(ids), logprobs=[-1.0] * len(ids))
-            ],
+            choices=[ChoiceDelta(index=0, token_ids=ids, text=leak + new, logprobs=[-1.0] * len(ids))],
             finished=False,
         )
         out.extend(tails.repair(step).choices)

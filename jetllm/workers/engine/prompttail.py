@@ -153,7 +153,9 @@ class TailChoices:
         the prompt's leaked text); None for a single token, or when the split does not add up."""
         if self._text_of is None or len(ids) < 2:
             return None
-        texts = [self._text_of(before + ids[:k]) for k in range(len(ids) + 1)]
+        # A token inside a character decodes to a trailing U+FFFD that the next token replaces:
+        # until the character is whole it has no text, as in vLLM's detokenizer.
+        texts = [self._text_of(before + ids[:k]).rstrip(REPLACEMENT) for k in range(len(ids) + 1)]
         if any(not b.startswith(a) for a, b in zip(texts, texts[1:], strict=False)):
             return None
         pieces = [b[len(a) :] for a, b in zip(texts, texts[1:], strict=False)]
