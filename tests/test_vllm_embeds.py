@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import hashlib
-import os
 import signal
 import uuid
 
@@ -192,7 +191,12 @@ async def _names(store):
 async def test_a_drained_worker_hands_an_embeddings_request_on_and_the_output_is_unchanged(
     nats_url, embeds_worker, start_worker, table
 ):
-    """The second worker continues in vLLM's mixed mode (embedding rows, then the delivered ids)."""
+    """The second worker continues in vLLM's mixed mode (embedding rows, then the delivered ids).
+    The first worker's engine is frozen once the client has 20 tokens, and the worker's status
+    must confirm it still runs the request (a client slower than the tiny model, on a loaded CI
+    box, saw its 20th token after all 400 were made); a try that had finished runs again."""
+    from jetllm.producer.fleet import instance_status
+
     ns = embeds_worker.namespace
     ids = [20, 3, 77, 5]
     async with Client(nats_url, namespace=ns, heartbeat_timeout=30) as c:
@@ -202,22 +206,29 @@ async def test_a_drained_worker_hands_an_embeddings_request_on_and_the_output_is
         try:
             await first.wait_ready(nats_url)
             await anyio.sleep(5)  # the frozen worker's outstanding pulls expire on the server
-            frames = []
-            async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                frames: list = []
+                req = request(embeds_prompt(table[ids]), max_tokens=400)
+                async with anyio.create_task_group() as tg:
 
-                async def follow() -> None:
-                    async for frame in c.generate(request(embeds_prompt(table[ids]), max_tokens=400)):
-                        frames.append(frame)
+                    async def follow(req=req, frames=frames) -> None:
+                        async for frame in c.generate(req):
+                            frames.append(frame)
 
-                tg.start_soon(follow)
-                with anyio.fail_after(120):
-                    while sum(len(f.token_ids) for f in frames if isinstance(f, TokensFrame)) < 20:
-                        await anyio.sleep(0.05)
-                # Freeze the first worker with its engine so the request cannot finish before the drain.
-                os.killpg(first.proc.pid, signal.SIGSTOP)
-                embeds_worker.signal(signal.SIGCONT)
-                first.signal(signal.SIGTERM)
-                os.killpg(first.proc.pid, signal.SIGCONT)
+                    tg.start_soon(follow)
+                    with anyio.fail_after(120):
+                        while sum(len(f.token_ids) for f in frames if isinstance(f, TokensFrame)) < 20:
+                            await anyio.sleep(0.01)
+                    with first.engine_frozen():
+                        status = await instance_status(c.nc, c.names, first.instance)
+                        if req.request_id not in status.request_ids:
+                            continue  # it finished before the freeze: nothing to hand on
+                        embeds_worker.signal(signal.SIGCONT)
+                        first.signal(signal.SIGTERM)  # grace 0: it hands the request on at once
+                        with anyio.fail_after(30):
+                            while "handing back" not in first.log_tail(100):
+                                await anyio.sleep(0.05)
+                break
         finally:
             embeds_worker.signal(signal.SIGCONT)
     assert not any(isinstance(f, ErrorFrame) for f in frames), frames[-1]
