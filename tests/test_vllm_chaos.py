@@ -214,19 +214,30 @@ async def test_chaos_keeps_greedy_outputs_exact_and_every_delivered_sampled_toke
 
 
 async def test_cancel_reaches_the_engine_and_is_not_migrated(nats_url, shared_vllm):
+    """The engine is frozen once the client has a token, and the worker's status must confirm it
+    still runs the request (a client slower than the tiny model, on a loaded CI box, saw its first
+    token after all 480 were made); a try that had finished runs again."""
     w = shared_vllm
     async with Client(nats_url, namespace=w.namespace) as c:
-        completed = int((await instance_status(c.nc, c.names, w.instance)).extra["completed"])
-        r = req(TINY, [7, 8, 9], stop=StopConditions(max_tokens=480, ignore_eos=True))
-        with contextlib.ExitStack() as frozen:
-            async for frame in c.generate(r):
-                if isinstance(frame, TokensFrame):
-                    # or a loaded machine's tiny model may finish before the cancel lands
-                    frozen.enter_context(w.engine_frozen())
-                    break
-            with anyio.fail_after(10):
-                while r.request_id in (await instance_status(c.nc, c.names, w.instance)).request_ids:
-                    await anyio.sleep(0.05)
+        for _ in range(3):
+            completed = int((await instance_status(c.nc, c.names, w.instance)).extra["completed"])
+            r = req(TINY, [7, 8, 9], stop=StopConditions(max_tokens=480, ignore_eos=True))
+            status = None
+            with contextlib.ExitStack() as frozen:
+                async for frame in c.generate(r):
+                    if isinstance(frame, TokensFrame):
+                        frozen.enter_context(w.engine_frozen())
+                        status = await instance_status(c.nc, c.names, w.instance)
+                        break
+                assert status is not None, f"the request ended without a token: {frame}"
+                if r.request_id not in status.request_ids:
+                    continue  # it finished before the freeze: nothing left to cancel
+                with anyio.fail_after(10):
+                    while r.request_id in (await instance_status(c.nc, c.names, w.instance)).request_ids:
+                        await anyio.sleep(0.05)
+            break
+        else:
+            raise AssertionError("every request finished before it could be cancelled")
         with anyio.fail_after(10):
             while True:
                 s = await instance_status(c.nc, c.names, w.instance)

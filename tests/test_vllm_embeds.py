@@ -194,19 +194,22 @@ async def test_a_drained_worker_hands_an_embeddings_request_on_and_the_output_is
     """The second worker continues in vLLM's mixed mode (embedding rows, then the delivered ids).
     The first worker's engine is frozen once the client has 20 tokens, and the worker's status
     must confirm it still runs the request (a client slower than the tiny model, on a loaded CI
-    box, saw its 20th token after all 400 were made); a try that had finished runs again."""
+    box, saw its 20th token after all 400 were made); a try that finished on the first worker
+    anyway (its result was being stored when the drain came) runs again."""
     from jetllm.producer.fleet import instance_status
 
     ns = embeds_worker.namespace
     ids = [20, 3, 77, 5]
     async with Client(nats_url, namespace=ns, heartbeat_timeout=30) as c:
         want = await c.complete(request(TokensPrompt(ids), max_tokens=400))
-        first = start_worker(ns, "--enable-prompt-embeds", "--grace-period", "0")
-        embeds_worker.signal(signal.SIGSTOP)  # only the new worker takes the job
+        first = None
         try:
-            await first.wait_ready(nats_url)
-            await anyio.sleep(5)  # the frozen worker's outstanding pulls expire on the server
             for _ in range(3):
+                embeds_worker.signal(signal.SIGSTOP)  # only the new worker takes the job
+                if first is None:
+                    first = start_worker(ns, "--enable-prompt-embeds", "--grace-period", "0")
+                    await first.wait_ready(nats_url)
+                await anyio.sleep(5)  # the frozen worker's outstanding pulls expire on the server
                 frames: list = []
                 req = request(embeds_prompt(table[ids]), max_tokens=400)
                 async with anyio.create_task_group() as tg:
@@ -223,12 +226,20 @@ async def test_a_drained_worker_hands_an_embeddings_request_on_and_the_output_is
                         status = await instance_status(c.nc, c.names, first.instance)
                         if req.request_id not in status.request_ids:
                             continue  # it finished before the freeze: nothing to hand on
+                        drained, first = first, None
                         embeds_worker.signal(signal.SIGCONT)
-                        first.signal(signal.SIGTERM)  # grace 0: it hands the request on at once
+                        drained.signal(signal.SIGTERM)  # grace 0: it hands the request on at once
                         with anyio.fail_after(30):
-                            while "handing back" not in first.log_tail(100):
+                            while not (
+                                "handing back" in drained.log_tail(100)
+                                or any(isinstance(f, FinalFrame) for f in frames)
+                                or drained.proc.poll() is not None
+                            ):
                                 await anyio.sleep(0.05)
-                break
+                if not (isinstance(frames[-1], FinalFrame) and frames[-1].attempt == 1):
+                    break
+            else:
+                raise AssertionError("every try finished on the first worker")
         finally:
             embeds_worker.signal(signal.SIGCONT)
     assert not any(isinstance(f, ErrorFrame) for f in frames), frames[-1]
