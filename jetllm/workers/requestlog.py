@@ -9,6 +9,7 @@ import msgspec
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
+from nats.js.api import RawStreamMsg
 
 from ..aio import retried
 from ..schemas import (
@@ -271,24 +272,26 @@ class RequestLog:
                 exc,
             )
 
-    async def last(self, request_id: str) -> Record | Unreadable | None:
+    async def _stored_last(self, stream: str, subject: str, what: str) -> RawStreamMsg | None:
+        """The last message stored on `subject`, by one direct get (which any copy of the stream
+        answers); None when there is none."""
         try:
-            raw = await self.js.get_last_msg(
-                self.names.requests_stream, self.names.request_log(request_id), direct=True
-            )
+            raw = await self.js.get_last_msg(stream, subject, direct=True)
         except nats.js.errors.NotFoundError:
             return None
         except nats.js.errors.APIError as exc:
             if getattr(exc, "code", None) == 404:
                 return None
-            raise LogUnavailable(f"request log: {exc}") from exc
-        except (
-            nats.errors.NoRespondersError,
-            nats.errors.TimeoutError,
-            nats.errors.ConnectionClosedError,
-        ) as exc:
-            raise LogUnavailable(f"request log: {type(exc).__name__}") from exc
-        if not raw.data:  # a direct get of a missing subject answers with an empty 404 message
+            raise LogUnavailable(f"{what}: {exc}") from exc
+        except (nats.errors.Error, nats.js.errors.Error) as exc:
+            raise LogUnavailable(f"{what}: {type(exc).__name__}") from exc
+        return raw if raw.data else None  # a missing subject may answer with an empty 404 message
+
+    async def last(self, request_id: str) -> Record | Unreadable | None:
+        raw = await self._stored_last(
+            self.names.requests_stream, self.names.request_log(request_id), "request log"
+        )
+        if raw is None:
             return None
         try:
             return _decoder.decode(raw.data)
@@ -299,23 +302,10 @@ class RequestLog:
     async def cancel(self, request_id: str) -> Cancelled | None:
         """The producer's durable cancel of the request, if it stored one (not in the log: see
         Client.cancel). Read with one direct get, like the log."""
-        try:
-            raw = await self.js.get_last_msg(
-                self.names.cancels_stream, self.names.cancelled(request_id), direct=True
-            )
-        except nats.js.errors.NotFoundError:
-            return None
-        except nats.js.errors.APIError as exc:
-            if getattr(exc, "code", None) == 404:
-                return None
-            raise LogUnavailable(f"durable cancels: {exc}") from exc
-        except (
-            nats.errors.NoRespondersError,
-            nats.errors.TimeoutError,
-            nats.errors.ConnectionClosedError,
-        ) as exc:
-            raise LogUnavailable(f"durable cancels: {type(exc).__name__}") from exc
-        return read_cancel(raw.data) if raw.data else None
+        raw = await self._stored_last(
+            self.names.cancels_stream, self.names.cancelled(request_id), "durable cancels"
+        )
+        return None if raw is None else read_cancel(raw.data)
 
     async def history(self, request_id: str) -> History:
         """Every record of the request, up to the last one stored when this is called (the log
@@ -323,13 +313,8 @@ class RequestLog:
         direct gets (subjects/streamread.py), which work in the seconds after a cluster member
         died, when creating a consumer to read it may not."""
         subject = self.names.request_log(request_id)
-        try:
-            last = await self.js.get_last_msg(self.names.requests_stream, subject, direct=True)
-        except nats.js.errors.NotFoundError:
-            return History()
-        except (nats.errors.Error, nats.js.errors.Error) as exc:
-            raise LogUnavailable(f"request log: {type(exc).__name__}") from exc
-        if not last.data or last.seq is None:
+        last = await self._stored_last(self.names.requests_stream, subject, "request log")
+        if last is None or last.seq is None:
             return History()
         records: list[Record] = []
         read_to = 0
