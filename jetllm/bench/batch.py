@@ -143,25 +143,10 @@ async def run_batch_api(
     from ..openai.endpoints import COMPLETIONS
     from ..producer import Client
     from ..producer.fleet import wait_for_workers
-    from .targets import engine_cli_args
+    from .targets import worker_command
 
     namespace = f"bb-{uuid.uuid4().hex[:8]}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "jetllm",
-        "worker",
-        "--nats",
-        url,
-        "--namespace",
-        namespace,
-        *engine_cli_args(opts),
-        "--kv-cache-bytes",
-        str(opts.kv_cache_bytes or (1 << 30)),
-        "--slots",
-        str(opts.max_num_seqs or 256),
-        "--no-kv-events",
-    ]
+    cmd = worker_command(opts, url, namespace)
     log = open(log_dir / "bench-batch-worker.log", "wb")
     proc = subprocess.Popen(
         cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -36,6 +36,7 @@ from ..schemas import (
     TokensFrame,
     TokensPrompt,
 )
+from ..spawn import jetllm_command
 from .run import _vocab, command_line, publish
 from .workload import percentile
 
@@ -64,21 +65,9 @@ class Fleet:
     def __init__(
         self, url: str, namespace: str, model: str, served: str, log_dir: Path, n: int, extra: list[str]
     ) -> None:
-        self.args = [
-            sys.executable,
-            "-m",
-            "jetllm",
-            "worker",
-            "--nats",
-            url,
-            "--namespace",
-            namespace,
-            "--model",
-            model,
-            "--served-model-name",
-            served,
-            *extra,
-        ]
+        self.args = jetllm_command(
+            "worker", url, "--namespace", namespace, "--model", model, "--served-model-name", served, *extra
+        )
         self.log_dir = log_dir
         self.count = n
         self.procs: list[subprocess.Popen] = [self._start(i) for i in range(n)]

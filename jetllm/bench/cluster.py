@@ -31,6 +31,7 @@ from ..natsserver import NatsCluster
 from ..producer import Client
 from ..producer.fleet import wait_for_workers, worker_statuses
 from ..schemas import GenerateRequest, SamplingOptions, StopConditions, TokensPrompt
+from ..spawn import jetllm_command
 from .run import choices, command_line, publish
 
 MARKS = ("<!-- cluster:begin -->", "<!-- cluster:end -->")
@@ -99,7 +100,7 @@ class Workers:
             cmd += ["--slots", str(args.slots), "--step-delay", str(args.step_delay)]
             cwd: Path | None = FAKE_WORKER.parents[2]
         else:
-            cmd = [sys.executable, "-m", "jetllm", "worker", "--nats", url, "--namespace", namespace]
+            cmd = jetllm_command("worker", url, "--namespace", namespace)
             cmd += ["--replicas", "3", "--slots", str(args.slots), "--max-model-len", "512"]
             cmd += ["--kv-cache-bytes", str(256 << 20)]
             if args.model:

@@ -16,6 +16,7 @@ from typing import Any
 import anyio
 
 from ..cpus import engine_cores
+from ..spawn import jetllm_command
 from ..workers.engine import EngineOptions
 from .workload import Recorder, Summary, Timing, Workload, percentile, summarize
 
@@ -90,21 +91,10 @@ def engine_cli_args(opts: EngineOptions) -> list[str]:
     return args
 
 
-DISAGG_WORKERS = (("--role", "prefill"), ("--role", "decode", "--disagg-threshold", "1"))
-"""The disaggregated target: a prefill and a decode worker, on the same cores as one aggregated."""
-
-
-@contextlib.contextmanager
-def worker_processes(
-    opts: EngineOptions, url: str, namespace: str, log_dir: Path, workers: tuple[tuple[str, ...], ...]
-) -> Iterator[None]:
-    """`jetllm worker` processes for the benchmark (`workers` gives each one's extra arguments)."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "jetllm",
+def worker_command(opts: EngineOptions, url: str, namespace: str) -> list[str]:
+    """`jetllm worker` on the same engine arguments as the direct target's."""
+    cmd = jetllm_command(
         "worker",
-        "--nats",
         url,
         "--namespace",
         namespace,
@@ -114,9 +104,22 @@ def worker_processes(
         "--slots",
         str(opts.max_num_seqs or 256),
         "--kv-events" if opts.kv_events else "--no-kv-events",
-    ]
+    )
     for key, value in opts.extra.items():
         cmd += ["--engine-arg", f"{key}={json.dumps(value)}"]
+    return cmd
+
+
+DISAGG_WORKERS = (("--role", "prefill"), ("--role", "decode", "--disagg-threshold", "1"))
+"""The disaggregated target: a prefill and a decode worker, on the same cores as one aggregated."""
+
+
+@contextlib.contextmanager
+def worker_processes(
+    opts: EngineOptions, url: str, namespace: str, log_dir: Path, workers: tuple[tuple[str, ...], ...]
+) -> Iterator[None]:
+    """`jetllm worker` processes for the benchmark (`workers` gives each one's extra arguments)."""
+    cmd = worker_command(opts, url, namespace)
     logs = [open(log_dir / f"bench-worker{i}.log", "wb") for i in range(len(workers))]
     ranks = (opts.data_parallel_size or 1) > 1  # vLLM splits the cores among its ranks itself
     procs = [

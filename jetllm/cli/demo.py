@@ -22,6 +22,7 @@ import msgspec
 from ..aio import run
 from ..cpus import engine_cores
 from ..schemas import BatchResult
+from ..spawn import jetllm_command
 from .common import TINY_MODEL_NAME
 
 DISAGG_THRESHOLD = 64
@@ -87,12 +88,8 @@ def _with_a_long_prompt(prompts: Path, work: Path) -> Path:
 
 
 def _worker_cmd(url: str, model_dir: Path, *args: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "jetllm",
+    return jetllm_command(
         "worker",
-        "--nats",
         url,
         "--model",
         str(model_dir),
@@ -105,7 +102,7 @@ def _worker_cmd(url: str, model_dir: Path, *args: str) -> list[str]:
         "--block-size",
         "32",
         *args,
-    ]
+    )
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -12,6 +12,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
+from ..spawn import jetllm_command
 from ..subjects.connection import redact
 
 DISAGG_ROLES = ("prefill", "decode")
@@ -79,7 +80,7 @@ def prefill_worker(url: str, args: argparse.Namespace, env: dict[str, str]) -> I
     import os
     import subprocess
 
-    cmd = [sys.executable, "-m", "jetllm", "worker", "--nats", url, *worker_argv(args, "prefill")]
+    cmd = jetllm_command("worker", url, *worker_argv(args, "prefill"))
     shown = [redact(url) if part == url else part for part in cmd[3:]]
     print(f"jetllm up: prefill worker: jetllm {' '.join(shown)}", file=sys.stderr, flush=True)
     proc = subprocess.Popen(cmd, env={**os.environ, **env})

@@ -8,6 +8,7 @@ import signal
 import sys
 from collections.abc import Iterator
 
+from ..spawn import jetllm_command
 from . import batches_cmd
 from .common import add_nats, nats_url
 
@@ -142,12 +143,8 @@ def gateway_process(url: str, args: argparse.Namespace) -> Iterator[str | None]:
         return
     import subprocess
 
-    cmd = [
-        sys.executable,
-        "-m",
-        "jetllm",
+    cmd = jetllm_command(
         "gateway",
-        "--nats",
         url,
         "--namespace",
         args.namespace,
@@ -155,7 +152,7 @@ def gateway_process(url: str, args: argparse.Namespace) -> Iterator[str | None]:
         args.gateway_host,
         "--port",
         str(args.gateway_port),
-    ]
+    )
     proc = subprocess.Popen(cmd)
     try:
         yield f"http://{args.gateway_host}:{args.gateway_port}/v1"

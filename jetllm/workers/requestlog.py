@@ -9,7 +9,6 @@ import msgspec
 import nats.errors
 import nats.js.errors
 from nats.aio.client import Client as NATS
-from nats.js.api import RawStreamMsg
 
 from ..aio import retried
 from ..schemas import (
@@ -272,9 +271,9 @@ class RequestLog:
                 exc,
             )
 
-    async def _stored_last(self, stream: str, subject: str, what: str) -> RawStreamMsg | None:
-        """The last message stored on `subject`, by one direct get (which any copy of the stream
-        answers); None when there is none."""
+    async def _stored_last(self, stream: str, subject: str, what: str) -> tuple[bytes, int] | None:
+        """The data and stream sequence of the last message stored on `subject`, by one direct get
+        (which any copy of the stream answers); None when there is none."""
         try:
             raw = await self.js.get_last_msg(stream, subject, direct=True)
         except nats.js.errors.NotFoundError:
@@ -285,7 +284,9 @@ class RequestLog:
             raise LogUnavailable(f"{what}: {exc}") from exc
         except (nats.errors.Error, nats.js.errors.Error) as exc:
             raise LogUnavailable(f"{what}: {type(exc).__name__}") from exc
-        return raw if raw.data else None  # a missing subject may answer with an empty 404 message
+        if not raw.data:  # a missing subject may answer with an empty 404 message
+            return None
+        return raw.data, raw.seq or 0
 
     async def last(self, request_id: str) -> Record | Unreadable | None:
         raw = await self._stored_last(
@@ -294,7 +295,7 @@ class RequestLog:
         if raw is None:
             return None
         try:
-            return _decoder.decode(raw.data)
+            return _decoder.decode(raw[0])
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             log.info("request %s: last log record unreadable here (%s); reading its history", request_id, exc)
             return Unreadable()
@@ -305,7 +306,7 @@ class RequestLog:
         raw = await self._stored_last(
             self.names.cancels_stream, self.names.cancelled(request_id), "durable cancels"
         )
-        return None if raw is None else read_cancel(raw.data)
+        return None if raw is None else read_cancel(raw[0])
 
     async def history(self, request_id: str) -> History:
         """Every record of the request, up to the last one stored when this is called (the log
@@ -314,12 +315,13 @@ class RequestLog:
         died, when creating a consumer to read it may not."""
         subject = self.names.request_log(request_id)
         last = await self._stored_last(self.names.requests_stream, subject, "request log")
-        if last is None or last.seq is None:
+        if last is None or not last[1]:
             return History()
+        last_seq = last[1]
         records: list[Record] = []
         read_to = 0
         try:
-            async for raw in streamread.messages(self.js, self.names.requests_stream, subject, upto=last.seq):
+            async for raw in streamread.messages(self.js, self.names.requests_stream, subject, upto=last_seq):
                 read_to = raw.seq or read_to
                 try:
                     records.append(_decoder.decode(raw.data or b""))
@@ -327,8 +329,8 @@ class RequestLog:
                     log.warning("request %s: skipping an unreadable log record: %s", request_id, exc)
         except (nats.errors.Error, nats.js.errors.Error) as exc:
             raise LogUnavailable(f"request log: reading it stopped: {type(exc).__name__}") from exc
-        if read_to < last.seq:  # answered by a copy that is behind the one that gave `last`
-            raise LogUnavailable(f"request log: read to seq {read_to} of {last.seq}")
+        if read_to < last_seq:  # answered by a copy that is behind the one that gave `last`
+            raise LogUnavailable(f"request log: read to seq {read_to} of {last_seq}")
         return analyze(records)
 
     async def compact(self, request_id: str) -> None:
