@@ -46,10 +46,11 @@ from .directed import DirectedQueue
 from .embeds import EmbedsLoader
 from .engine import Engine
 from .enginecontrol import EngineControl
+from .exhausted import Exhausted
 from .framebatch import FrameBatcher
 from .kvevents import KvEventRelay
 from .lora import LoraManager
-from .protocol import Exhausted, JobDeps, intake
+from .protocol import JobDeps, intake
 from .pulls import Pulls
 from .recovery import resync_after_reconnects
 from .registry import RegistryKeeper
