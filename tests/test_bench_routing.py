@@ -13,7 +13,8 @@ import pytest
 
 from jetllm import tinymodel
 from jetllm.bench.prefixload import FIRST_ID, Oracle, PrefixWorkload, RoundRobin, Step, next_prompt
-from jetllm.bench.routing import Outcome, Ratios, kv_cache_bytes, ratio_lines, ratios, summarize
+from jetllm.bench.routing import kv_cache_bytes
+from jetllm.bench.routingreport import Outcome, Ratios, ratio_lines, ratios, summarize
 from jetllm.cli import parser
 
 SMALL = PrefixWorkload(groups=3, per_group=4, prefix_len=64, suffix_len=8, sessions=2, turns=3, turn_len=5)
