@@ -4,8 +4,23 @@ one that runs, with the NATS server it is given."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 
 def jetllm_command(subcommand: str, url: str, *args: str) -> list[str]:
     return [sys.executable, "-m", "jetllm", subcommand, "--nats", url, *args]
+
+
+def stop(*procs: subprocess.Popen, grace: float = 60.0) -> None:
+    """SIGTERM to each, then SIGKILL to any still running `grace` seconds later; side by side, as
+    an engine's shutdown takes seconds and several need not take them one after another."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -26,6 +26,7 @@ import anyio
 import msgspec
 
 from ..aio import run
+from ..spawn import stop
 from ..workers.engine import EngineOptions
 from .workload import Workload
 
@@ -203,11 +204,7 @@ async def run_batch_api(
                             batched.append(await one(prompts, f"measured{n}"))
                 tg.cancel_scope.cancel()
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
         log.close()
     return [
         Figures.of(

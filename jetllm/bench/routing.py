@@ -32,6 +32,7 @@ from typing import Any
 import anyio
 
 from ..aio import run
+from ..spawn import stop
 from ..workers.engine import EngineOptions
 from .prefixload import Oracle, PrefixWorkload, RoundRobin, Step, next_prompt
 from .routingreport import Outcome, Row, report, summarize, table
@@ -157,14 +158,7 @@ def fake_workers(url: str, namespace: str, count: int, slots: int, log_dir: Path
     try:
         yield
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop(*procs, grace=30)
 
 
 async def run_policies(

@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 
 from ..cpus import engine_cores
-from ..spawn import jetllm_command
+from ..spawn import jetllm_command, stop
 from ..workers.engine import EngineOptions
 from .workload import Recorder, Summary, Timing, Workload, percentile, summarize
 
@@ -134,13 +134,8 @@ def worker_processes(
     try:
         yield
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc, log in zip(procs, logs, strict=True):
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop(*procs)
+        for log in logs:
             log.close()
 
 
@@ -253,39 +248,26 @@ def _streamed_completion(http: Any, base: str, model: str, output_len: int) -> A
 
 async def run_gateway(opts: EngineOptions, work: Workload, url: str, log_dir: Path, vocab: int) -> Summary:
     """A `jetllm worker` and `jetllm gateway` (processes), driven over HTTP exactly as vLLM's server is."""
-    import aiohttp
-
     from ..natsserver import free_port
 
     namespace = f"bench-{uuid.uuid4().hex[:8]}"
     port = free_port()
-    cmd = [sys.executable, "-m", "jetllm", "gateway", "--nats", url, "--namespace", namespace]
+    cmd = jetllm_command("gateway", url, "--namespace", namespace, "--port", str(port))
     log = open(log_dir / "bench-gateway.log", "wb")
     with worker_processes(opts, url, namespace, log_dir, ((),)):
-        proc = subprocess.Popen([*cmd, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
-        base = f"http://127.0.0.1:{port}"
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         try:
-            timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
-            conn = aiohttp.TCPConnector(limit=work.concurrency * 2)
-            async with aiohttp.ClientSession(timeout=timeout, connector=conn) as http:
-                await _wait_healthy(http, base, proc, log.name)
-                one = _streamed_completion(http, base, opts.name, work.output_len)
-                await _drive(work.prompts(vocab, work.warmup, offset=1), work.concurrency, one)
-                timings, seconds, errors = await _drive(work.prompts(vocab), work.concurrency, one)
+            timings, seconds, errors = await _over_http(
+                f"http://127.0.0.1:{port}", proc, log.name, opts, work, vocab
+            )
         finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop(proc, grace=30)
             log.close()
     return summarize("jetllm gateway (HTTP streaming)", timings, seconds, errors)
 
 
 async def run_openai(opts: EngineOptions, work: Workload, log_dir: Path, vocab: int) -> Summary:
     """vLLM's own OpenAI server with the same engine arguments, over its streaming API."""
-    import aiohttp
-
     from ..natsserver import free_port
 
     port = free_port()
@@ -308,21 +290,26 @@ async def run_openai(opts: EngineOptions, work: Workload, log_dir: Path, vocab: 
     log = open(log_dir / "bench-openai-server.log", "wb")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-    base = f"http://127.0.0.1:{port}"
     try:
-        timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
-        conn = aiohttp.TCPConnector(limit=work.concurrency * 2)
-        async with aiohttp.ClientSession(timeout=timeout, connector=conn) as http:
-            await _wait_healthy(http, base, proc, log.name)
-
-            one = _streamed_completion(http, base, opts.name, work.output_len)
-            await _drive(work.prompts(vocab, work.warmup, offset=1), work.concurrency, one)
-            timings, seconds, errors = await _drive(work.prompts(vocab), work.concurrency, one)
+        timings, seconds, errors = await _over_http(
+            f"http://127.0.0.1:{port}", proc, log.name, opts, work, vocab
+        )
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
         log.close()
     return summarize("vLLM OpenAI server (HTTP streaming)", timings, seconds, errors)
+
+
+async def _over_http(
+    base: str, proc: subprocess.Popen, log_name: str, opts: EngineOptions, work: Workload, vocab: int
+) -> tuple[list[Timing], float, int]:
+    """The workload, warm-up first, as streaming completions against an OpenAI server at `base`."""
+    import aiohttp
+
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=120)
+    conn = aiohttp.TCPConnector(limit=work.concurrency * 2)
+    async with aiohttp.ClientSession(timeout=timeout, connector=conn) as http:
+        await _wait_healthy(http, base, proc, log_name)
+        one = _streamed_completion(http, base, opts.name, work.output_len)
+        await _drive(work.prompts(vocab, work.warmup, offset=1), work.concurrency, one)
+        return await _drive(work.prompts(vocab), work.concurrency, one)
