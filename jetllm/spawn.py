@@ -1,6 +1,6 @@
-"""Command lines for jetllm's own subcommands run as child processes (`jetllm up`, `demo`, the
-benchmarks): this interpreter's jetllm, so the copy in the caller's virtual environment is the
-one that runs, with the NATS server it is given."""
+"""jetllm's own subcommands run as child processes (`jetllm up`, `demo`, the benchmarks): their
+command line (this interpreter's jetllm, so the copy in the caller's virtual environment is the
+one that runs, with the NATS server it is given) and their stop."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ def jetllm_command(subcommand: str, url: str, *args: str) -> list[str]:
 
 
 def stop(*procs: subprocess.Popen, grace: float = 60.0) -> None:
-    """SIGTERM to each, then SIGKILL to any still running `grace` seconds later; side by side, as
-    an engine's shutdown takes seconds and several need not take them one after another."""
+    """SIGTERM to all at once (an engine's shutdown takes seconds, and several need not take them
+    one after another), then each is waited for up to `grace` seconds and SIGKILLed if still up."""
     for proc in procs:
         if proc.poll() is None:
             proc.terminate()

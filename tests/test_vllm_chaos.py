@@ -222,7 +222,7 @@ async def test_cancel_reaches_the_engine_and_is_not_migrated(nats_url, shared_vl
         for _ in range(5):
             completed = int((await instance_status(c.nc, c.names, w.instance)).extra["completed"])
             r = req(TINY, [7, 8, 9], stop=StopConditions(max_tokens=480, ignore_eos=True))
-            status = None
+            status = frame = None
             with contextlib.ExitStack() as frozen:
                 async for frame in c.generate(r):
                     if isinstance(frame, TokensFrame):
