@@ -216,7 +216,8 @@ async def test_chaos_keeps_greedy_outputs_exact_and_every_delivered_sampled_toke
 async def test_cancel_reaches_the_engine_and_is_not_migrated(nats_url, shared_vllm):
     """The engine is frozen once the client has a token, and the worker's status must confirm it
     still runs the request (a client slower than the tiny model, on a loaded CI box, saw its first
-    token after all 480 were made); a try that had finished runs again."""
+    token after all 480 were made); a try that had finished runs again, and so does one that had
+    made all its tokens and was storing its result when the engine froze."""
     w = shared_vllm
     async with Client(nats_url, namespace=w.namespace) as c:
         for _ in range(5):
@@ -232,12 +233,13 @@ async def test_cancel_reaches_the_engine_and_is_not_migrated(nats_url, shared_vl
                 assert status is not None, f"the request ended without a token: {frame}"
                 running = r.request_id in status.request_ids
                 if running:
-                    with anyio.fail_after(10):
+                    with anyio.fail_after(10):  # with the engine frozen, only the cancel can end it
                         while r.request_id in (await instance_status(c.nc, c.names, w.instance)).request_ids:
                             await anyio.sleep(0.05)
-            if running:
+            result = await c.wait_result(r.request_id, timeout=10)
+            if running and result.error is not None:
                 break
-            await anyio.sleep(2)  # it finished before the freeze; a slow spell of the box passes
+            await anyio.sleep(2)  # it finished before the cancel; a slow spell of the box passes
         else:
             raise AssertionError("every request finished before it could be cancelled")
         with anyio.fail_after(10):
@@ -246,7 +248,6 @@ async def test_cancel_reaches_the_engine_and_is_not_migrated(nats_url, shared_vl
                 if s.extra["engine_running"] == "0" and not s.request_ids:
                     break
                 await anyio.sleep(0.05)
-        result = await c.wait_result(r.request_id, timeout=10)
         assert result.error.code.value == "cancelled" and result.attempt == 1
         queued = req(TINY, [1, 2, 3], max_tokens=5)
         w.signal(signal.SIGSTOP)  # nobody pulls while we queue and cancel

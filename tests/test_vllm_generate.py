@@ -244,38 +244,48 @@ async def test_64_concurrent_requests_complete_within_the_workers_slots(c, share
     assert peak_waiting > 0
 
 
+async def _cancelled(c, worker) -> int:
+    from jetllm.producer.fleet import instance_status
+
+    return int((await instance_status(c.nc, c.names, worker.instance)).extra["cancelled"])
+
+
+async def _cancel_mid_request(c, worker):
+    """Cancels a request with the engine frozen mid-generation (the worker's status confirms it
+    still runs it: a client slower than the tiny model, on a loaded CI box, may see the first
+    tokens only once all were made); None when it had finished before, or had made all its tokens
+    and was storing its result."""
+    from jetllm.producer.fleet import instance_status
+
+    before = await _cancelled(c, worker)
+    req = request([7, 8, 9], stop=StopConditions(max_tokens=480, ignore_eos=True))
+    with contextlib.ExitStack() as frozen:
+        async for frame in c.generate(req):
+            if isinstance(frame, TokensFrame):
+                frozen.enter_context(worker.engine_frozen())
+                status = await instance_status(c.nc, c.names, worker.instance)
+                if req.request_id not in status.request_ids:
+                    return None
+                break
+        with anyio.fail_after(10):  # with the engine frozen, only the cancel can end it
+            while req.request_id in (await instance_status(c.nc, c.names, worker.instance)).request_ids:
+                await anyio.sleep(0.05)
+    if (await c.wait_result(req.request_id, timeout=10)).error is None:
+        return None
+    with anyio.fail_after(10):
+        while await _cancelled(c, worker) == before:
+            await anyio.sleep(0.05)
+    return req
+
+
 async def test_cancel_aborts_the_engine_request_and_frees_the_slot(c, shared_vllm):
     from jetllm.producer.fleet import instance_status
     from jetllm.producer.traces import trace_records
 
-    async def counts():
-        extra = (await instance_status(c.nc, c.names, shared_vllm.instance)).extra
-        return int(extra["cancelled"]), int(extra["completed"])
-
-    async def cancel_mid_request():
-        """Cancels the request with the engine frozen mid-generation (the worker's status confirms
-        it still runs it: a client slower than the tiny model, on a loaded CI box, may see the
-        first tokens only once all were made); None when it had finished before."""
-        req = request([7, 8, 9], stop=StopConditions(max_tokens=480, ignore_eos=True))
-        with contextlib.ExitStack() as frozen:
-            async for frame in c.generate(req):
-                if isinstance(frame, TokensFrame):
-                    frozen.enter_context(shared_vllm.engine_frozen())
-                    status = await instance_status(c.nc, c.names, shared_vllm.instance)
-                    if req.request_id not in status.request_ids:
-                        return None
-                    break
-            with anyio.fail_after(10):
-                while (await counts())[0] == before[0]:
-                    await anyio.sleep(0.05)
-        return req
-
-    before = await counts()
     for _ in range(5):
-        if (req := await cancel_mid_request()) is not None:
+        if (req := await _cancel_mid_request(c, shared_vllm)) is not None:
             break
         await anyio.sleep(2)  # a slow spell of the box (a worker's log lookups took 0.9 s) passes
-        before = await counts()
     assert req is not None, "every request finished before it could be cancelled"
     # this request ended cancelled, not completed (another test's request may complete meanwhile)
     with anyio.fail_after(10):
