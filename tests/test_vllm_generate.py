@@ -422,3 +422,27 @@ async def test_a_cancel_lands_while_the_engine_has_not_made_a_step_for_the_reque
         with anyio.fail_after(10):
             while await cancelled() == before:
                 await anyio.sleep(0.05)
+
+
+async def test_seeded_requests_whose_prompts_fill_more_than_a_step_do_not_kill_the_engine(c):
+    """vLLM rewinds a seeded request's generator when a step prefilled only part of its prompt, and
+    a CPU generator cannot rewind: the engine died. Here 24 seeded 400-token prompts at once are
+    more than one step's token budget, so some prompt would be split across steps."""
+    reqs = [
+        request(
+            [5 + (7 * i + k) % 500 for k in range(400)],
+            max_tokens=4,
+            sampling=SamplingOptions(temperature=1.0, seed=i),
+        )
+        for i in range(24)
+    ]
+    results: list = []
+
+    async def one(r) -> None:
+        results.append(await c.complete(r))
+
+    with anyio.fail_after(120):
+        async with anyio.create_task_group() as tg:
+            for r in reqs:
+                tg.start_soon(one, r)
+    assert [len(r.token_ids) for r in results] == [4] * 24
