@@ -28,6 +28,7 @@ from .jobs import req
 pytestmark = [pytest.mark.anyio, pytest.mark.vllm]
 
 SAMPLED_LEN = 200
+CHAOS_DEADLINE_S = 300
 
 
 class Tracker:
@@ -74,7 +75,8 @@ async def chaos_run(c, url, workers, requests, kills: int):
     """Run `requests`; SIGKILL a random busy worker `kills` times, at evenly spaced fractions of the
     expected tokens (speed-independent) and only while another worker serves; return trackers and
     the kill moments. Victims stay dead (an engine starting meanwhile would only slow the
-    survivors on a small box), so with 3 workers at most 2 are killed."""
+    survivors on a small box), so with 3 workers at most 2 are killed. A run whose fleet died, or
+    that outlasts CHAOS_DEADLINE_S (about 5x a normal run), fails instead of hanging."""
     trackers = {r.request_id: Tracker() for r in requests}
     total = sum(r.stop.max_tokens for r in requests)
     kill_times: list[float] = []
@@ -103,12 +105,22 @@ async def chaos_run(c, url, workers, requests, kills: int):
             kill_times.append(time.monotonic())
             victim.proc.wait()
 
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(killer)
-        async with anyio.create_task_group() as reqs:
-            for r in requests:
-                reqs.start_soon(follow, c, r, trackers[r.request_id])
-        tg.cancel_scope.cancel()
+    async def fleet_alive() -> None:
+        while any(w.proc.poll() is None for w in workers):
+            await anyio.sleep(0.5)
+        tails = "\n".join(w.log_tail() for w in workers)
+        raise AssertionError(
+            f"every worker died (exit codes {[w.proc.returncode for w in workers]}):\n{tails}"
+        )
+
+    with anyio.fail_after(CHAOS_DEADLINE_S):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(killer)
+            tg.start_soon(fleet_alive)
+            async with anyio.create_task_group() as reqs:
+                for r in requests:
+                    reqs.start_soon(follow, c, r, trackers[r.request_id])
+            tg.cancel_scope.cancel()
     return trackers, kill_times
 
 

@@ -18,6 +18,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import BinaryIO
 
 import anyio
 import msgspec
@@ -70,10 +71,12 @@ class Fleet:
         )
         self.log_dir = log_dir
         self.count = n
+        self.logs: list[BinaryIO] = []
         self.procs: list[subprocess.Popen] = [self._start(i) for i in range(n)]
 
     def _start(self, i: int) -> subprocess.Popen:
         log = open(self.log_dir / f"chaos-worker-{i}-{uuid.uuid4().hex[:4]}.log", "wb")
+        self.logs.append(log)
         return subprocess.Popen(
             self.args,
             stdout=log,
@@ -98,6 +101,9 @@ class Fleet:
                 p.wait(60)
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+        for log in self.logs:
+            log.close()
 
 
 def _resume_times(
