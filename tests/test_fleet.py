@@ -178,7 +178,7 @@ async def test_a_trace_id_travels_on_the_job_its_first_and_last_frame_and_the_wo
         inproc_worker(nats_url, fake_engine, namespace=namespace) as worker,
     ):
         names = client.names
-        sub = await client.nc.subscribe(f"{client._inbox_root}.>")  # a second listener on the frames
+        sub = await client.nc.subscribe(f"{client._inboxes.root}.>")  # a second listener on the frames
         request = req("fake", max_tokens=5)
         frames = [f async for f in client.generate(request, traceparent=f"00-{trace_id}-{parent}-01")]
         assert len(frames) >= 3

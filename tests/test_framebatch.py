@@ -113,7 +113,7 @@ async def test_a_client_s_concurrent_requests_get_their_frames_in_fewer_messages
         Client(nats_url, namespace=namespace) as client,
         inproc_worker(nats_url, fake_engine, namespace=namespace),
     ):
-        sub = await client.nc.subscribe(f"{client._inbox_root}.>")  # a second listener
+        sub = await client.nc.subscribe(f"{client._inboxes.root}.>")  # a second listener
         outs: dict[int, list] = {}
 
         async def one(i: int) -> None:

@@ -266,15 +266,20 @@ async def run_gateway(opts: EngineOptions, work: Workload, url: str, log_dir: Pa
     return summarize("jetllm gateway (HTTP streaming)", timings, seconds, errors)
 
 
-async def run_openai(opts: EngineOptions, work: Workload, log_dir: Path, vocab: int) -> Summary:
-    """vLLM's own OpenAI server with the same engine arguments, over its streaming API."""
-    from ..natsserver import free_port
+def _serve_flag(key: str, value: Any) -> list[str]:
+    """An engine argument as `vllm serve` takes it on its command line."""
+    flag = key.replace("_", "-")
+    if isinstance(value, bool):
+        return [f"--{flag}" if value else f"--no-{flag}"]
+    return [f"--{flag}", value if isinstance(value, str) else json.dumps(value)]
 
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
+
+def openai_server_args(opts: EngineOptions, port: int, on_cpu: bool) -> list[str]:
+    """`vllm serve`'s arguments for the same engine as the worker's (workers/engine/args.py),
+    the platform's rules included: on CPU, whole prompts only."""
+    from ..workers.engine.args import whole_prompts
+
+    args = [
         *engine_cli_args(opts),
         "--kv-cache-memory-bytes",
         str(opts.kv_cache_bytes or (1 << 30)),
@@ -284,9 +289,25 @@ async def run_openai(opts: EngineOptions, work: Workload, log_dir: Path, vocab: 
         str(port),
     ]
     if opts.enforce_eager is not False:
-        cmd.append("--enforce-eager")
-    for key, value in opts.extra.items():
-        cmd += [f"--{key.replace('_', '-')}", str(value)]
+        args.append("--enforce-eager")
+    for key, value in {**whole_prompts(on_cpu), **opts.extra}.items():
+        args += _serve_flag(key, value)
+    return args
+
+
+async def run_openai(opts: EngineOptions, work: Workload, log_dir: Path, vocab: int) -> Summary:
+    """vLLM's own OpenAI server with the same engine arguments, over its streaming API."""
+    from vllm.platforms import current_platform
+
+    from ..natsserver import free_port
+
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        *openai_server_args(opts, port, current_platform.is_cpu()),
+    ]
     log = open(log_dir / "bench-openai-server.log", "wb")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

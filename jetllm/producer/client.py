@@ -5,17 +5,16 @@
             ...
         result = await c.complete(req)
 
-One wildcard inbox subscription serves every request of a client; each request gets its own
-reply subject under it, so thousands of concurrent requests cost one subscription.
+Frames land in one wildcard subscription (inboxes.py); the order of a request's frames, its
+gaps and its worker's death are decided by the sequencer (sequencer.py); this module carries out
+what they decide.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
-from collections import deque
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import TYPE_CHECKING, Any
@@ -44,7 +43,6 @@ from ..schemas import (
     ErrorFrame,
     FinalFrame,
     Frame,
-    FrameBatch,
     GenerateRequest,
     Result,
 )
@@ -53,13 +51,14 @@ from ..subjects.codec import HEADER_MARGIN
 from ..subjects.connection import connect
 from ..subjects.direct import subscribe_direct
 from ..subjects.directed import placement
-from ..subjects.names import FRAME_BATCH_TOKEN, Names, check_role, frame_batch_subject
+from ..subjects.names import Names, check_role, frame_batch_subject
 from ..subjects.policy import QueuePolicy
 from ..subjects.server import check_server
 from ..subjects.setup import ensure_routing_stream, ensure_streams
 from . import registry, results
 from .completion import Completion, assemble
 from .embeds import embeds_store, upload
+from .inboxes import Inboxes
 from .pings import Pings
 from .sequencer import Decision, Sequencer
 
@@ -67,7 +66,6 @@ if TYPE_CHECKING:
     from ..router import Router
 
 log = logging.getLogger(__name__)
-_batch_decoder = codec.Decoder(FrameBatch)
 
 _PUBLISH_RETRIED = (
     nats.errors.TimeoutError,
@@ -79,34 +77,6 @@ _PUBLISH_RETRIED = (
 )
 """What a publish meets while the server restarts or a stream's leader moves (while a cluster
 elects a new leader, nothing answers on the stream's subjects: "no response from stream")."""
-
-
-class _Inbox:
-    """Frames of one request: a deque and one waiter, lighter than asyncio.Queue on this hot path.
-    An item is a frame's bytes, None (a wake-up) or a message to answer (a worker's ResumeQuery)."""
-
-    __slots__ = ("items", "waiter", "deadline")
-
-    def __init__(self) -> None:
-        self.items: deque[bytes | Msg | None] = deque()
-        self.waiter: asyncio.Future[None] | None = None
-        self.deadline: float | None = None
-        """Monotonic time at which the watchdog puts a None (a wake-up) in the inbox."""
-
-    def put(self, data: bytes | Msg | None) -> None:
-        self.items.append(data)
-        w = self.waiter
-        if w is not None and not w.done():
-            w.set_result(None)
-
-    async def get(self) -> bytes | Msg | None:
-        while not self.items:
-            self.waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self.waiter
-            finally:
-                self.waiter = None
-        return self.items.popleft()
 
 
 class Client:
@@ -155,9 +125,8 @@ class Client:
         self.via_routers = via_routers
         """Publish jobs to the routing queue, for the `jetllm router` fleet to place."""
         self._own_router = False
-        self._inbox_root = ""
+        self._inboxes = Inboxes("")
         self._sub: Subscription | None = None
-        self._inboxes: dict[str, _Inbox] = {}
         self._pings: Pings | None = None
         self._tg: TaskGroup | None = None
         self._registry: KeyValue | None = None
@@ -180,11 +149,11 @@ class Client:
             if self.router is not None and not self.router.started:
                 await self.router.start(self._nc, self.names)
                 self._own_router = True
-            self._inbox_root = self._nc.new_inbox()  # under the identity's inbox prefix
-            self._sub = await subscribe_direct(self._nc, f"{self._inbox_root}.*", self._on_frame)
+            self._inboxes = Inboxes(self._nc.new_inbox())  # under the identity's inbox prefix
+            self._sub = await subscribe_direct(self._nc, f"{self._inboxes.root}.*", self._inboxes.on_message)
             self._tg = anyio.create_task_group()
             await self._tg.__aenter__()
-            self._tg.start_soon(self._watchdog)
+            self._tg.start_soon(self._inboxes.watch)
             self._pings = Pings(
                 self._nc, lambda w: self.names.instance_control(w, "ping"), self._tg.start_soon
             )
@@ -218,46 +187,6 @@ class Client:
                 log.warning("closing the NATS connection: %s", describe(exc))
                 await self._nc.close()
         self._nc = None
-
-    def _on_frame(self, msg: Msg) -> None:
-        key = msg.subject[len(self._inbox_root) + 1 :]
-        inbox = self._inboxes.get(key)
-        if inbox is not None:
-            inbox.put(msg if msg.reply else msg.data)  # frames never ask for a reply
-        elif key == FRAME_BATCH_TOKEN:
-            self._on_batch(msg.data)
-
-    def _on_batch(self, data: bytes) -> None:
-        """Frames of several of our requests in one message (workers/framebatch.py)."""
-        try:
-            batch = _batch_decoder.decode(data)
-        except msgspec.DecodeError as exc:
-            log.warning("ignoring an unreadable frame batch: %s", exc)
-            return
-        start = len(self._inbox_root) + 1
-        for entry in batch.frames:
-            inbox = self._inboxes.get(entry.to[start:]) if entry.to.startswith(self._inbox_root) else None
-            if inbox is not None:
-                inbox.put(bytes(entry.frame))
-
-    async def _watchdog(self) -> None:
-        """Wakes requests whose wait ran out; a timer per request per frame costs too much.
-
-        It sleeps until the nearest deadline it knows of, at most 0.1 s, so a ping is on time
-        and a deadline set meanwhile is noticed within 0.1 s."""
-        pause = 0.1
-        while True:
-            await anyio.sleep(pause)
-            now = time.monotonic()
-            pause = 0.1
-            for inbox in list(self._inboxes.values()):
-                if inbox.deadline is None:
-                    continue
-                if now >= inbox.deadline:
-                    inbox.deadline = None  # one wake-up per deadline; the request re-arms it
-                    inbox.put(None)
-                else:
-                    pause = min(pause, inbox.deadline - now)
 
     # submitting
 
@@ -438,7 +367,7 @@ class Client:
         check_role(role)
         token = uuid.uuid4().hex
         req = self._replying_here(req, token)
-        inbox = self._inboxes[token] = _Inbox()
+        inbox = self._inboxes.open(token)
         traceparent = traceparent or tracecontext.new_traceparent()
         ours = True
         seq = None
@@ -487,7 +416,7 @@ class Client:
                 if decision.end:
                     return
         finally:
-            self._inboxes.pop(token, None)
+            self._inboxes.close(token)
             await self._leave(req, traceparent, ours and not (seq is not None and seq.finished), uploaded)
 
     async def _answer(self, query: Msg, answer: Delivered | None) -> None:
@@ -499,8 +428,8 @@ class Client:
 
     def _replying_here(self, req: GenerateRequest, token: str) -> GenerateRequest:
         if req.reply_to is None:
-            return msgspec.structs.replace(req, reply_to=f"{self._inbox_root}.{token}")
-        if not req.reply_to.startswith(self._inbox_root):
+            return msgspec.structs.replace(req, reply_to=self._inboxes.subject(token))
+        if not self._inboxes.owns(req.reply_to):
             raise ValueError("generate() sets reply_to itself; leave it None (or use submit())")
         return req
 

@@ -82,16 +82,17 @@ def engine_args(opts: EngineOptions, kv_dir: str | None = None) -> Any:
         kw["enable_prefix_caching"] = True
         kw["kv_events_config"] = kv_events_config(kv_dir or tempfile.mkdtemp(prefix="jetllm-kv-"))
     kw["kv_transfer_config"] = kv_transfer_config(opts)
-    kw.update(_whole_prompts(on_cpu))
+    kw.update(whole_prompts(on_cpu))
     extra = dict(opts.extra)
     kw["structured_outputs_config"] = structured_outputs_config(extra.pop("structured_outputs_config", None))
     kw.update(extra)
     return AsyncEngineArgs(**kw)
 
 
-def _whole_prompts(on_cpu: bool) -> dict[str, Any]:
+def whole_prompts(on_cpu: bool) -> dict[str, Any]:
     """vLLM rewinds a seeded request's generator when a step prefilled only part of its prompt,
-    and a CPU generator cannot rewind: the engine dies (docs/decisions.md). On CPU, whole prompts only."""
+    and a CPU generator cannot rewind: the engine dies (docs/decisions.md). On CPU, whole prompts only.
+    Benchmarks give vLLM's own server the same (bench/targets.py)."""
     return {"enable_chunked_prefill": False} if on_cpu else {}
 
 
