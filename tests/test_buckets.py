@@ -10,7 +10,8 @@ from jetllm.producer.embeds import embeds_store
 from jetllm.producer.lora import ensure_adapters_store
 from jetllm.subjects.connection import connect
 from jetllm.subjects.names import Names
-from jetllm.subjects.setup import RECORD_TTL, ensure_lora_bucket, ensure_registry
+from jetllm.subjects.setup import ensure_lora_bucket, ensure_registry
+from jetllm.subjects.streams import RECORD_TTL
 
 pytestmark = pytest.mark.anyio
 

@@ -37,7 +37,7 @@ from jetllm.schemas import (
     StopConditions,
 )
 from jetllm.subjects import codec
-from jetllm.subjects.setup import RECORD_TTL
+from jetllm.subjects.streams import RECORD_TTL
 
 from .conftest import TINY, WorkerProcess, require_vllm
 from .jobs import kv_batches, kv_blocks, req

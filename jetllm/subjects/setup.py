@@ -1,4 +1,5 @@
-"""Idempotent creation of jetllm's streams and buckets (the job consumers: consumers.py).
+"""Idempotent creation of jetllm's streams and buckets (their configs: streams.py; the job
+consumers: consumers.py).
 
 Every worker and every producer calls these on start, so creation races are normal. A missing
 stream is created with the side's settings (its defaults for what it does not name); an existing
@@ -24,22 +25,13 @@ from typing import TypeVar, overload
 
 import nats.js.errors
 from nats.js import JetStreamContext
-from nats.js.api import (
-    AckPolicy,
-    ConsumerConfig,
-    DeliverPolicy,
-    DiscardPolicy,
-    KeyValueConfig,
-    ObjectStoreConfig,
-    RetentionPolicy,
-    StorageType,
-    StreamConfig,
-)
+from nats.js.api import KeyValueConfig, ObjectStoreConfig
 from nats.js.kv import KeyValue
-from nats.js.object_store import OBJ_STREAM_TEMPLATE, ObjectStore
+from nats.js.object_store import ObjectStore
 
 from ..aio import retried
 from ..errors import NotPermitted, ReplicasUnavailable
+from . import streams
 from .names import Names
 from .policy import QueuePolicy
 from .streamupdate import Wanted, changed, update_for
@@ -49,15 +41,6 @@ T = TypeVar("T")
 
 _STREAM_IN_USE = 10058
 _REPLICAS_NOT_CLUSTERED = 10074
-
-RECORD_TTL = 10.0
-"""Seconds a registry record outlives its last heartbeat in the bucket (the bound after a SIGKILL)."""
-
-
-def _named(policy: QueuePolicy, **fields: str) -> tuple[str, ...]:
-    """The stream config fields (keys) whose policy setting (value) this side chose."""
-    return tuple(cfg for cfg, setting in fields.items() if getattr(policy, setting) is not None)
-
 
 API_WAIT = 30.0
 """Seconds a JetStream API call is retried while the cluster cannot serve it yet: a meta leader
@@ -189,15 +172,7 @@ async def ensure_bucket(
 
 async def _rescale_buckets(js: JetStreamContext, names: Names, replicas: int) -> None:
     """Bring the namespace's existing KV buckets and object stores to `replicas` copies."""
-    for stream in (
-        f"KV_{names.registry_bucket}",
-        f"KV_{names.lora_bucket}",
-        OBJ_STREAM_TEMPLATE.format(bucket=names.adapters_store),
-        OBJ_STREAM_TEMPLATE.format(bucket=names.embeds_store),
-        OBJ_STREAM_TEMPLATE.format(bucket=names.files_store),
-        f"KV_{names.batches_bucket}",
-        names.batch_queue_stream,
-    ):
+    for stream in streams.bucket_streams(names):
         await _rescale(js, stream, replicas)
 
 
@@ -219,30 +194,14 @@ async def _rescale(js: JetStreamContext, stream: str, replicas: int) -> None:
 async def ensure_registry(js: JetStreamContext, names: Names, *, replicas: int | None = None) -> KeyValue:
     """The registry bucket: workers write it, producers and operators read it."""
     return await ensure_bucket(
-        js,
-        KeyValueConfig(
-            bucket=names.registry_bucket,
-            description="jetllm registry: live instances (i.*) and model cards (m.*)",
-            history=1,
-            ttl=RECORD_TTL,
-            storage=StorageType.FILE,
-            replicas=replicas or await namespace_replicas(js, names),
-            limit_marker_ttl=RECORD_TTL,
-        ),
+        js, streams.registry_bucket(names, replicas or await namespace_replicas(js, names))
     )
 
 
 async def ensure_lora_bucket(js: JetStreamContext, names: Names, *, replicas: int | None = None) -> KeyValue:
     """The desired LoRA adapters of each model: producers write them, workers follow them."""
     return await ensure_bucket(
-        js,
-        KeyValueConfig(
-            bucket=names.lora_bucket,
-            description="jetllm: LoRA adapters each model should serve",
-            history=5,
-            storage=StorageType.FILE,
-            replicas=replicas or await namespace_replicas(js, names),
-        ),
+        js, streams.lora_bucket(names, replicas or await namespace_replicas(js, names))
     )
 
 
@@ -251,141 +210,24 @@ async def ensure_streams(js: JetStreamContext, names: Names, policy: QueuePolicy
     stream's replicas decide the others' (module docstring)."""
     rescale = policy.replicas is not None
     replicas = policy.replicas or await namespace_replicas(js, names)
-    storage = StorageType.MEMORY if policy.memory else StorageType.FILE
-    jobs = StreamConfig(
-        name=names.jobs_stream,
-        description="jetllm jobs: one shared durable pull consumer per (role, model)",
-        subjects=[names.jobs_all],
-        retention=RetentionPolicy.WORK_QUEUE,
-        storage=storage,
-        num_replicas=replicas,
-        max_age=policy.setting("max_age"),
-        duplicate_window=policy.setting("duplicate_window"),
-        discard=DiscardPolicy.OLD,
-    )
-    dead_letters = StreamConfig(
-        name=names.dlq_stream,
-        description="jetllm dead letters: jobs that could not be served, with the reason",
-        subjects=[names.dlq_all],
-        retention=RetentionPolicy.LIMITS,
-        storage=storage,
-        num_replicas=replicas,
-        max_age=policy.setting("dlq_max_age"),
-        duplicate_window=policy.setting("duplicate_window"),
-    )
-    traces = StreamConfig(
-        name=names.traces_stream,
-        description="jetllm traces: one timing record per worker hop of a request",
-        subjects=[names.trace_all],
-        retention=RetentionPolicy.LIMITS,
-        storage=storage,
-        num_replicas=replicas,
-        max_age=policy.setting("results_max_age"),
-        max_msgs_per_subject=64,
-        discard=DiscardPolicy.OLD,
-    )
-    await _ensure_streams(
-        js,
-        [
-            Wanted(jobs, _named(policy, max_age="max_age", duplicate_window="duplicate_window")),
-            Wanted(dead_letters, _named(policy, max_age="dlq_max_age", duplicate_window="duplicate_window")),
-            _requests_stream(names, policy, replicas),
-            _cancels_stream(names, policy, replicas),
-            Wanted(traces, _named(policy, max_age="results_max_age")),
-            _kv_events_stream(names, policy, replicas),
-        ],
-        rescale=rescale,
-    )
+    await _ensure_streams(js, streams.namespace_streams(names, policy, replicas), rescale=rescale)
     if rescale:
         await _rescale_buckets(js, names, replicas)
 
 
 async def ensure_kv_events_stream(js: JetStreamContext, names: Names, policy: QueuePolicy) -> None:
     replicas = policy.replicas or await namespace_replicas(js, names)
-    await _ensure_stream(js, _kv_events_stream(names, policy, replicas), rescale=policy.replicas is not None)
-
-
-def _kv_events_stream(names: Names, policy: QueuePolicy, replicas: int) -> Wanted:
-    config = StreamConfig(
-        name=names.kv_events_stream,
-        description="jetllm KV-cache events: one subject per (model, instance), replayable",
-        subjects=[names.kv_events_all],
-        retention=RetentionPolicy.LIMITS,
-        storage=StorageType.MEMORY if policy.memory else StorageType.FILE,
-        num_replicas=replicas,
-        max_age=policy.setting("kv_events_max_age"),
-        max_msgs_per_subject=policy.setting("kv_events_max_msgs_per_subject"),
-        duplicate_window=min(policy.setting("duplicate_window"), 120.0),
-        discard=DiscardPolicy.OLD,
-        allow_direct=True,
+    await _ensure_stream(
+        js, streams.kv_events_stream(names, policy, replicas), rescale=policy.replicas is not None
     )
-    owned = _named(
-        policy,
-        max_age="kv_events_max_age",
-        max_msgs_per_subject="kv_events_max_msgs_per_subject",
-        duplicate_window="duplicate_window",
-    )
-    return Wanted(config, owned)
 
 
 async def ensure_kv_blocks_stream(
     js: JetStreamContext, names: Names, *, ttl: float, max_bytes: int, replicas: int = 1
 ) -> None:
-    """Where prefill workers leave KV blocks for decode workers: in memory, forgotten after `ttl`,
-    and refusing new blocks when `max_bytes` are held (a full store makes decode workers prefill
-    locally; it never pushes out blocks someone is about to load)."""
-    config = StreamConfig(
-        name=names.kv_blocks_stream,
-        description="jetllm KV blocks: one subject per prefill-to-decode transfer",
-        subjects=[names.kv_blocks_all],
-        retention=RetentionPolicy.LIMITS,
-        storage=StorageType.MEMORY,
-        num_replicas=replicas,
-        max_age=ttl,
-        max_bytes=max_bytes,
-        discard=DiscardPolicy.NEW,
-        duplicate_window=min(ttl, 120.0),
-        allow_direct=True,
-    )
-    await _ensure_stream(js, Wanted(config, ("max_age", "max_bytes", "duplicate_window")), rescale=True)
-
-
-def _requests_stream(names: Names, policy: QueuePolicy, replicas: int) -> Wanted:
-    """Results are kept `results_max_age`, and never less than a job may wait (`max_age`): a
-    worker that pulls an old job must still find what became of it."""
-    config = StreamConfig(
-        name=names.requests_stream,
-        description="jetllm request log: delivered tokens (for migration) and results",
-        subjects=[names.request_log_all],
-        retention=RetentionPolicy.LIMITS,
-        storage=StorageType.MEMORY if policy.memory else StorageType.FILE,
-        num_replicas=replicas,
-        max_age=max(policy.setting("results_max_age"), policy.setting("max_age")),
-        duplicate_window=min(policy.setting("duplicate_window"), 120.0),
-        discard=DiscardPolicy.OLD,
-        allow_direct=True,
-    )
-    owned = _named(policy, max_age="results_max_age", duplicate_window="duplicate_window")
-    return Wanted(config, owned, raised=_named(policy, max_age="max_age"))
-
-
-def _cancels_stream(names: Names, policy: QueuePolicy, replicas: int) -> Wanted:
-    """Producers' durable cancels, apart from the request log so that producers need not write it.
-    One record per request suffices; it matters only while the job can still be pulled (max_age)."""
-    config = StreamConfig(
-        name=names.cancels_stream,
-        description="jetllm durable cancels: a job cancelled while queued is dropped unrun",
-        subjects=[names.cancelled_all],
-        retention=RetentionPolicy.LIMITS,
-        storage=StorageType.MEMORY if policy.memory else StorageType.FILE,
-        num_replicas=replicas,
-        max_age=policy.setting("max_age"),
-        max_msgs_per_subject=1,
-        duplicate_window=min(policy.setting("duplicate_window"), 120.0),
-        discard=DiscardPolicy.OLD,
-        allow_direct=True,
-    )
-    return Wanted(config, _named(policy, max_age="max_age", duplicate_window="duplicate_window"))
+    """Where prefill workers leave KV blocks for decode workers (streams.kv_blocks_stream)."""
+    wanted = streams.kv_blocks_stream(names, ttl=ttl, max_bytes=max_bytes, replicas=replicas)
+    await _ensure_stream(js, wanted, rescale=True)
 
 
 async def ensure_batch_plane(
@@ -401,51 +243,10 @@ async def ensure_batch_plane(
     Batches are re-delivered after `ack_wait` seconds without a sign of life from their runner,
     for as long as it takes (a batch fails on its own terms, never by running out of deliveries)."""
     replicas = replicas or await namespace_replicas(js, names)
-    storage = StorageType.MEMORY if memory else StorageType.FILE
-    files = await ensure_bucket(
-        js,
-        ObjectStoreConfig(
-            bucket=names.files_store,
-            description="jetllm files: inputs and outputs of OpenAI-style batches",
-            storage=storage,
-            replicas=replicas,
-        ),
-    )
-    state = await ensure_bucket(
-        js,
-        KeyValueConfig(
-            bucket=names.batches_bucket,
-            description="jetllm batches: status, counts and files of each batch (b.<batch>)",
-            history=1,
-            storage=storage,
-            replicas=replicas,
-        ),
-    )
-    await _ensure_stream(
-        js,
-        Wanted(
-            StreamConfig(
-                name=names.batch_queue_stream,
-                description="jetllm batches to run: one message per batch, taken by one runner at a time",
-                subjects=[names.batch_queue_all],
-                retention=RetentionPolicy.WORK_QUEUE,
-                storage=storage,
-                num_replicas=replicas,
-                duplicate_window=120.0,
-            )
-        ),
-        rescale=False,
-    )
-    config = ConsumerConfig(
-        durable_name=names.BATCH_RUNNERS,
-        description="jetllm batch runners",
-        filter_subject=names.batch_queue_all,
-        ack_policy=AckPolicy.EXPLICIT,
-        deliver_policy=DeliverPolicy.ALL,
-        ack_wait=ack_wait,
-        max_deliver=-1,
-        num_replicas=0,
-    )
+    files = await ensure_bucket(js, streams.files_store(names, memory, replicas))
+    state = await ensure_bucket(js, streams.batches_bucket(names, memory, replicas))
+    await _ensure_stream(js, streams.batch_queue_stream(names, memory, replicas), rescale=False)
+    config = streams.batch_runners(names, ack_wait)
     try:
         await api_call(
             lambda: js.add_consumer(names.batch_queue_stream, config), "creating the batch consumer"
@@ -459,15 +260,9 @@ async def ensure_routing_stream(js: JetStreamContext, names: Names, policy: Queu
     """The routing queue (docs/routing.md): made by routers (and by the producers that use them,
     where they may), so a namespace without a router fleet has no stream nobody reads."""
     replicas = policy.replicas or await namespace_replicas(js, names)
-    routing = StreamConfig(
-        name=names.routing_stream,
-        description="jetllm routing queue: jobs a router fleet places on an instance or the shared queue",
-        subjects=[names.routing_all],
-        retention=RetentionPolicy.WORK_QUEUE,
-        storage=StorageType.MEMORY if policy.memory else StorageType.FILE,
-        num_replicas=replicas,
-        max_age=policy.setting("max_age"),
-        duplicate_window=policy.setting("duplicate_window"),
-        discard=DiscardPolicy.OLD,
+    await _ensure_streams(
+        js,
+        [streams.routing_stream(names, policy, replicas)],
+        rescale=policy.replicas is not None,
+        maker="a router",
     )
-    await _ensure_streams(js, [Wanted(routing)], rescale=policy.replicas is not None, maker="a router")

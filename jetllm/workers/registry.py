@@ -20,7 +20,8 @@ from nats.js.kv import KeyValue
 from ..schemas import InstanceRecord, LoadReport, ModelCard
 from ..subjects import codec
 from ..subjects.names import Names
-from ..subjects.setup import RECORD_TTL, ensure_registry
+from ..subjects.setup import ensure_registry
+from ..subjects.streams import RECORD_TTL
 
 log = logging.getLogger(__name__)
 
