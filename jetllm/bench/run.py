@@ -18,7 +18,17 @@ import msgspec
 
 from ..aio import run
 from ..workers.engine import EngineOptions
-from .targets import DISAGG_WORKERS, run_direct, run_gateway, run_jetllm, run_openai
+from .targets import (
+    DIRECT,
+    DISAGG_WORKERS,
+    GATEWAY,
+    JETLLM,
+    OPENAI,
+    run_direct,
+    run_gateway,
+    run_jetllm,
+    run_openai,
+)
 from .workload import Summary, Workload
 
 TARGETS = ("direct", "jetllm", "openai")
@@ -38,10 +48,7 @@ def table(rows: list[Summary]) -> str:
 
 def ratios(rows: list[Summary]) -> str:
     by = {r.target: r for r in rows}
-    d = by.get("AsyncLLM direct")
-    j = by.get("through jetllm")
-    o = by.get("vLLM OpenAI server (HTTP streaming)")
-    g = by.get("jetllm gateway (HTTP streaming)")
+    d, j, o, g = by.get(DIRECT), by.get(JETLLM), by.get(OPENAI), by.get(GATEWAY)
     lines = []
     if d and j:
         lines.append(
@@ -75,6 +82,29 @@ def ratios(rows: list[Summary]) -> str:
     return "\n".join(lines)
 
 
+PAIRS = (
+    (JETLLM, DIRECT, "jetllm / direct"),
+    (JETLLM, OPENAI, "jetllm / vLLM OpenAI server"),
+    (GATEWAY, OPENAI, "jetllm gateway / vLLM OpenAI server"),
+)
+
+
+def round_ratios(rounds: list[list[Summary]]) -> str:
+    """Throughput ratios round by round. The targets of one round run back to back, so their ratio
+    is spared most of the drift between rounds (the box's speed moves by a quarter within minutes)
+    that a ratio of each target's median keeps."""
+    by = {runs[0].target: runs for runs in rounds if runs}
+    lines = []
+    for num, den, label in PAIRS:
+        if num in by and den in by and len(by[num]) > 1:
+            per = [a.tokens_per_s / b.tokens_per_s for a, b in zip(by[num], by[den], strict=False)]
+            lines.append(
+                f"- {label} throughput round by round: {', '.join(f'{r:.3f}x' for r in per)} "
+                f"(median {statistics.median(per):.3f}x)"
+            )
+    return "\n".join(lines)
+
+
 def measured_on() -> str:
     """When and on what a benchmark ran: the first line of every report written to the docs."""
     when = dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
@@ -95,7 +125,10 @@ def choices(flag: str, allowed: tuple[str, ...]) -> Callable[[str], list[str]]:
     return parse
 
 
-def report(work: Workload, opts: EngineOptions, rows: list[Summary], command: str) -> str:
+def report(work: Workload, opts: EngineOptions, rounds: list[list[Summary]], command: str) -> str:
+    """`rounds`: each target's rounds, in the order the targets were given."""
+    rows = [combine(r) for r in rounds]
+    per_round = round_ratios(rounds)
     return (
         f"{measured_on()}\n\n"
         f"Workload: {work.requests} requests, {work.concurrency} concurrent, {work.prompt_len}-token prompts, "
@@ -108,6 +141,7 @@ def report(work: Workload, opts: EngineOptions, rows: list[Summary], command: st
         + "\n"
         + ratios(rows)
         + "\n\n"
+        + (per_round + "\n" if per_round else "")
         + "".join(f"- {r.target}: {r.note}\n" for r in rows if r.note)
     )
 
@@ -142,7 +176,9 @@ def _median_of(values: Iterable[float | None]) -> float | None:
     return statistics.median(present) if present else None
 
 
-async def _run(args: argparse.Namespace, work: Workload, opts: EngineOptions, log_dir: Path) -> list[Summary]:
+async def _run(
+    args: argparse.Namespace, work: Workload, opts: EngineOptions, log_dir: Path
+) -> list[list[Summary]]:
     targets = args.targets.split(",")
     per_target: dict[str, list[Summary]] = {t: [] for t in targets}
     for round_no in range(args.rounds):
@@ -152,7 +188,7 @@ async def _run(args: argparse.Namespace, work: Workload, opts: EngineOptions, lo
             row = await _one(args, work, opts, log_dir, target)
             per_target[target].append(row)
             print(table([row]), file=sys.stderr, flush=True)
-    return [combine(per_target[t]) for t in targets]
+    return [per_target[t] for t in targets]
 
 
 async def _one(
@@ -223,8 +259,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         warmup=args.warmup,
     )
     log_dir = Path(tempfile.mkdtemp(prefix="jetllm-bench-"))
-    rows = run(_run, args, work, opts, log_dir)
-    text = report(work, opts, rows, command_line("bench"))
+    rounds = run(_run, args, work, opts, log_dir)
+    rows = [combine(r) for r in rounds]
+    text = report(work, opts, rounds, command_line("bench"))
     publish(
         text, log_dir, write=args.write, marks=section_marks(args.section), json_path=args.json, rows=rows
     )

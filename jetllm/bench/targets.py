@@ -20,6 +20,12 @@ from ..spawn import jetllm_command, stop
 from ..workers.engine import EngineOptions
 from .workload import Recorder, Summary, Timing, Workload, percentile, summarize
 
+DIRECT = "AsyncLLM direct"
+JETLLM = "through jetllm"
+OPENAI = "vLLM OpenAI server (HTTP streaming)"
+GATEWAY = "jetllm gateway (HTTP streaming)"
+"""The targets' labels in reports, by which the ratios find them."""
+
 
 async def _drive(prompts: list[list[int]], concurrency: int, one) -> tuple[list[Timing], float, int]:
     timings: list[Timing] = []
@@ -73,7 +79,7 @@ async def run_direct(opts: EngineOptions, work: Workload) -> Summary:
         timings, seconds, errors = await _drive(work.prompts(vocab), work.concurrency, one)
     finally:
         await engine.close()
-    return summarize("AsyncLLM direct", timings, seconds, errors)
+    return summarize(DIRECT, timings, seconds, errors)
 
 
 def engine_cli_args(opts: EngineOptions) -> list[str]:
@@ -146,7 +152,7 @@ async def run_jetllm(
     log_dir: Path,
     vocab: int,
     workers: tuple[tuple[str, ...], ...] = ((),),
-    label: str = "through jetllm",
+    label: str = JETLLM,
 ) -> Summary:
     """`jetllm worker` processes (one aggregated by default; `workers` gives each one's extra
     arguments); this process is the producer, streaming over NATS."""
@@ -263,7 +269,7 @@ async def run_gateway(opts: EngineOptions, work: Workload, url: str, log_dir: Pa
         finally:
             stop(proc, grace=30)
             log.close()
-    return summarize("jetllm gateway (HTTP streaming)", timings, seconds, errors)
+    return summarize(GATEWAY, timings, seconds, errors)
 
 
 def _serve_flag(key: str, value: Any) -> list[str]:
@@ -318,7 +324,7 @@ async def run_openai(opts: EngineOptions, work: Workload, log_dir: Path, vocab: 
     finally:
         stop(proc)
         log.close()
-    return summarize("vLLM OpenAI server (HTTP streaming)", timings, seconds, errors)
+    return summarize(OPENAI, timings, seconds, errors)
 
 
 async def _over_http(

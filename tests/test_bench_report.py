@@ -1,0 +1,74 @@
+"""What `jetllm bench` reports from its rounds (jetllm/bench/run.py), without running an engine:
+medians per target, ratios of the medians, and ratios round by round."""
+
+import pytest
+
+from jetllm.bench.run import report, round_ratios
+from jetllm.bench.targets import DIRECT, GATEWAY, JETLLM, OPENAI
+from jetllm.bench.workload import Summary, Workload
+from jetllm.workers.engine import EngineOptions
+
+
+def row(target: str, tok_s: float, ttft: float = 40.0) -> Summary:
+    return Summary(
+        target=target,
+        requests=256,
+        output_tokens=32768,
+        seconds=32768 / tok_s,
+        tokens_per_s=tok_s,
+        ttft_p50_ms=ttft,
+        ttft_p99_ms=ttft * 2,
+        itl_p50_ms=5.0,
+        itl_p99_ms=10.0,
+    )
+
+
+@pytest.mark.parametrize(
+    ("rounds", "lines"),
+    [
+        # The box slows down between rounds: each round's ratio is steady, the medians' is not.
+        (
+            [
+                [row(DIRECT, 6000), row(DIRECT, 4500), row(DIRECT, 5000)],
+                [row(JETLLM, 5700), row(JETLLM, 4275), row(JETLLM, 4750)],
+            ],
+            ["- jetllm / direct throughput round by round: 0.950x, 0.950x, 0.950x (median 0.950x)"],
+        ),
+        (
+            [[row(GATEWAY, 4000), row(GATEWAY, 3000)], [row(OPENAI, 4000), row(OPENAI, 4000)]],
+            [
+                "- jetllm gateway / vLLM OpenAI server throughput round by round: 1.000x, 0.750x (median 0.875x)"
+            ],
+        ),
+        (
+            [
+                [row(DIRECT, 6000), row(DIRECT, 5000)],
+                [row(JETLLM, 5400), row(JETLLM, 5000)],
+                [row(OPENAI, 4500), row(OPENAI, 4000)],
+            ],
+            [
+                "- jetllm / direct throughput round by round: 0.900x, 1.000x (median 0.950x)",
+                "- jetllm / vLLM OpenAI server throughput round by round: 1.200x, 1.250x (median 1.225x)",
+            ],
+        ),
+        ([[row(DIRECT, 6000)], [row(JETLLM, 5000)]], []),  # one round: the ratio of the medians says it all
+        ([[row(JETLLM, 5000), row(JETLLM, 5000)]], []),  # nothing to compare with
+    ],
+    ids=["drift", "gateway", "three-targets", "one-round", "one-target"],
+)
+def test_round_by_round_ratios(rounds, lines):
+    assert round_ratios(rounds) == "\n".join(lines)
+
+
+def test_the_report_gives_medians_their_ratio_and_the_ratio_of_each_round():
+    rounds = [
+        [row(DIRECT, 6000, 30), row(DIRECT, 4000, 50), row(DIRECT, 5000, 40)],
+        [row(JETLLM, 5400, 45), row(JETLLM, 4000, 52), row(JETLLM, 4800, 48)],
+    ]
+    work = Workload(requests=256, concurrency=32, prompt_len=30, output_len=128, warmup=32)
+    text = report(work, EngineOptions(model="tiny", dtype="float32"), rounds, "jetllm bench")
+    assert "| AsyncLLM direct | 5,000 | 40.0 |" in text  # medians of each figure
+    assert "| through jetllm | 4,800 | 48.0 |" in text
+    assert "jetllm / direct throughput: **0.960x**" in text  # medians' ratio
+    assert "TTFT p50 added by jetllm: **+8.0 ms**" in text
+    assert "round by round: 0.900x, 1.000x, 0.960x (median 0.960x)" in text
