@@ -4,6 +4,8 @@ one that runs, with the NATS server it is given) and their stop."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 
@@ -12,9 +14,11 @@ def jetllm_command(subcommand: str, url: str, *args: str) -> list[str]:
     return [sys.executable, "-m", "jetllm", subcommand, "--nats", url, *args]
 
 
-def stop(*procs: subprocess.Popen, grace: float = 60.0) -> None:
+def stop(*procs: subprocess.Popen, grace: float = 60.0, group: bool = False) -> None:
     """SIGTERM to all at once (an engine's shutdown takes seconds, and several need not take them
-    one after another), then each is waited for up to `grace` seconds and SIGKILLed if still up."""
+    one after another), then each is waited for up to `grace` seconds and SIGKILLed if still up.
+    `group`: the SIGKILL goes to each one's process group (children started with
+    `start_new_session`), so the engine processes under a worker go with it."""
     for proc in procs:
         if proc.poll() is None:
             proc.terminate()
@@ -22,5 +26,8 @@ def stop(*procs: subprocess.Popen, grace: float = 60.0) -> None:
         try:
             proc.wait(grace)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            if group:
+                os.killpg(proc.pid, signal.SIGKILL)
+            else:
+                proc.kill()
             proc.wait()

@@ -37,7 +37,7 @@ from ..schemas import (
     TokensFrame,
     TokensPrompt,
 )
-from ..spawn import jetllm_command
+from ..spawn import jetllm_command, stop
 from .run import _vocab, command_line, publish
 from .workload import percentile
 
@@ -93,15 +93,7 @@ class Fleet:
                 self.procs[i] = self._start(i)
 
     def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        stop(*self.procs, group=True)
         for log in self.logs:
             log.close()
 

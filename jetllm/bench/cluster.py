@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from ..natsserver import NatsCluster
 from ..producer import Client
 from ..producer.fleet import wait_for_workers, worker_statuses
 from ..schemas import GenerateRequest, SamplingOptions, StopConditions, TokensPrompt
-from ..spawn import jetllm_command
+from ..spawn import jetllm_command, stop
 from .run import choices, command_line, publish
 
 MARKS = ("<!-- cluster:begin -->", "<!-- cluster:end -->")
@@ -118,15 +117,7 @@ class Workers:
             log.close()
 
     def stop(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        stop(*self.procs, group=True)
 
 
 async def _jobs(
