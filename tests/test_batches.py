@@ -78,11 +78,22 @@ def test_why_a_running_batch_stops(status, now, expires, stop):
 
 
 @pytest.mark.parametrize(
-    "pending, in_flight, window, submit",
-    [(100, 0, 8, 8), (100, 8, 8, 0), (100, 5, 8, 3), (2, 0, 8, 2), (0, 3, 8, 0), (5, 9, 8, 0)],
+    "pending, queued, in_flight, window, most, submit",
+    [
+        (100, 0, 0, 8, 4096, 8),
+        (100, 8, 8, 8, 4096, 0),  # the window is full of jobs no worker has taken
+        (100, 5, 5, 8, 4096, 3),
+        (100, 0, 300, 8, 4096, 8),  # running jobs do not count: the batch takes every free slot
+        (100, 2, 300, 8, 4096, 6),
+        (2, 0, 0, 8, 4096, 2),
+        (0, 3, 3, 8, 4096, 0),
+        (5, 9, 9, 8, 4096, 0),
+        (100, 0, 4094, 8, 4096, 2),  # the runner follows at most `most` lines
+        (100, 0, 5000, 8, 4096, 0),
+    ],
 )
-def test_the_window_bounds_the_jobs_of_a_batch_in_the_queue(pending, in_flight, window, submit):
-    assert plan.to_submit(pending, in_flight, window) == submit
+def test_the_window_bounds_the_jobs_of_a_batch_in_the_queue(pending, queued, in_flight, window, most, submit):
+    assert plan.to_submit(pending, queued, in_flight, window, most) == submit
 
 
 @pytest.mark.parametrize(
@@ -285,6 +296,54 @@ async def test_a_batch_runs_on_the_fleet_and_writes_openai_output_and_error_file
     output_meta = await sdk.files.retrieve(done.output_file_id)
     assert output_meta.purpose == "batch_output"
     assert max(engine.calls.values()) == 1
+
+
+def peak_engine(**kw) -> FakeEngine:
+    """A fake engine that records the most requests it ever ran at once (`peak`)."""
+    engine = FakeEngine(**kw)
+    engine.at_once = engine.peak = 0  # type: ignore[attr-defined]
+    generate = engine.generate
+
+    async def tracked(req, *args, **kwargs):
+        engine.at_once += 1  # type: ignore[attr-defined]
+        engine.peak = max(engine.peak, engine.at_once)  # type: ignore[attr-defined]
+        try:
+            async for out in generate(req, *args, **kwargs):
+                yield out
+        finally:
+            engine.at_once -= 1  # type: ignore[attr-defined]
+
+    engine.generate = tracked  # type: ignore[method-assign]
+    return engine
+
+
+async def test_a_batch_fills_every_free_slot_and_queues_at_most_its_window(api, nats_url, namespace):
+    sdk, client, service = api
+    n, slots, window = 30, 6, 2
+    f = await sdk.files.create(file=("in.jsonl", jsonl([chat_line(i) for i in range(n)])), purpose="batch")
+    batch = await sdk.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+    engine = peak_engine(step_delay=0.05)
+    queued: list[int] = []
+
+    async def watch_queue() -> None:
+        while True:
+            info = await client.js.consumer_info(
+                client.names.jobs_stream, client.names.consumer("generate", "fake")
+            )
+            queued.append(int(info.num_pending or 0))
+            await anyio.sleep(0.01)
+
+    async with (
+        inproc_worker(nats_url, engine, namespace=namespace, slots=slots),
+        anyio.create_task_group() as tg,
+    ):
+        tg.start_soon(watch_queue)
+        tg.start_soon(BatchRunner(client, service, window=window, ack_wait=ACK_WAIT).serve)
+        done = await wait_status(sdk, batch.id, {"completed", "failed"})
+        tg.cancel_scope.cancel()
+    assert done.status == "completed" and done.request_counts.completed == n
+    assert engine.peak == slots  # running lines do not count against the window
+    assert max(queued) <= window  # what an online request can find ahead of it
 
 
 async def test_cancel_stops_new_lines_and_keeps_what_finished(api, nats_url, namespace):

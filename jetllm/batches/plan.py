@@ -11,8 +11,12 @@ from ..schemas import TERMINAL_STATUSES
 T = TypeVar("T")
 
 DEFAULT_WINDOW = 32
-"""Jobs of one batch queued or running at once. An online request arriving behind a batch waits
-for at most this many of its jobs, however long the batch; enough to keep a few workers busy."""
+"""Jobs of one batch waiting in the queue at once (running ones do not count). An online request
+arriving behind a batch waits for at most this many of its jobs, however long the batch, while the
+batch takes every slot the fleet has free."""
+MAX_IN_FLIGHT = 4096
+"""Lines of one batch a runner follows at once (a subscription each), queued or running: more
+than any fleet it feeds has slots for, so the fleet, not the runner, bounds what runs."""
 DEFAULT_ACK_WAIT = 30.0
 """Seconds a batch stays with a runner that gave no sign of life before another runner takes it."""
 MAX_WINDOW_SECONDS = 7 * 24 * 3600
@@ -54,9 +58,10 @@ def stop_reason(status: str, now: float, expires_at: float) -> Stop | None:
     return None
 
 
-def to_submit(pending: int, in_flight: int, window: int) -> int:
-    """How many more lines to submit now: the window bounds queued-or-running jobs of the batch."""
-    return max(0, min(pending, window - in_flight))
+def to_submit(pending: int, queued: int, in_flight: int, window: int, most: int = MAX_IN_FLIGHT) -> int:
+    """How many more lines to submit now: the window bounds the batch's jobs no worker has taken
+    yet (`queued`), `most` those it follows at all (`in_flight`, queued or running)."""
+    return max(0, min(pending, window - queued, most - in_flight))
 
 
 FINAL_STATUS: dict[Stop, str] = {"done": "completed", "cancel": "cancelled", "expire": "expired"}

@@ -1,8 +1,10 @@
 """The batch runner: takes batches from the batch queue and drains them through the fleet.
 
 A batch is one durable message, held by one runner (in-progress acks) until the batch ends. The
-runner turns lines into detached generate jobs, at most `window` at a time, with request ids
-derived from (batch, line); the request log keeps every line's result. A runner that dies leaves
+runner turns lines into detached generate jobs, with request ids derived from (batch, line): at
+most `window` of them wait in the queue at once, and as workers take them, more follow, so a batch
+fills every free slot of the fleet while an online request waits behind at most `window` of its
+jobs; the request log keeps every line's result. A runner that dies leaves
 the message un-acked: after ack_wait another runner takes it, reads the lines that finished from
 the request log, and submits the rest again under the same ids (a job still queued is dropped as a
 duplicate, one that ran is not run again).
@@ -23,7 +25,17 @@ from ..errors import JetllmError
 from ..openai.endpoints import prepare
 from ..openai.errors import OpenAIError
 from ..producer import Client
-from ..schemas import BatchIssue, BatchRun, BatchState, ErrorCode, ErrorFrame, Record, RequestCounts, Result
+from ..schemas import (
+    BatchIssue,
+    BatchRun,
+    BatchState,
+    Claim,
+    ErrorCode,
+    ErrorFrame,
+    Record,
+    RequestCounts,
+    Result,
+)
 from ..subjects import codec
 from . import plan
 from .lines import BadInput, InputLine, line_request_id
@@ -137,6 +149,9 @@ class _HeldBatch:
         self.id = batch_id
         self.outcomes: dict[int, Result] = {}
         self.in_flight: set[int] = set()
+        self.queued: set[int] = set()
+        """Lines submitted whose claim (a worker took the job) has not been seen. A job whose worker
+        died is queued again unseen; it counts as running until it ends."""
         self.changed = anyio.Event()
 
     async def run(self) -> None:
@@ -228,9 +243,11 @@ class _HeldBatch:
                     if now_counts != written:
                         await self.service.update(self.id, _with_counts(now_counts))
                         written = now_counts
-                for _ in range(plan.to_submit(len(pending), len(self.in_flight), self.runner.window)):
+                queued, in_flight, window = len(self.queued), len(self.in_flight), self.runner.window
+                for _ in range(plan.to_submit(len(pending), queued, in_flight, window)):
                     line = pending.popleft()
                     self.in_flight.add(line.line)
+                    self.queued.add(line.line)
                     tg.start_soon(self._run_line, line, endpoint)
                 self.changed = anyio.Event()
                 with anyio.move_on_after(STATE_EVERY):
@@ -255,6 +272,9 @@ class _HeldBatch:
             if isinstance(record, Result):
                 found.append(record)
                 ended.set()
+            elif isinstance(record, Claim) and line.line in self.queued:
+                self.queued.discard(line.line)
+                self.changed.set()
 
         sub = None
         submitted = False
@@ -290,6 +310,7 @@ class _HeldBatch:
                         pass
         self.outcomes[line.line] = found[0]
         self.in_flight.discard(line.line)
+        self.queued.discard(line.line)
         self.changed.set()
 
     async def _stop_in_flight(self, wait: bool = True) -> None:

@@ -26,6 +26,7 @@ import anyio
 import msgspec
 
 from ..aio import run
+from ..batches import plan
 from ..spawn import stop
 from ..workers.engine import EngineOptions
 from .workload import Workload
@@ -112,10 +113,10 @@ def run_offline(
                 "-m",
                 "jetllm.bench.batch",
                 msgspec.json.encode(opts).decode(),
-                json.dumps(prompts),
                 str(output_len),
                 str(rounds),
             ],
+            input=json.dumps(prompts).encode(),  # on stdin: a thousand prompts exceed argv's limit
             stdout=subprocess.PIPE,
             stderr=err,
             check=False,
@@ -135,10 +136,11 @@ async def run_batch_api(
     url: str,
     log_dir: Path,
     window: int,
+    in_flight: int,
     rounds: int,
 ) -> list[Figures]:
     """The batch API, and for scale the same lines streamed through the same worker by one
-    producer (`Client.complete`, `window` at a time): what the plane costs apart from the runner."""
+    producer (`Client.complete`, `in_flight` at a time): what the plane costs apart from the runner."""
     from ..batches.runner import BatchRunner
     from ..batches.service import BatchService
     from ..openai.endpoints import COMPLETIONS
@@ -199,7 +201,7 @@ async def run_batch_api(
                 for n in range(rounds):  # alternating, so drift on the box touches both alike
                     for measure in (0, 1) if n % 2 == 0 else (1, 0):
                         if measure == 0:
-                            streamed.append(await _streamed(client, prompts, window, body))
+                            streamed.append(await _streamed(client, prompts, in_flight, body))
                         else:
                             batched.append(await one(prompts, f"measured{n}"))
                 tg.cancel_scope.cancel()
@@ -208,12 +210,14 @@ async def run_batch_api(
         log.close()
     return [
         Figures.of(
-            f"jetllm, streamed by one producer ({window} in flight)",
+            f"jetllm, streamed by one producer ({in_flight} in flight)",
             len(prompts),
             [r[0] for r in streamed],
             streamed[0][1],
         ),
-        Figures.of("jetllm batch API", len(prompts), [r[0] for r in batched], batched[0][1]),
+        Figures.of(
+            f"jetllm batch API (window {window})", len(prompts), [r[0] for r in batched], batched[0][1]
+        ),
     ]
 
 
@@ -273,7 +277,8 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
                 args.output_len,
                 server.url,
                 log_dir,
-                args.batch_window or opts.max_num_seqs or 256,
+                args.batch_window,
+                opts.max_num_seqs or 256,
                 args.rounds,
             )
         )
@@ -318,7 +323,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-bytes", type=int, default=1 << 30, help="engine argument, both targets")
     p.add_argument("--dtype", default=None, help="engine argument (default: float32)")
     p.add_argument("--model", default=None, help="default: the tiny model")
-    p.add_argument("--batch-window", type=int, default=None, help="default: --max-num-seqs")
+    p.add_argument(
+        "--batch-window",
+        type=int,
+        default=plan.DEFAULT_WINDOW,
+        help=f"the runner's window: batch jobs waiting in the queue at once (default: {plan.DEFAULT_WINDOW}, "
+        "as `jetllm batch-runner`)",
+    )
     p.add_argument(
         "--rounds", type=int, default=3, help="timed runs per target (medians reported; jetllm's alternate)"
     )
@@ -329,4 +340,4 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 if __name__ == "__main__":
-    offline(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    offline(sys.argv[1], sys.stdin.read(), int(sys.argv[2]), int(sys.argv[3]))

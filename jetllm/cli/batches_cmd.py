@@ -149,8 +149,8 @@ def add_runner_flags(p: argparse._ActionsContainer) -> None:
         dest="window",
         type=int,
         default=plan.DEFAULT_WINDOW,
-        help="jobs of one batch queued or running at once: online requests wait behind at most this many "
-        f"(default: {plan.DEFAULT_WINDOW})",
+        help="jobs of one batch waiting in the queue at once (running ones do not count): online requests "
+        f"wait behind at most this many, the batch takes every free slot (default: {plan.DEFAULT_WINDOW})",
     )
     p.add_argument("--batches", type=int, default=2, help="batches one runner runs at once (default: 2)")
     p.add_argument(
