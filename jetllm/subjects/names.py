@@ -33,7 +33,7 @@ from __future__ import annotations
 import re
 
 PREFIX = "jetllm"
-_SAFE = re.compile(r"[A-Za-z0-9-]")
+_UNSAFE = re.compile(r"[^A-Za-z0-9-]")
 _TOKEN = re.compile(r"^(?:[A-Za-z0-9-]|_[0-9A-F]{2})+$")
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,31}$")
 _TRANSFER = re.compile(r"^[0-9a-f]{16,64}$")
@@ -67,13 +67,11 @@ def encode_token(value: str) -> str:
     """
     if not value:
         raise ValueError("cannot encode an empty name")
-    out = []
-    for ch in value:
-        if _SAFE.fullmatch(ch):
-            out.append(ch)
-        else:
-            out.extend(f"_{b:02X}" for b in ch.encode())
-    return "".join(out)
+    return _UNSAFE.sub(_escape, value)
+
+
+def _escape(m: re.Match[str]) -> str:
+    return "".join(f"_{b:02X}" for b in m.group().encode())
 
 
 def decode_token(token: str) -> str:
