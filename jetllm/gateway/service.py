@@ -49,7 +49,7 @@ class BatchSettings:
     """The gateway's files and batches endpoints and its batch runner (docs/operations.md)."""
 
     window: int
-    """Jobs of one batch queued or running at once."""
+    """Jobs of one batch waiting in the queue at once (running ones do not count)."""
     batches: int
     """Batches this gateway's runner runs at once."""
     ack_wait: float
