@@ -317,7 +317,13 @@ def peak_engine(**kw) -> FakeEngine:
     return engine
 
 
-async def test_a_batch_fills_every_free_slot_and_queues_at_most_its_window(api, nats_url, namespace):
+@pytest.mark.parametrize(
+    "most, peak",
+    [(plan.MAX_IN_FLIGHT, 6), (3, 3)],  # by default every free slot; with --batch-max-lines, that many
+)
+async def test_a_batch_fills_every_free_slot_and_queues_at_most_its_window(
+    api, nats_url, namespace, most, peak
+):
     sdk, client, service = api
     n, slots, window = 30, 6, 2
     f = await sdk.files.create(file=("in.jsonl", jsonl([chat_line(i) for i in range(n)])), purpose="batch")
@@ -338,11 +344,11 @@ async def test_a_batch_fills_every_free_slot_and_queues_at_most_its_window(api, 
         anyio.create_task_group() as tg,
     ):
         tg.start_soon(watch_queue)
-        tg.start_soon(BatchRunner(client, service, window=window, ack_wait=ACK_WAIT).serve)
+        tg.start_soon(BatchRunner(client, service, window=window, most=most, ack_wait=ACK_WAIT).serve)
         done = await wait_status(sdk, batch.id, {"completed", "failed"})
         tg.cancel_scope.cancel()
     assert done.status == "completed" and done.request_counts.completed == n
-    assert engine.peak == slots  # running lines do not count against the window
+    assert engine.peak == peak  # running lines do not count against the window
     assert max(queued) <= window  # what an online request can find ahead of it
 
 

@@ -15,8 +15,9 @@ DEFAULT_WINDOW = 32
 arriving behind a batch waits for at most this many of its jobs, however long the batch, while the
 batch takes every slot the fleet has free."""
 MAX_IN_FLIGHT = 4096
-"""Lines of one batch a runner follows at once (a subscription each), queued or running: more
-than any fleet it feeds has slots for, so the fleet, not the runner, bounds what runs."""
+"""Lines of one batch a runner follows at once (a subscription each), queued or running, unless
+told fewer (`--batch-max-lines`): more than most fleets have slots for, so the fleet, not the
+runner, bounds what runs. Fewer leaves the rest of the fleet to online traffic."""
 DEFAULT_ACK_WAIT = 30.0
 """Seconds a batch stays with a runner that gave no sign of life before another runner takes it."""
 MAX_WINDOW_SECONDS = 7 * 24 * 3600

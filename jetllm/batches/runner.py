@@ -66,6 +66,7 @@ class BatchRunner:
         service: BatchService,
         *,
         window: int = plan.DEFAULT_WINDOW,
+        most: int = plan.MAX_IN_FLIGHT,
         batches: int = 2,
         ack_wait: float = plan.DEFAULT_ACK_WAIT,
         instance: str | None = None,
@@ -73,6 +74,7 @@ class BatchRunner:
         self.client = client
         self.service = service
         self.window = max(1, window)
+        self.most = max(1, most)
         self.batches = max(1, batches)
         self.ack_wait = ack_wait
         self.instance = instance or f"runner-{uuid.uuid4().hex[:12]}"
@@ -243,8 +245,10 @@ class _HeldBatch:
                     if now_counts != written:
                         await self.service.update(self.id, _with_counts(now_counts))
                         written = now_counts
-                queued, in_flight, window = len(self.queued), len(self.in_flight), self.runner.window
-                for _ in range(plan.to_submit(len(pending), queued, in_flight, window)):
+                r = self.runner
+                for _ in range(
+                    plan.to_submit(len(pending), len(self.queued), len(self.in_flight), r.window, r.most)
+                ):
                     line = pending.popleft()
                     self.in_flight.add(line.line)
                     self.queued.add(line.line)

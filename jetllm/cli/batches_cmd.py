@@ -123,7 +123,12 @@ async def download(args: argparse.Namespace, batch_id: str, out: Path) -> int:
 async def _runner(args: argparse.Namespace) -> int:
     async with _service(args, "jetllm-batch-runner") as (client, service):
         runner = BatchRunner(
-            client, service, window=args.window, batches=args.batches, ack_wait=args.ack_wait
+            client,
+            service,
+            window=args.window,
+            most=args.most,
+            batches=args.batches,
+            ack_wait=args.ack_wait,
         )
         print(f"batch runner {runner.instance} on namespace {args.namespace}", file=sys.stderr, flush=True)
         async with anyio.create_task_group() as tg:
@@ -151,6 +156,14 @@ def add_runner_flags(p: argparse._ActionsContainer) -> None:
         default=plan.DEFAULT_WINDOW,
         help="jobs of one batch waiting in the queue at once (running ones do not count): online requests "
         f"wait behind at most this many, the batch takes every free slot (default: {plan.DEFAULT_WINDOW})",
+    )
+    p.add_argument(
+        "--batch-max-lines",
+        dest="most",
+        type=int,
+        default=plan.MAX_IN_FLIGHT,
+        help="jobs of one batch queued or running at once: fewer than the fleet's slots leaves the rest to "
+        f"online traffic (default: {plan.MAX_IN_FLIGHT})",
     )
     p.add_argument("--batches", type=int, default=2, help="batches one runner runs at once (default: 2)")
     p.add_argument(

@@ -48,6 +48,7 @@ def gateway_config(args: argparse.Namespace, url: str):
     if args.batches_api:
         batches = BatchSettings(
             window=args.window,
+            most=args.most,
             batches=args.batches,
             ack_wait=args.ack_wait,
             max_file_bytes=args.max_file_bytes,

@@ -15,6 +15,7 @@ import nats.errors
 from starlette.requests import Request
 from starlette.responses import Response
 
+from ..batches.plan import MAX_IN_FLIGHT
 from ..errors import JetllmError
 from ..openai.errors import OpenAIError, from_code, from_exception, too_large
 from ..openai.translate import Job, Route, decode, param_of
@@ -56,6 +57,8 @@ class BatchSettings:
     """Seconds after which a batch whose runner went silent goes to another runner."""
     max_file_bytes: int
     """The largest upload; more is a 413."""
+    most: int = MAX_IN_FLIGHT
+    """Jobs of one batch queued or running at once."""
 
 
 class Gateway:
