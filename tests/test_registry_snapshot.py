@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 from nats.js.kv import KV_DEL, KeyValue
 
-from jetllm.producer.registry import entries_matching
 from jetllm.subjects.connection import connect
+from jetllm.subjects.kvsnapshot import entries_matching
 
 pytestmark = pytest.mark.anyio
 

@@ -24,6 +24,7 @@ from ..errors import JetllmError
 from ..openai.endpoints import ENDPOINTS
 from ..schemas import TERMINAL_STATUSES, BatchRun, BatchState, ErrorCode, FileMeta
 from ..subjects import codec
+from ..subjects.kvsnapshot import entries_matching
 from ..subjects.names import Names
 from ..subjects.setup import ensure_batch_plane
 from . import plan
@@ -272,16 +273,8 @@ class BatchService:
 
     async def list(self, after: str | None = None, limit: int = 20) -> tuple[list[BatchState], bool]:
         """A page of batches, newest first, starting after the batch `after`; and whether more follow."""
-        try:
-            keys = await self.states.keys()
-        except nats.js.errors.NoKeysError:
-            keys = []
         states = []
-        for key in keys:
-            try:
-                entry = await self.states.get(key)
-            except nats.js.errors.KeyNotFoundError:
-                continue
+        for entry in await entries_matching(self.states, ">"):
             try:
                 states.append(_state_decoder.decode(entry.value or b""))
             except msgspec.DecodeError:

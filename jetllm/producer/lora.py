@@ -47,10 +47,11 @@ from ..schemas import (
     LoraUnload,
 )
 from ..subjects import codec
+from ..subjects.kvsnapshot import entries_matching
 from ..subjects.names import Names
 from ..subjects.setup import ensure_bucket, ensure_lora_bucket, namespace_replicas
 from .fleet import gather
-from .registry import entries_matching, instances
+from .registry import instances
 
 _spec = codec.Decoder(AdapterSpec)
 _manifest = codec.Decoder(AdapterManifest)

@@ -20,48 +20,13 @@ from nats.js.kv import KeyValue
 from ..schemas import InstanceRecord, ModelCard
 from ..subjects import codec
 from ..subjects.directed import record_alive
+from ..subjects.kvsnapshot import entries_matching
 from ..subjects.names import Names
 
 log = logging.getLogger(__name__)
 
 _instance = codec.Decoder(InstanceRecord)
 _card = codec.Decoder(ModelCard)
-
-
-async def entries_matching(kv: KeyValue, pattern: str, *, meta_only: bool = False) -> list[KeyValue.Entry]:
-    """The keys matching a subject pattern (`i.*`) as they are now, with their values unless `meta_only`.
-    nats-py's `keys(filters=...)` matches substrings, so `i.*` would find nothing; a filtered watch
-    asks the server instead.
-
-    The snapshot ends at the entry the server counts as its last (`delta` 0, a deleted key's
-    included). nats-py's own end marker can come before the entries: it compares the server's count
-    with what its reader has taken so far, and the server's answer may overtake the entries it
-    already sent. A marker before any entry therefore ends the snapshot only when the bucket holds
-    no such key at all (this once made a live worker's model card look absent)."""
-    watcher = await kv.watch(pattern, meta_only=meta_only)
-    found: list[KeyValue.Entry] = []
-    seen = False
-    try:
-        while True:
-            entry = await watcher.updates(timeout=5.0)
-            if entry is None:
-                if seen or not await _any_stored(kv, pattern):
-                    break
-                continue
-            seen = True
-            if entry.operation is None:
-                found.append(entry)
-            if entry.delta == 0:
-                break
-    finally:
-        await watcher.stop()
-    return found
-
-
-async def _any_stored(kv: KeyValue, pattern: str) -> bool:
-    # nats-py keeps a bucket's stream and subject prefix private; its key_value() made them
-    info = await kv._js.stream_info(kv._stream, subjects_filter=f"{kv._pre}{pattern}")
-    return bool(info.state.subjects)
 
 
 alive = record_alive

@@ -40,6 +40,7 @@ from ...schemas import (
 )
 from ...schemas.lora import AdapterName
 from ...subjects import codec
+from ...subjects.kvsnapshot import SnapshotEnd
 from ...subjects.setup import ensure_lora_bucket
 from ...tinymodel import default_cache_dir
 from ..control import ControlError
@@ -133,7 +134,9 @@ class LoraManager:
                     kv = await ensure_lora_bucket(
                         self._ctx.js, self._ctx.names, replicas=self._ctx.policy.replicas
                     )
-                    watcher = await kv.watch(self._ctx.names.lora_keys_of(self._ctx.model))
+                    keys = self._ctx.names.lora_keys_of(self._ctx.model)
+                    watcher = await kv.watch(keys)
+                    end = SnapshotEnd()
                     try:
                         while True:
                             try:
@@ -141,9 +144,12 @@ class LoraManager:
                             except (TimeoutError, nats.errors.TimeoutError):
                                 continue
                             if entry is None:
-                                self._synced.set()
+                                if await end.marker(kv, keys):
+                                    self._synced.set()
                                 continue
                             self._follow(entry, tg)
+                            if end.entry(entry):
+                                self._synced.set()
                     finally:
                         await watcher.stop()
                 except Exception as exc:
