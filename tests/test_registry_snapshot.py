@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import nats.errors
 import pytest
 from nats.js.kv import KV_DEL, KeyValue
 
@@ -20,15 +21,22 @@ def entry(key: str, delta: int, op: str | None = None) -> KeyValue.Entry:
     )
 
 
+QUIET = "quiet"
+"""Nothing arrives within the reader's timeout."""
+
+
 class Watcher:
-    def __init__(self, updates: list[KeyValue.Entry | None]) -> None:
+    def __init__(self, updates: list) -> None:
         self._updates = list(updates)
         self.stopped = False
 
     async def updates(self, timeout: float = 5.0) -> KeyValue.Entry | None:
         if not self._updates:
             raise AssertionError("read past the snapshot: the caller would wait for its timeout")
-        return self._updates.pop(0)
+        update = self._updates.pop(0)
+        if update == QUIET:
+            raise nats.errors.TimeoutError
+        return update
 
     async def stop(self) -> None:
         self.stopped = True
@@ -37,7 +45,7 @@ class Watcher:
 class Bucket:
     """What `entries_matching` uses of nats-py's KeyValue: a watch, and its stream's subjects."""
 
-    def __init__(self, updates: list[KeyValue.Entry | None], stored: list[str]) -> None:
+    def __init__(self, updates: list, stored: list[str]) -> None:
         self.watcher = Watcher(updates)
         self._stream, self._pre = "KV_b", "$KV.b."
 
@@ -62,12 +70,20 @@ class Bucket:
         ([None, entry("i.b", 0, KV_DEL)], ["i.b"], []),
         # a marker after some entries ends it (nats-py skipped a last record of a kind it does not know)
         ([entry("i.a", 1), None], ["i.a", "i.z"], ["i.a"]),
+        ([None, QUIET], ["i.z"], []),  # ... or its only record: after the marker, quiet ends it
     ],
 )
 async def test_the_snapshot_ends_at_the_servers_last_entry_not_at_an_early_marker(updates, stored, keys):
     bucket = Bucket(updates, stored)
     found = await entries_matching(bucket, "i.*")  # type: ignore[arg-type]
     assert [e.key for e in found] == keys
+    assert bucket.watcher.stopped
+
+
+async def test_a_watch_that_stays_silent_before_the_snapshot_ended_is_an_error():
+    bucket = Bucket([entry("i.a", 1), QUIET], ["i.a", "i.b"])
+    with pytest.raises(nats.errors.TimeoutError):
+        await entries_matching(bucket, "i.*")  # type: ignore[arg-type]
     assert bucket.watcher.stopped
 
 

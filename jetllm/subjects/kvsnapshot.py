@@ -10,16 +10,18 @@ holds no such key at all.
 
 from __future__ import annotations
 
+import nats.errors
 from nats.js.kv import KeyValue
 
 
 class SnapshotEnd:
     """Whether a watch has delivered the keys that were there when it started."""
 
-    __slots__ = ("seen",)
+    __slots__ = ("marked", "seen")
 
     def __init__(self) -> None:
         self.seen = False
+        self.marked = False
 
     def entry(self, entry: KeyValue.Entry) -> bool:
         """An entry arrived; True when it was the snapshot's last."""
@@ -28,7 +30,13 @@ class SnapshotEnd:
 
     async def marker(self, kv: KeyValue, pattern: str) -> bool:
         """nats-py's end marker arrived; True when the snapshot really is over."""
+        self.marked = True
         return self.seen or not await any_stored(kv, pattern)
+
+    def quiet(self) -> bool:
+        """Nothing arrived for a while; True when that ends the snapshot: after the marker, what
+        was stored was a record nats-py skips (a marker reason it does not know)."""
+        return self.marked
 
 
 async def any_stored(kv: KeyValue, pattern: str) -> bool:
@@ -46,7 +54,12 @@ async def entries_matching(kv: KeyValue, pattern: str, *, meta_only: bool = Fals
     found: list[KeyValue.Entry] = []
     try:
         while True:
-            entry = await watcher.updates(timeout=5.0)
+            try:
+                entry = await watcher.updates(timeout=5.0)
+            except nats.errors.TimeoutError:
+                if end.quiet():
+                    break
+                raise
             if entry is None:
                 if await end.marker(kv, pattern):
                     break

@@ -142,6 +142,8 @@ class LoraManager:
                             try:
                                 entry = await watcher.updates(timeout=5.0)
                             except (TimeoutError, nats.errors.TimeoutError):
+                                if end.quiet():
+                                    self._synced.set()
                                 continue
                             if entry is None:
                                 if await end.marker(kv, keys):
