@@ -132,9 +132,10 @@ async def a_worker_killed_alone_takes_its_engine_processes_with_it(c: Client, wo
     import psutil
 
     await c.submit(req(TINY, [5, 6, 7], stop=StopConditions(max_tokens=480, ignore_eos=True)))
-    with anyio.fail_after(30):
+    with anyio.move_on_after(30) as waited:
         while (await consumer_counts(c.nc, c.names, TINY))[1] != 1:
             await anyio.sleep(0.02)
+    assert not waited.cancelled_caught, f"the worker took no job in 30 s:\n{worker.log_tail(60)}"
     engine = psutil.Process(worker.proc.pid).children(recursive=True)
     assert len(engine) >= 2, [p.name() for p in engine]  # EngineCore and its model runner
     os.kill(worker.proc.pid, signal.SIGKILL)
