@@ -310,19 +310,65 @@ class WorkerProcess:
         return [p.pid for p in psutil.Process(self.proc.pid).children() if p.name().startswith("VLLM")]
 
     @contextlib.contextmanager
-    def engine_frozen(self):
+    def engine_frozen(self) -> Iterator[FrozenEngine]:
         """The engine makes no step while the worker itself goes on: what happens next cannot
         depend on how fast this machine generates."""
         pids = self.engine_pids()
         assert pids, "the worker has no engine process"
-        for pid in pids:
-            os.kill(pid, signal.SIGSTOP)
+        engine = FrozenEngine(pids)
+        engine.signal(signal.SIGSTOP)
         try:
-            yield
+            yield engine
         finally:
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGCONT)
+            engine.signal(signal.SIGCONT)
+
+
+class FrozenEngine:
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = pids
+
+    def signal(self, sig: int) -> None:
+        for pid in self.pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+
+    async def step(self, seconds: float) -> None:
+        """Lets the engine run for a moment, then freezes it again."""
+        self.signal(signal.SIGCONT)
+        try:
+            await anyio.sleep(seconds)
+        finally:
+            self.signal(signal.SIGSTOP)
+
+
+@asynccontextmanager
+async def first_tokens_then_frozen(c: Client, worker: WorkerProcess, req) -> AsyncIterator[object]:
+    """Starts `req` on `worker`'s frozen engine and lets the engine run 10 ms at a time, 0.2 s
+    apart, until the producer holds the first tokens; then stops reading (which cancels the
+    request) and yields the last frame read, with the engine frozen for the block. The tiny model
+    makes its 480 tokens in well under a second, so a test that freezes the engine only once it
+    sees tokens would, on a slow box, find the request already finished (CI met that)."""
+    from jetllm.schemas import TokensFrame
+
+    with worker.engine_frozen() as engine:
+        seen = anyio.Event()
+
+        async def step_until_seen() -> None:
+            while not seen.is_set():
+                await engine.step(0.01)
+                with anyio.move_on_after(0.2):
+                    await seen.wait()
+
+        last = None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(step_until_seen)
+            try:
+                async for last in c.generate(req):
+                    if isinstance(last, TokensFrame):
+                        break
+            finally:
+                seen.set()
+        yield last
 
 
 def stop_all(workers: list[WorkerProcess]) -> None:

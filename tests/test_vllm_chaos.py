@@ -3,7 +3,6 @@ and crashed."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import random
 import signal
@@ -22,7 +21,7 @@ from jetllm.producer import Client
 from jetllm.producer.fleet import instance_status, worker_statuses
 from jetllm.schemas import AcceptedFrame, ErrorFrame, FinalFrame, SamplingOptions, StopConditions, TokensFrame
 
-from .conftest import TINY, WorkerProcess, stop_all
+from .conftest import TINY, WorkerProcess, first_tokens_then_frozen, stop_all
 from .jobs import req
 
 pytestmark = [pytest.mark.anyio, pytest.mark.vllm]
@@ -226,34 +225,17 @@ async def test_chaos_keeps_greedy_outputs_exact_and_every_delivered_sampled_toke
 
 
 async def test_cancel_reaches_the_engine_and_is_not_migrated(nats_url, shared_vllm):
-    """The engine is frozen once the client has a token, and the worker's status must confirm it
-    still runs the request (a client slower than the tiny model, on a loaded CI box, saw its first
-    token after all 480 were made); a try that had finished runs again, and so does one that had
-    made all its tokens and was storing its result when the engine froze."""
     w = shared_vllm
     async with Client(nats_url, namespace=w.namespace) as c:
-        for _ in range(5):
-            completed = int((await instance_status(c.nc, c.names, w.instance)).extra["completed"])
-            r = req(TINY, [7, 8, 9], stop=StopConditions(max_tokens=480, ignore_eos=True))
-            status = frame = None
-            with contextlib.ExitStack() as frozen:
-                async for frame in c.generate(r):
-                    if isinstance(frame, TokensFrame):
-                        frozen.enter_context(w.engine_frozen())
-                        status = await instance_status(c.nc, c.names, w.instance)
-                        break
-                assert status is not None, f"the request ended without a token: {frame}"
-                running = r.request_id in status.request_ids
-                if running:
-                    with anyio.fail_after(10):  # with the engine frozen, only the cancel can end it
-                        while r.request_id in (await instance_status(c.nc, c.names, w.instance)).request_ids:
-                            await anyio.sleep(0.05)
-            result = await c.wait_result(r.request_id, timeout=10)
-            if running and result.error is not None:
-                break
-            await anyio.sleep(2)  # it finished before the cancel; a slow spell of the box passes
-        else:
-            raise AssertionError("every request finished before it could be cancelled")
+        completed = int((await instance_status(c.nc, c.names, w.instance)).extra["completed"])
+        r = req(TINY, [7, 8, 9], stop=StopConditions(max_tokens=480, ignore_eos=True))
+        async with first_tokens_then_frozen(c, w, r) as frame:
+            assert isinstance(frame, TokensFrame), f"the request ended without a token: {frame}"
+            assert r.request_id in (await instance_status(c.nc, c.names, w.instance)).request_ids
+            with anyio.fail_after(10):  # with the engine frozen, only the cancel can end it
+                while r.request_id in (await instance_status(c.nc, c.names, w.instance)).request_ids:
+                    await anyio.sleep(0.05)
+        result = await c.wait_result(r.request_id, timeout=10)
         with anyio.fail_after(10):
             while True:
                 s = await instance_status(c.nc, c.names, w.instance)

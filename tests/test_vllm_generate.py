@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import uuid
 
@@ -27,7 +26,7 @@ from jetllm.schemas import (
     TokensPrompt,
 )
 
-from .conftest import TINY
+from .conftest import TINY, first_tokens_then_frozen
 from .jobs import RawInbox, consumer_counts, publish_raw
 
 pytestmark = [pytest.mark.anyio, pytest.mark.vllm]
@@ -250,43 +249,23 @@ async def _cancelled(c, worker) -> int:
     return int((await instance_status(c.nc, c.names, worker.instance)).extra["cancelled"])
 
 
-async def _cancel_mid_request(c, worker):
-    """Cancels a request with the engine frozen mid-generation (the worker's status confirms it
-    still runs it: a client slower than the tiny model, on a loaded CI box, may see the first
-    tokens only once all were made); None when it had finished before, or had made all its tokens
-    and was storing its result."""
-    from jetllm.producer.fleet import instance_status
-
-    before = await _cancelled(c, worker)
-    req = request([7, 8, 9], stop=StopConditions(max_tokens=480, ignore_eos=True))
-    with contextlib.ExitStack() as frozen:
-        async for frame in c.generate(req):
-            if isinstance(frame, TokensFrame):
-                frozen.enter_context(worker.engine_frozen())
-                status = await instance_status(c.nc, c.names, worker.instance)
-                if req.request_id not in status.request_ids:
-                    return None
-                break
-        with anyio.fail_after(10):  # with the engine frozen, only the cancel can end it
-            while req.request_id in (await instance_status(c.nc, c.names, worker.instance)).request_ids:
-                await anyio.sleep(0.05)
-    if (await c.wait_result(req.request_id, timeout=10)).error is None:
-        return None
-    with anyio.fail_after(10):
-        while await _cancelled(c, worker) == before:
-            await anyio.sleep(0.05)
-    return req
-
-
 async def test_cancel_aborts_the_engine_request_and_frees_the_slot(c, shared_vllm):
     from jetllm.producer.fleet import instance_status
     from jetllm.producer.traces import trace_records
 
-    for _ in range(5):
-        if (req := await _cancel_mid_request(c, shared_vllm)) is not None:
-            break
-        await anyio.sleep(2)  # a slow spell of the box (a worker's log lookups took 0.9 s) passes
-    assert req is not None, "every request finished before it could be cancelled"
+    before = await _cancelled(c, shared_vllm)
+    req = request([7, 8, 9], stop=StopConditions(max_tokens=480, ignore_eos=True))
+    async with first_tokens_then_frozen(c, shared_vllm, req) as frame:
+        assert isinstance(frame, TokensFrame), f"the request ended without a token: {frame}"
+        status = await instance_status(c.nc, c.names, shared_vllm.instance)
+        assert req.request_id in status.request_ids, "the worker no longer runs it at its first tokens"
+        with anyio.fail_after(10):  # with the engine frozen, only the cancel can end it
+            while req.request_id in (await instance_status(c.nc, c.names, shared_vllm.instance)).request_ids:
+                await anyio.sleep(0.05)
+    assert (await c.wait_result(req.request_id, timeout=10)).error.code.value == "cancelled"
+    with anyio.fail_after(10):
+        while await _cancelled(c, shared_vllm) == before:
+            await anyio.sleep(0.05)
     # this request ended cancelled, not completed (another test's request may complete meanwhile)
     with anyio.fail_after(10):
         while not (
