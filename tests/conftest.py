@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -342,12 +342,15 @@ class FrozenEngine:
 
 
 @asynccontextmanager
-async def first_tokens_then_frozen(c: Client, worker: WorkerProcess, req) -> AsyncIterator[object]:
+async def first_tokens_then_frozen(
+    c: Client, worker: WorkerProcess, req
+) -> AsyncIterator[tuple[object, AsyncGenerator]]:
     """Starts `req` on `worker`'s frozen engine and lets the engine run 10 ms at a time, 0.2 s
-    apart, until the producer holds the first tokens; then stops reading (which cancels the
-    request) and yields the last frame read, with the engine frozen for the block. The tiny model
-    makes its 480 tokens in well under a second, so a test that freezes the engine only once it
-    sees tokens would, on a slow box, find the request already finished (CI met that)."""
+    apart, until the producer holds the first tokens; yields the last frame read (a TokensFrame
+    unless the request ended first) and the stream, with the engine frozen. Leaving the stream
+    (`aclose()`) cancels the request; the block's end does at the latest. The tiny model makes its
+    480 tokens in well under a second, so a test that freezes the engine only once it sees tokens
+    would, on a slow box, find the request already finished (CI met that)."""
     from jetllm.schemas import TokensFrame
 
     with worker.engine_frozen() as engine:
@@ -360,15 +363,16 @@ async def first_tokens_then_frozen(c: Client, worker: WorkerProcess, req) -> Asy
                     await seen.wait()
 
         last = None
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(step_until_seen)
-            try:
-                async for last in c.generate(req):
-                    if isinstance(last, TokensFrame):
-                        break
-            finally:
-                seen.set()
-        yield last
+        async with contextlib.aclosing(c.generate(req)) as frames:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(step_until_seen)
+                try:
+                    async for last in frames:
+                        if isinstance(last, TokensFrame):
+                            break
+                finally:
+                    seen.set()
+            yield last, frames
 
 
 def stop_all(workers: list[WorkerProcess]) -> None:

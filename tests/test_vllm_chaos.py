@@ -229,9 +229,10 @@ async def test_cancel_reaches_the_engine_and_is_not_migrated(nats_url, shared_vl
     async with Client(nats_url, namespace=w.namespace) as c:
         completed = int((await instance_status(c.nc, c.names, w.instance)).extra["completed"])
         r = req(TINY, [7, 8, 9], stop=StopConditions(max_tokens=480, ignore_eos=True))
-        async with first_tokens_then_frozen(c, w, r) as frame:
+        async with first_tokens_then_frozen(c, w, r) as (frame, stream):
             assert isinstance(frame, TokensFrame), f"the request ended without a token: {frame}"
             assert r.request_id in (await instance_status(c.nc, c.names, w.instance)).request_ids
+            await stream.aclose()  # leaving the stream cancels the request
             with anyio.fail_after(10):  # with the engine frozen, only the cancel can end it
                 while r.request_id in (await instance_status(c.nc, c.names, w.instance)).request_ids:
                     await anyio.sleep(0.05)

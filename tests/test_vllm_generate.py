@@ -255,10 +255,11 @@ async def test_cancel_aborts_the_engine_request_and_frees_the_slot(c, shared_vll
 
     before = await _cancelled(c, shared_vllm)
     req = request([7, 8, 9], stop=StopConditions(max_tokens=480, ignore_eos=True))
-    async with first_tokens_then_frozen(c, shared_vllm, req) as frame:
+    async with first_tokens_then_frozen(c, shared_vllm, req) as (frame, stream):
         assert isinstance(frame, TokensFrame), f"the request ended without a token: {frame}"
         status = await instance_status(c.nc, c.names, shared_vllm.instance)
         assert req.request_id in status.request_ids, "the worker no longer runs it at its first tokens"
+        await stream.aclose()  # leaving the stream cancels the request
         with anyio.fail_after(10):  # with the engine frozen, only the cancel can end it
             while req.request_id in (await instance_status(c.nc, c.names, shared_vllm.instance)).request_ids:
                 await anyio.sleep(0.05)
