@@ -97,6 +97,67 @@ def test_the_window_bounds_the_jobs_of_a_batch_in_the_queue(pending, queued, in_
 
 
 @pytest.mark.parametrize(
+    "pending, queued, in_flight, freed, most, submit",
+    [
+        (1000, 8, 8, 256, 4096, 256),  # a wave of lines ended together: their slots refill at once
+        (1000, 8, 8, 0, 4096, 0),  # otherwise a full window waits for claims
+        (1000, 200, 200, 256, 4096, 64),  # replacements no worker took yet count against the widening
+        (1000, 300, 300, 256, 4096, 0),  # others took those slots: the queue stays within window + freed
+        (10, 0, 0, 256, 4096, 10),
+        (1000, 0, 4000, 256, 4096, 96),  # `most` still bounds what the batch follows
+    ],
+)
+def test_lines_that_just_ended_widen_the_window_by_the_slots_they_left(
+    pending, queued, in_flight, freed, most, submit
+):
+    assert plan.to_submit(pending, queued, in_flight, 8, most, freed) == submit
+
+
+def _instance(model="m", state="serving", slots=8, in_flight=3, ready=True, role="generate", adapters=()):
+    from jetllm.schemas import InstanceRecord
+
+    return InstanceRecord(
+        instance=f"i-{model}-{state}-{role}",
+        role=role,
+        model=model,
+        state=state,
+        slots=slots,
+        in_flight=in_flight,
+        ready=ready,
+        adapters=list(adapters),
+    )
+
+
+@pytest.mark.parametrize(
+    "records, models, free",
+    [
+        ([_instance()], {"m"}, 5),
+        ([_instance(), _instance(in_flight=0, role="decode")], {"m"}, 13),
+        ([_instance(model="other")], {"m"}, 0),  # another model's slots are not this batch's
+        ([_instance(model="base", adapters=["m"])], {"m"}, 5),  # an adapter the worker has loaded
+        ([_instance(state="draining"), _instance(ready=False), _instance(role="prefill")], {"m"}, 0),
+        ([_instance(in_flight=12)], {"m"}, 0),
+    ],
+)
+def test_a_batch_starts_with_the_slots_the_registry_says_are_free(records, models, free):
+    assert plan.free_slots(records, models) == free
+
+
+@pytest.mark.parametrize(
+    "queued, submitted, spent",
+    [
+        (0, 8, 0),  # within the window
+        (8, 256, 256),  # all beyond it: one freed slot each
+        (4, 10, 6),
+        (12, 5, 5),  # the queue was already beyond it
+        (3, 0, 0),
+    ],
+)
+def test_jobs_beyond_the_window_spend_one_freed_slot_each(queued, submitted, spent):
+    assert plan.widened_by(queued, submitted, 8) == spent
+
+
+@pytest.mark.parametrize(
     "text, seconds", [("24h", 86400), ("1h", 3600), ("90m", 5400), ("5s", 5), ("168h", 604800)]
 )
 def test_completion_windows(text, seconds):
@@ -318,11 +379,20 @@ def peak_engine(**kw) -> FakeEngine:
 
 
 @pytest.mark.parametrize(
-    "most, peak",
-    [(plan.MAX_IN_FLIGHT, 6), (3, 3)],  # by default every free slot; with --batch-max-lines, that many
+    "most, refill, peak, beyond",
+    [
+        (
+            plan.MAX_IN_FLIGHT,
+            plan.REFILL_SECONDS,
+            6,
+            6,
+        ),  # every free slot; a slot left free is refilled at once
+        (plan.MAX_IN_FLIGHT, 0, 6, 0),  # with no refill, the window alone bounds the queue
+        (3, plan.REFILL_SECONDS, 3, 6),  # with --batch-max-lines, that many
+    ],
 )
 async def test_a_batch_fills_every_free_slot_and_queues_at_most_its_window(
-    api, nats_url, namespace, most, peak
+    api, nats_url, namespace, most, refill, peak, beyond
 ):
     sdk, client, service = api
     n, slots, window = 30, 6, 2
@@ -344,12 +414,15 @@ async def test_a_batch_fills_every_free_slot_and_queues_at_most_its_window(
         anyio.create_task_group() as tg,
     ):
         tg.start_soon(watch_queue)
-        tg.start_soon(BatchRunner(client, service, window=window, most=most, ack_wait=ACK_WAIT).serve)
+        tg.start_soon(
+            BatchRunner(client, service, window=window, most=most, refill=refill, ack_wait=ACK_WAIT).serve
+        )
         done = await wait_status(sdk, batch.id, {"completed", "failed"})
         tg.cancel_scope.cancel()
     assert done.status == "completed" and done.request_counts.completed == n
     assert engine.peak == peak  # running lines do not count against the window
-    assert max(queued) <= window  # what an online request can find ahead of it
+    # what an online request can find ahead of it: the window, and a job for each slot just left free
+    assert max(queued) <= window + beyond
 
 
 async def test_cancel_stops_new_lines_and_keeps_what_finished(api, nats_url, namespace):

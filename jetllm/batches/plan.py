@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Literal, TypeVar
 
-from ..schemas import TERMINAL_STATUSES
+from ..schemas import TERMINAL_STATUSES, InstanceRecord
 
 T = TypeVar("T")
 
 DEFAULT_WINDOW = 32
 """Jobs of one batch waiting in the queue at once (running ones do not count). An online request
-arriving behind a batch waits for at most this many of its jobs, however long the batch, while the
-batch takes every slot the fleet has free."""
+arriving behind a batch waits for at most this many of its jobs (and the replacements of lines that
+just ended, REFILL_SECONDS), however long the batch, while the batch takes every slot the fleet has
+free."""
+REFILL_SECONDS = 0.5
+"""A line that ran and ended left a slot free: for this long its replacement may wait in the queue
+beyond the window. A fleet whose lines end together (same lengths) is refilled at once instead of
+`window` jobs per round trip to a worker's claim; an online request waits at most this much longer."""
 MAX_IN_FLIGHT = 4096
 """Lines of one batch a runner follows at once (a subscription each), queued or running, unless
 told fewer (`--batch-max-lines`): more than most fleets have slots for, so the fleet, not the
@@ -59,10 +64,32 @@ def stop_reason(status: str, now: float, expires_at: float) -> Stop | None:
     return None
 
 
-def to_submit(pending: int, queued: int, in_flight: int, window: int, most: int = MAX_IN_FLIGHT) -> int:
+def to_submit(
+    pending: int, queued: int, in_flight: int, window: int, most: int = MAX_IN_FLIGHT, freed: int = 0
+) -> int:
     """How many more lines to submit now: the window bounds the batch's jobs no worker has taken
-    yet (`queued`), `most` those it follows at all (`in_flight`, queued or running)."""
-    return max(0, min(pending, window - queued, most - in_flight))
+    yet (`queued`), widened by the slots `freed` by lines that ran and ended within
+    REFILL_SECONDS and were not refilled yet; `most` bounds those it follows at all (`in_flight`,
+    queued or running)."""
+    return max(0, min(pending, window + freed - queued, most - in_flight))
+
+
+def free_slots(records: Iterable[InstanceRecord], models: set[str]) -> int:
+    """Slots free now, as the registry has it, on live workers that serve one of `models` (as the
+    base model or an adapter) and take generate jobs."""
+    return sum(
+        max(0, r.slots - r.in_flight)
+        for r in records
+        if r.state == "serving"
+        and r.ready
+        and r.role != "prefill"
+        and (r.model in models or models & set(r.adapters))
+    )
+
+
+def widened_by(queued: int, submitted: int, window: int) -> int:
+    """How many of `submitted` new jobs went beyond the window: each spends one freed slot."""
+    return max(0, queued + submitted - window) - max(0, queued - window)
 
 
 FINAL_STATUS: dict[Stop, str] = {"done": "completed", "cancel": "cancelled", "expire": "expired"}

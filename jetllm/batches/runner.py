@@ -4,7 +4,8 @@ A batch is one durable message, held by one runner (in-progress acks) until the 
 runner turns lines into detached generate jobs, with request ids derived from (batch, line): at
 most `window` of them wait in the queue at once, and as workers take them, more follow, so a batch
 fills every free slot of the fleet while an online request waits behind at most `window` of its
-jobs. The request log keeps every line's result. A runner that dies leaves the message un-acked:
+jobs (plus, for `plan.REFILL_SECONDS`, a replacement for each line that just ended and left its
+slot free). The request log keeps every line's result. A runner that dies leaves the message un-acked:
 after ack_wait another runner takes it, reads the lines that finished from the request log, and
 submits the rest again under the same ids (a job still queued is dropped as a duplicate, one that
 ran is not run again).
@@ -24,7 +25,7 @@ from nats.aio.msg import Msg
 from ..errors import JetllmError
 from ..openai.endpoints import prepare
 from ..openai.errors import OpenAIError
-from ..producer import Client
+from ..producer import Client, registry
 from ..schemas import (
     BatchIssue,
     BatchRun,
@@ -67,6 +68,7 @@ class BatchRunner:
         *,
         window: int = plan.DEFAULT_WINDOW,
         most: int = plan.MAX_IN_FLIGHT,
+        refill: float = plan.REFILL_SECONDS,
         batches: int = 2,
         ack_wait: float = plan.DEFAULT_ACK_WAIT,
         instance: str | None = None,
@@ -75,6 +77,7 @@ class BatchRunner:
         self.service = service
         self.window = max(1, window)
         self.most = max(1, most)
+        self.refill = max(0.0, refill)
         self.batches = max(1, batches)
         self.ack_wait = ack_wait
         self.instance = instance or f"runner-{uuid.uuid4().hex[:12]}"
@@ -154,6 +157,9 @@ class _HeldBatch:
         self.queued: set[int] = set()
         """Lines submitted whose claim (a worker took the job) has not been seen. A job whose worker
         died is queued again unseen; it counts as running until it ends."""
+        self.free_at: deque[float] = deque()
+        """When a slot was seen free that no job of the batch was submitted for yet: a line a worker
+        had claimed ended, or the registry said so as the batch started (REFILL_SECONDS)."""
         self.changed = anyio.Event()
 
     async def run(self) -> None:
@@ -228,6 +234,7 @@ class _HeldBatch:
 
     async def _run_lines(self, lines: list[InputLine], endpoint: str) -> plan.Stop:
         pending = deque(line for line in lines if line.line not in self.outcomes)
+        self.free_at.extend([time.monotonic()] * await self._fleet_free(lines))
         last_state = 0.0
         written = None
         async with anyio.create_task_group() as tg:
@@ -246,9 +253,14 @@ class _HeldBatch:
                         await self.service.update(self.id, _with_counts(now_counts))
                         written = now_counts
                 r = self.runner
-                for _ in range(
-                    plan.to_submit(len(pending), len(self.queued), len(self.in_flight), r.window, r.most)
-                ):
+                while self.free_at and self.free_at[0] < now - r.refill:
+                    self.free_at.popleft()
+                n = plan.to_submit(
+                    len(pending), len(self.queued), len(self.in_flight), r.window, r.most, len(self.free_at)
+                )
+                for _ in range(plan.widened_by(len(self.queued), n, r.window)):
+                    self.free_at.popleft()  # that slot is spoken for
+                for _ in range(n):
                     line = pending.popleft()
                     self.in_flight.add(line.line)
                     self.queued.add(line.line)
@@ -257,6 +269,19 @@ class _HeldBatch:
                 with anyio.move_on_after(STATE_EVERY):
                     await self.changed.wait()
         return "done"
+
+    async def _fleet_free(self, lines: list[InputLine]) -> int:
+        """The fleet's free slots for the batch's models, by the registry: the first round fills
+        them at once rather than `window` jobs per claim, and what it leaves unused lapses."""
+        if self.runner.refill <= 0:
+            return 0
+        models = {str(line.body.get("model")) for line in lines}
+        try:
+            records = await registry.instances(self.client.js, self.service.names)
+        except Exception as exc:  # the window alone then paces the first round
+            log.info("batch %s: the registry did not say which slots are free (%s)", self.id, exc)
+            return 0
+        return plan.free_slots(records, models)
 
     async def _run_line(self, line: InputLine, endpoint: str) -> None:
         """Submit the line's job and wait until its result is in its request log: seen live on
@@ -312,9 +337,15 @@ class _HeldBatch:
                         await sub.unsubscribe()
                     except Exception:
                         pass
-        self.outcomes[line.line] = found[0]
-        self.in_flight.discard(line.line)
-        self.queued.discard(line.line)
+        self._ended(line.line, found[0], ran=submitted and line.line not in self.queued)
+
+    def _ended(self, line: int, result: Result, *, ran: bool) -> None:
+        """`ran`: a worker claimed the line's job, so its slot is free now."""
+        self.outcomes[line] = result
+        if ran:
+            self.free_at.append(time.monotonic())
+        self.in_flight.discard(line)
+        self.queued.discard(line)
         self.changed.set()
 
     async def _stop_in_flight(self, wait: bool = True) -> None:

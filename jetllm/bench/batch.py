@@ -135,7 +135,7 @@ async def run_batch_api(
     output_len: int,
     url: str,
     log_dir: Path,
-    window: int,
+    windows: list[tuple[int, float]],
     in_flight: int,
     rounds: int,
 ) -> list[Figures]:
@@ -177,7 +177,7 @@ async def run_batch_api(
         async with Client(url, namespace=namespace, heartbeat_timeout=60) as client:
             service = await BatchService.open(client.js, client.names)
             await wait_for_workers(client.nc, client.names, model=opts.name, count=1, timeout=600)
-            runner = BatchRunner(client, service, window=window)
+            runner = BatchRunner(client, service)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(runner.serve)
 
@@ -197,13 +197,15 @@ async def run_batch_api(
 
                 await one(prompts[:8], "warmup")
                 streamed: list[tuple[float, int]] = []
-                batched: list[tuple[float, int]] = []
-                for n in range(rounds):  # alternating, so drift on the box touches both alike
-                    for measure in (0, 1) if n % 2 == 0 else (1, 0):
-                        if measure == 0:
+                batched: dict[tuple[int, float], list[tuple[float, int]]] = {w: [] for w in windows}
+                targets: list[tuple[int, float] | None] = [None, *windows]  # None: streamed by one producer
+                for n in range(rounds):  # alternating, so drift on the box touches all alike
+                    for target in targets if n % 2 == 0 else targets[::-1]:
+                        if target is None:
                             streamed.append(await _streamed(client, prompts, in_flight, body))
                         else:
-                            batched.append(await one(prompts, f"measured{n}"))
+                            runner.window, runner.refill = target  # read as each batch submits
+                            batched[target].append(await one(prompts, f"measured{n}w{target[0]}r{target[1]}"))
                 tg.cancel_scope.cancel()
     finally:
         stop(proc)
@@ -215,8 +217,14 @@ async def run_batch_api(
             [r[0] for r in streamed],
             streamed[0][1],
         ),
-        Figures.of(
-            f"jetllm batch API (window {window})", len(prompts), [r[0] for r in batched], batched[0][1]
+        *(
+            Figures.of(
+                f"jetllm batch API (window {w}, refill {refill:g} s)",
+                len(prompts),
+                [r[0] for r in runs],
+                runs[0][1],
+            )
+            for (w, refill), runs in batched.items()
         ),
     ]
 
@@ -277,7 +285,7 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
                 args.output_len,
                 server.url,
                 log_dir,
-                args.batch_window,
+                _windows(args.batch_window),
                 opts.max_num_seqs or 256,
                 args.rounds,
             )
@@ -285,6 +293,20 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
     text = report(rows, args, command_line("bench-batch"))
     publish(text, log_dir, write=args.write, marks=section_marks("bench-batch"))
     return 0
+
+
+def _windows(text: str) -> list[tuple[int, float]]:
+    """`32`, `32:0` (no refill), `32,256`: the runner settings to measure, a row each."""
+    try:
+        windows = [
+            (int(w), float(r or plan.REFILL_SECONDS))
+            for w, _, r in (x.partition(":") for x in text.split(","))
+        ]
+    except ValueError:
+        windows = []
+    if not windows or min(w for w, _ in windows) < 1 or len(set(windows)) != len(windows):
+        raise SystemExit(f"--batch-window: WINDOW or WINDOW:REFILL_SECONDS, comma-separated, got {text!r}")
+    return windows
 
 
 def report(rows: list[Figures], args: argparse.Namespace, command: str) -> str:
@@ -325,10 +347,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="default: the tiny model")
     p.add_argument(
         "--batch-window",
-        type=int,
-        default=plan.DEFAULT_WINDOW,
+        default=str(plan.DEFAULT_WINDOW),
         help=f"the runner's window: batch jobs waiting in the queue at once (default: {plan.DEFAULT_WINDOW}, "
-        "as `jetllm batch-runner`)",
+        "as `jetllm batch-runner`), with :SECONDS its refill (default: "
+        f"{plan.REFILL_SECONDS:g}); several, comma-separated, give a row each (e.g. 32,32:0,256)",
     )
     p.add_argument(
         "--rounds", type=int, default=3, help="timed runs per target (medians reported; jetllm's alternate)"

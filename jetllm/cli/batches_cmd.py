@@ -127,6 +127,7 @@ async def _runner(args: argparse.Namespace) -> int:
             service,
             window=args.window,
             most=args.most,
+            refill=args.refill,
             batches=args.batches,
             ack_wait=args.ack_wait,
         )
@@ -155,7 +156,8 @@ def add_runner_flags(p: argparse._ActionsContainer) -> None:
         type=int,
         default=plan.DEFAULT_WINDOW,
         help="jobs of one batch waiting in the queue at once (running ones do not count): online requests "
-        f"wait behind at most this many, the batch takes every free slot (default: {plan.DEFAULT_WINDOW})",
+        "wait behind at most this many (and --batch-refill's replacements), the batch takes every free "
+        f"slot (default: {plan.DEFAULT_WINDOW})",
     )
     p.add_argument(
         "--batch-max-lines",
@@ -164,6 +166,15 @@ def add_runner_flags(p: argparse._ActionsContainer) -> None:
         default=plan.MAX_IN_FLIGHT,
         help="jobs of one batch queued or running at once: fewer than the fleet's slots leaves the rest to "
         f"online traffic (default: {plan.MAX_IN_FLIGHT})",
+    )
+    p.add_argument(
+        "--batch-refill",
+        dest="refill",
+        type=float,
+        default=plan.REFILL_SECONDS,
+        help="seconds during which a line that ended may have its replacement queued beyond the window, "
+        "so slots left free together are refilled at once; 0: the window alone bounds the queue "
+        f"(default: {plan.REFILL_SECONDS:g})",
     )
     p.add_argument("--batches", type=int, default=2, help="batches one runner runs at once (default: 2)")
     p.add_argument(

@@ -49,6 +49,7 @@ def gateway_config(args: argparse.Namespace, url: str):
         batches = BatchSettings(
             window=args.window,
             most=args.most,
+            refill=args.refill,
             batches=args.batches,
             ack_wait=args.ack_wait,
             max_file_bytes=args.max_file_bytes,

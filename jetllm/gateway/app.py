@@ -55,7 +55,13 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = ())
                     )
                     opened.append(service)
                     runner = BatchRunner(
-                        client, service, window=b.window, most=b.most, batches=b.batches, ack_wait=b.ack_wait
+                        client,
+                        service,
+                        window=b.window,
+                        most=b.most,
+                        refill=b.refill,
+                        batches=b.batches,
+                        ack_wait=b.ack_wait,
                     )
                     tg.start_soon(supervised, "batch runner", runner.serve)
                 yield

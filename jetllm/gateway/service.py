@@ -15,7 +15,7 @@ import nats.errors
 from starlette.requests import Request
 from starlette.responses import Response
 
-from ..batches.plan import MAX_IN_FLIGHT
+from ..batches.plan import MAX_IN_FLIGHT, REFILL_SECONDS
 from ..errors import JetllmError
 from ..openai.errors import OpenAIError, from_code, from_exception, too_large
 from ..openai.translate import Job, Route, decode, param_of
@@ -59,6 +59,8 @@ class BatchSettings:
     """The largest upload; more is a 413."""
     most: int = MAX_IN_FLIGHT
     """Jobs of one batch queued or running at once."""
+    refill: float = REFILL_SECONDS
+    """Seconds a line that ended may have its replacement queued beyond the window."""
 
 
 class Gateway:
