@@ -12,13 +12,13 @@ T = TypeVar("T")
 
 DEFAULT_WINDOW = 32
 """Jobs of one batch waiting in the queue at once (running ones do not count). An online request
-arriving behind a batch waits for at most this many of its jobs (and the replacements of lines that
-just ended, REFILL_SECONDS), however long the batch, while the batch takes every slot the fleet has
-free."""
+arriving behind a batch waits for at most this many of its jobs (and those REFILL_SECONDS lets
+through), however long the batch, while the batch takes every slot the fleet has free."""
 REFILL_SECONDS = 0.5
-"""A line that ran and ended left a slot free: for this long its replacement may wait in the queue
-beyond the window. A fleet whose lines end together (same lengths) is refilled at once instead of
-`window` jobs per round trip to a worker's claim; an online request waits at most this much longer."""
+"""A slot seen free (by the registry as a batch starts, or left by a line that ran and ended) lets
+one job of the batch into the queue beyond the window for this long: a fleet is filled at once
+instead of `window` jobs per round trip to a worker's claim, and an online request waits at most
+about this much longer."""
 MAX_IN_FLIGHT = 4096
 """Lines of one batch a runner follows at once (a subscription each), queued or running, unless
 told fewer (`--batch-max-lines`): more than most fleets have slots for, so the fleet, not the
@@ -68,9 +68,8 @@ def to_submit(
     pending: int, queued: int, in_flight: int, window: int, most: int = MAX_IN_FLIGHT, freed: int = 0
 ) -> int:
     """How many more lines to submit now: the window bounds the batch's jobs no worker has taken
-    yet (`queued`), widened by the slots `freed` by lines that ran and ended within
-    REFILL_SECONDS and were not refilled yet; `most` bounds those it follows at all (`in_flight`,
-    queued or running)."""
+    yet (`queued`), widened by the slots seen free within REFILL_SECONDS that no job was submitted
+    for yet (`freed`); `most` bounds those it follows at all (`in_flight`, queued or running)."""
     return max(0, min(pending, window + freed - queued, most - in_flight))
 
 

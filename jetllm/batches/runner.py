@@ -4,8 +4,8 @@ A batch is one durable message, held by one runner (in-progress acks) until the 
 runner turns lines into detached generate jobs, with request ids derived from (batch, line): at
 most `window` of them wait in the queue at once, and as workers take them, more follow, so a batch
 fills every free slot of the fleet while an online request waits behind at most `window` of its
-jobs (plus, for `plan.REFILL_SECONDS`, a replacement for each line that just ended and left its
-slot free). The request log keeps every line's result. A runner that dies leaves the message un-acked:
+jobs (plus, for `plan.REFILL_SECONDS`, one for each slot seen free: the registry's as the batch
+starts, a finished line's later). The request log keeps every line's result. A runner that dies leaves the message un-acked:
 after ack_wait another runner takes it, reads the lines that finished from the request log, and
 submits the rest again under the same ids (a job still queued is dropped as a duplicate, one that
 ran is not run again).
