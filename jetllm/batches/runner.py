@@ -17,6 +17,7 @@ import logging
 import time
 import uuid
 from collections import deque
+from typing import Protocol
 
 import anyio
 import msgspec
@@ -60,7 +61,34 @@ def counts(total: int, outcomes: dict[int, Result]) -> RequestCounts:
     return RequestCounts(total=total, completed=ok, failed=len(outcomes) - ok)
 
 
+class RunnerSettings(Protocol):
+    """What configures a runner: `jetllm batch-runner`'s flags, or a gateway's BatchSettings."""
+
+    @property
+    def window(self) -> int: ...
+    @property
+    def most(self) -> int: ...
+    @property
+    def refill(self) -> float: ...
+    @property
+    def batches(self) -> int: ...
+    @property
+    def ack_wait(self) -> float: ...
+
+
 class BatchRunner:
+    @classmethod
+    def configured(cls, client: Client, service: BatchService, settings: RunnerSettings) -> BatchRunner:
+        return cls(
+            client,
+            service,
+            window=settings.window,
+            most=settings.most,
+            refill=settings.refill,
+            batches=settings.batches,
+            ack_wait=settings.ack_wait,
+        )
+
     def __init__(
         self,
         client: Client,

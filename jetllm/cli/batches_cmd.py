@@ -122,15 +122,7 @@ async def download(args: argparse.Namespace, batch_id: str, out: Path) -> int:
 
 async def _runner(args: argparse.Namespace) -> int:
     async with _service(args, "jetllm-batch-runner") as (client, service):
-        runner = BatchRunner(
-            client,
-            service,
-            window=args.window,
-            most=args.most,
-            refill=args.refill,
-            batches=args.batches,
-            ack_wait=args.ack_wait,
-        )
+        runner = BatchRunner.configured(client, service, args)
         print(f"batch runner {runner.instance} on namespace {args.namespace}", file=sys.stderr, flush=True)
         async with anyio.create_task_group() as tg:
 

@@ -54,15 +54,7 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = ())
                         client.js, client.names, ack_wait=b.ack_wait, max_file_bytes=b.max_file_bytes
                     )
                     opened.append(service)
-                    runner = BatchRunner(
-                        client,
-                        service,
-                        window=b.window,
-                        most=b.most,
-                        refill=b.refill,
-                        batches=b.batches,
-                        ack_wait=b.ack_wait,
-                    )
+                    runner = BatchRunner.configured(client, service, b)
                     tg.start_soon(supervised, "batch runner", runner.serve)
                 yield
                 tg.cancel_scope.cancel()
