@@ -262,7 +262,8 @@ class _HeldBatch:
 
     async def _run_lines(self, lines: list[InputLine], endpoint: str) -> plan.Stop:
         pending = deque(line for line in lines if line.line not in self.outcomes)
-        self.free_at.extend([time.monotonic()] * await self._fleet_free(lines))
+        # capped: a registry record is not trusted to state a sane number of slots
+        self.free_at.extend([time.monotonic()] * min(await self._fleet_free(lines), len(pending)))
         last_state = 0.0
         written = None
         async with anyio.create_task_group() as tg:
