@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Literal, TypeVar
 
 from ..schemas import TERMINAL_STATUSES, InstanceRecord
@@ -26,6 +27,17 @@ runner, bounds what runs. Fewer leaves the rest of the fleet to online traffic."
 DEFAULT_ACK_WAIT = 30.0
 """Seconds a batch stays with a runner that gave no sign of life before another runner takes it."""
 MAX_WINDOW_SECONDS = 7 * 24 * 3600
+
+
+@dataclass(frozen=True, slots=True)
+class Pacing:
+    """How a runner feeds a batch's lines to the fleet: `window` jobs queued at most, `most` lines
+    followed at once, a slot seen free lets one more in for `refill` seconds (see the constants)."""
+
+    window: int = DEFAULT_WINDOW
+    most: int = MAX_IN_FLIGHT
+    refill: float = REFILL_SECONDS
+
 
 _WINDOW = re.compile(r"^([1-9][0-9]{0,6})([hms])$")
 

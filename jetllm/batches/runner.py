@@ -14,51 +14,21 @@ ran is not run again).
 from __future__ import annotations
 
 import logging
-import time
 import uuid
-from collections import deque
 from typing import Protocol
 
 import anyio
-import msgspec
 from nats.aio.msg import Msg
 
-from ..errors import JetllmError
-from ..openai.endpoints import prepare
-from ..openai.errors import OpenAIError
-from ..producer import Client, registry
-from ..schemas import (
-    BatchIssue,
-    BatchRun,
-    BatchState,
-    Claim,
-    ErrorCode,
-    ErrorFrame,
-    Record,
-    RequestCounts,
-    Result,
-)
+from ..producer import Client
+from ..schemas import BatchRun
 from ..subjects import codec
 from . import plan
-from .lines import BadInput, InputLine, line_request_id
-from .output import output_files, output_lines
-from .service import ApiError, BatchService
+from .held import HeldBatch
+from .service import BatchService
 
 log = logging.getLogger(__name__)
 _run_decoder = codec.Decoder(BatchRun)
-_record_decoder = codec.KindDecoder(Record)
-
-STATE_EVERY = 0.5
-"""Seconds between reads of the batch's state (a cancel) and writes of its counts."""
-RESULT_CHECK = 5.0
-"""Seconds between direct reads of a running line's result, behind the live subscription."""
-CANCEL_WAIT = 10.0
-"""Seconds a stopping batch waits for the lines it cancelled to report their end."""
-
-
-def counts(total: int, outcomes: dict[int, Result]) -> RequestCounts:
-    ok = sum(1 for r in outcomes.values() if r.final is not None)
-    return RequestCounts(total=total, completed=ok, failed=len(outcomes) - ok)
 
 
 class RunnerSettings(Protocol):
@@ -103,9 +73,7 @@ class BatchRunner:
     ) -> None:
         self.client = client
         self.service = service
-        self.window = max(1, window)
-        self.most = max(1, most)
-        self.refill = max(0.0, refill)
+        self.pacing = plan.Pacing(window=max(1, window), most=max(1, most), refill=max(0.0, refill))
         self.batches = max(1, batches)
         self.ack_wait = ack_wait
         self.instance = instance or f"runner-{uuid.uuid4().hex[:12]}"
@@ -149,7 +117,7 @@ class BatchRunner:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._keep_alive, msg)
                 try:
-                    await _HeldBatch(self, batch_id).run()
+                    await HeldBatch(self.client, self.service, self.pacing, self.instance, batch_id).run()
                 except Exception:
                     log.exception("batch %s: runner failed; the batch goes back to the queue", batch_id)
                     failed = True
@@ -170,288 +138,3 @@ class BatchRunner:
                 await msg.in_progress()
             except Exception as exc:  # the next one may pass; after ack_wait the batch moves on
                 log.warning("could not extend the batch message: %s", exc)
-
-
-class _HeldBatch:
-    """One batch held by this runner, from its take to its end."""
-
-    def __init__(self, runner: BatchRunner, batch_id: str) -> None:
-        self.runner = runner
-        self.service = runner.service
-        self.client = runner.client
-        self.id = batch_id
-        self.outcomes: dict[int, Result] = {}
-        self.in_flight: set[int] = set()
-        self.queued: set[int] = set()
-        """Lines submitted whose claim (a worker took the job) has not been seen. A job whose worker
-        died is queued again unseen; it counts as running until it ends."""
-        self.free_at: deque[float] = deque()
-        """When a slot was seen free that no job of the batch was submitted for yet: a line a worker
-        had claimed ended, or the registry said so as the batch started (REFILL_SECONDS)."""
-        self.changed = anyio.Event()
-
-    async def run(self) -> None:
-        try:
-            state = await self.service.get(self.id)
-        except ApiError:
-            log.warning("batch %s has no state (deleted?); dropping it", self.id)
-            return
-        action = plan.on_take(state.status, time.time(), state.expires_at)
-        if action == "skip":
-            return
-        taken = time.monotonic()
-        try:
-            lines = await self.service.input_lines(state.input_file_id, state.endpoint)
-        except (BadInput, ApiError) as exc:
-            await self._fail(exc.message, getattr(exc, "line", None), exc.param)
-            return
-        if state.in_progress_at is not None:  # no line is submitted before the batch is in progress
-            await self._read_finished(lines)
-        read = time.monotonic()
-        stop: plan.Stop
-        if action == "run":
-            await self.service.update(self.id, self._started(len(lines)))
-            stop = await self._run_lines(lines, state.endpoint)
-        else:
-            stop = action
-            if state.in_progress_at is not None:  # an earlier runner may have left lines queued
-                self.in_flight = {line.line for line in lines if line.line not in self.outcomes}
-                await self._stop_in_flight(wait=False)
-        ran = time.monotonic()
-        await self._finalize(lines, state, stop)
-        log.info(
-            "batch %s: %d lines read in %.0f ms, run in %.2f s, output written in %.0f ms",
-            self.id,
-            len(lines),
-            (read - taken) * 1000,
-            ran - read,
-            (time.monotonic() - ran) * 1000,
-        )
-
-    def _started(self, total: int):  # noqa: ANN202
-        now = int(time.time())
-
-        def change(state: BatchState) -> BatchState | None:
-            if state.status not in ("validating", "in_progress"):
-                return None
-            return msgspec.structs.replace(
-                state,
-                status="in_progress",
-                in_progress_at=state.in_progress_at or now,
-                runner=self.runner.instance,
-                request_counts=counts(total, self.outcomes),
-            )
-
-        return change
-
-    async def _read_finished(self, lines: list[InputLine]) -> None:
-        """Results of lines an earlier runner saw finish: read, never run again."""
-        todo = iter(lines)
-
-        async def reader() -> None:  # a few readers share the lines: no task per line
-            for line in todo:
-                found = await self.client.result(line_request_id(self.id, line.line))
-                if found is not None:
-                    self.outcomes[line.line] = found
-
-        async with anyio.create_task_group() as tg:
-            for _ in range(min(32, len(lines))):
-                tg.start_soon(reader)
-        if self.outcomes:
-            log.info("batch %s: %d of %d lines had finished already", self.id, len(self.outcomes), len(lines))
-
-    async def _run_lines(self, lines: list[InputLine], endpoint: str) -> plan.Stop:
-        pending = deque(line for line in lines if line.line not in self.outcomes)
-        # capped: a registry record is not trusted to state a sane number of slots
-        self.free_at.extend([time.monotonic()] * min(await self._fleet_free(lines), len(pending)))
-        last_state = 0.0
-        written = None
-        async with anyio.create_task_group() as tg:
-            while pending or self.in_flight:
-                now = time.monotonic()
-                if now - last_state >= STATE_EVERY:
-                    last_state = now
-                    state = await self.service.get(self.id)
-                    stop = plan.stop_reason(state.status, time.time(), state.expires_at)
-                    if stop is not None:
-                        await self._stop_in_flight()
-                        tg.cancel_scope.cancel()
-                        return stop
-                    now_counts = counts(len(lines), self.outcomes)
-                    if now_counts != written:
-                        await self.service.update(self.id, _with_counts(now_counts))
-                        written = now_counts
-                r = self.runner
-                while self.free_at and self.free_at[0] < now - r.refill:
-                    self.free_at.popleft()
-                n = plan.to_submit(
-                    len(pending), len(self.queued), len(self.in_flight), r.window, r.most, len(self.free_at)
-                )
-                for _ in range(plan.widened_by(len(self.queued), n, r.window)):
-                    self.free_at.popleft()  # that slot is spoken for
-                for _ in range(n):
-                    line = pending.popleft()
-                    self.in_flight.add(line.line)
-                    self.queued.add(line.line)
-                    tg.start_soon(self._run_line, line, endpoint)
-                self.changed = anyio.Event()
-                with anyio.move_on_after(STATE_EVERY):
-                    await self.changed.wait()
-        return "done"
-
-    async def _fleet_free(self, lines: list[InputLine]) -> int:
-        """The fleet's free slots for the batch's models, by the registry: the first round fills
-        them at once rather than `window` jobs per claim, and what it leaves unused lapses."""
-        if self.runner.refill <= 0:
-            return 0
-        models = {str(line.body.get("model")) for line in lines}
-        try:
-            records = await registry.instances(self.client.js, self.service.names)
-        except Exception as exc:  # the window alone then paces the first round
-            log.info("batch %s: the registry did not say which slots are free (%s)", self.id, exc)
-            return 0
-        return plan.free_slots(records, models)
-
-    async def _run_line(self, line: InputLine, endpoint: str) -> None:
-        """Submit the line's job and wait until its result is in its request log: seen live on
-        the log's subject, subscribed to before the job is submitted (no consumer on the server per
-        line), and read directly now and then, for a result an earlier runner's job stored before
-        the subscription, or one missed across a reconnect. Lines submit concurrently, so their
-        publish acks overlap."""
-        rid = line_request_id(self.id, line.line)
-        found: list[Result] = []
-        ended = anyio.Event()
-
-        async def on_record(msg: Msg) -> None:
-            try:
-                record = _record_decoder.decode(msg.data)
-            except Exception:  # a newer kind of record, or not ours to read
-                return
-            if isinstance(record, Result):
-                found.append(record)
-                ended.set()
-            elif isinstance(record, Claim) and line.line in self.queued:
-                self.queued.discard(line.line)
-                self.changed.set()
-
-        sub = None
-        submitted = False
-        try:
-            while not found:
-                try:
-                    if sub is None:
-                        sub = await self.client.nc.subscribe(
-                            self.service.names.request_log(rid), cb=on_record
-                        )
-                    if not submitted:
-                        try:
-                            await self.client.submit(prepare(endpoint, line.body, rid).job.request)
-                        except (JetllmError, OpenAIError) as exc:
-                            found.append(_failed(rid, exc))  # this line cannot be a job: it fails alone
-                            break
-                        submitted = True
-                    else:
-                        stored = await self.client.result(rid)
-                        if stored is not None:
-                            found.append(stored)
-                            break
-                except Exception as exc:  # the server is away for now: submitted or read again later
-                    log.info("batch %s: trying %s again after %s", self.id, rid, exc)
-                with anyio.move_on_after(RESULT_CHECK):
-                    await ended.wait()
-        finally:
-            if sub is not None:
-                with anyio.CancelScope(shield=True):
-                    try:
-                        await sub.unsubscribe()
-                    except Exception:
-                        pass
-        self._ended(line.line, found[0], ran=submitted and line.line not in self.queued)
-
-    def _ended(self, line: int, result: Result, *, ran: bool) -> None:
-        """`ran`: a worker claimed the line's job, so its slot is free now."""
-        self.outcomes[line] = result
-        if ran:
-            self.free_at.append(time.monotonic())
-        self.in_flight.discard(line)
-        self.queued.discard(line)
-        self.changed.set()
-
-    async def _stop_in_flight(self, wait: bool = True) -> None:
-        """Cancel the lines queued or running; wait a little for their ends to be recorded."""
-        for line in list(self.in_flight):
-            try:
-                await self.client.cancel(line_request_id(self.id, line), reason="batch stopped")
-            except Exception as exc:
-                log.warning("batch %s: could not cancel line %d: %s", self.id, line, exc)
-        with anyio.move_on_after(CANCEL_WAIT if wait else 0):
-            while self.in_flight:
-                self.changed = anyio.Event()
-                await self.changed.wait()
-
-    async def _fail(self, message: str, line: int | None, param: str | None) -> None:
-        now = int(time.time())
-        issue = BatchIssue(code="invalid_input", message=message, param=param, line=line)
-
-        def change(state: BatchState) -> BatchState | None:
-            if state.status in plan.TERMINAL_STATUSES:
-                return None
-            return msgspec.structs.replace(state, status="failed", failed_at=now, errors=[issue])
-
-        await self.service.update(self.id, change)
-
-    async def _finalize(self, lines: list[InputLine], state: BatchState, stop: plan.Stop) -> None:
-        if stop == "done":
-            now = int(time.time())
-            await self.service.update(
-                self.id,
-                lambda s: (
-                    None
-                    if s.status != "in_progress"
-                    else msgspec.structs.replace(s, status="finalizing", finalizing_at=now)
-                ),
-            )
-        out, errors = await anyio.to_thread.run_sync(
-            output_lines, self.id, lines, self.outcomes, state.endpoint, stop
-        )
-        out_id, err_id = output_files(self.id)
-        tail = self.id.removeprefix("batch_")
-        if out:
-            await self.service.write_output(out_id, f"batch_{tail}_output.jsonl", b"".join(out))
-        if errors:
-            await self.service.write_output(err_id, f"batch_{tail}_errors.jsonl", b"".join(errors))
-        final = counts(len(lines), self.outcomes)
-        final.failed = final.total - final.completed
-        now = int(time.time())
-
-        def change(s: BatchState) -> BatchState | None:
-            if s.status in plan.TERMINAL_STATUSES:
-                return None
-            status = plan.FINAL_STATUS[stop] if s.status != "cancelling" else "cancelled"
-            return msgspec.structs.replace(
-                s,
-                status=status,
-                output_file_id=out_id if out else None,
-                error_file_id=err_id if errors else None,
-                request_counts=final,
-                **{f"{status}_at": now},
-            )
-
-        done = await self.service.update(self.id, change)
-        log.info("batch %s: %s (%d ok, %d failed)", self.id, done.status, final.completed, final.failed)
-
-
-def _with_counts(c: RequestCounts):  # noqa: ANN202
-    def change(state: BatchState) -> BatchState | None:
-        if state.status != "in_progress":
-            return None
-        return msgspec.structs.replace(state, request_counts=c)
-
-    return change
-
-
-def _failed(rid: str, exc: JetllmError | OpenAIError) -> Result:
-    """A line that never became a job: too big to publish, or a body that translated when the
-    batch was created and no longer does (another version's runner)."""
-    code = exc.code if isinstance(exc, JetllmError) else ErrorCode.INVALID_REQUEST
-    return Result(attempt=0, error=ErrorFrame(seq=1, request_id=rid, code=code, message=exc.message))

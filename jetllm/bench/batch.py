@@ -204,7 +204,9 @@ async def run_batch_api(
                         if target is None:
                             streamed.append(await _streamed(client, prompts, in_flight, body))
                         else:
-                            runner.window, runner.refill = target  # read as each batch submits
+                            runner.pacing = dataclasses.replace(
+                                runner.pacing, window=target[0], refill=target[1]
+                            )
                             batched[target].append(await one(prompts, f"measured{n}w{target[0]}r{target[1]}"))
                 tg.cancel_scope.cancel()
     finally:

@@ -18,17 +18,15 @@ from ...errors import EngineDead, EngineRequestError, RequestRejected
 from ...schemas import (
     ChatPrompt,
     ErrorCode,
-    FinishReason,
     GenerateRequest,
     GrammarOutput,
     Prompt,
     TextPrompt,
     TokensPrompt,
 )
-from . import structured
+from . import vllm_convert
 from .args import engine_args
 from .base import (
-    ChoiceDelta,
     EngineAdapter,
     EngineLoad,
     EnginePrompt,
@@ -49,14 +47,6 @@ ENGINE_TEARDOWN_TIMEOUT = 1.0
 killed. vLLM waits 5 s by default, and on these machines spends them all: its model-runner
 process takes ~4 s to exit and the engine core is killed anyway. Nothing the worker needs is
 lost by ending them sooner, and a rolling restart moves on 4 s earlier per worker."""
-
-_FINISH: dict[str, FinishReason] = {
-    "stop": "stop",
-    "length": "length",
-    "abort": "cancelled",
-    "error": "error",
-    "repetition": "repetition",
-}
 
 
 class _LoadRecorder:
@@ -88,58 +78,6 @@ class _LoadRecorder:
         return Logger(vllm_config, engine_index)
 
 
-def _fast_decode(llm: Any) -> Any:
-    """The tokenizer's decode when vLLM detokenizes with its fast (DecodeStream) detokenizer,
-    the one that leaks a prompt ending inside a character (prompttail.py); else None."""
-    try:
-        from vllm.v1.engine.detokenizer import uses_fast_detokenizer
-
-        tok = llm.get_tokenizer()
-        return tok.decode if uses_fast_detokenizer(tok) else None
-    except Exception:
-        return None
-
-
-def _lora_request(adapter: EngineAdapter | None) -> Any:
-    """vLLM's request to use (or load) an adapter; None for the base model."""
-    if adapter is None:
-        return None
-    from vllm.lora.request import LoRARequest
-
-    return LoRARequest(adapter.name, adapter.id, adapter.path)
-
-
-def _embeds_input(p: PromptEmbeds) -> Any:
-    """vLLM's embeddings input; a continuation after a move is mixed mode: the engine embeds the
-    token-id positions itself (their rows in the tensor are placeholders)."""
-    import torch
-    from vllm.inputs import embeds_input
-
-    tensor = torch.from_numpy(p.array)
-    if p.dtype == "bfloat16":
-        tensor = tensor.view(torch.bfloat16)
-    if not p.continuation:
-        return embeds_input(tensor)
-    k = len(p.continuation)
-    tensor = torch.cat([tensor, torch.zeros(k, p.hidden, dtype=tensor.dtype)])
-    return embeds_input(
-        tensor, prompt_token_ids=[0] * p.rows + p.continuation, is_token_ids=[False] * p.rows + [True] * k
-    )
-
-
-def _uncompiled(req: GenerateRequest) -> RequestRejected:
-    """vLLM checks a constraint when the request is added, without the tokenizer, and compiles it
-    in the engine later; a compilation that fails there ends the request with an error and no
-    reason (e.g. a grammar naming a special token this tokenizer lacks)."""
-    assert req.structured is not None
-    return RequestRejected(
-        ErrorCode.INVALID_REQUEST,
-        "the engine could not compile the constraint for this model's tokenizer (a grammar naming "
-        "a token it does not have, say); the worker's log has the compiler's message",
-        field=structured.field_of(req.structured),
-    )
-
-
 class VllmEngine:
     """One AsyncLLM. Build it with `await VllmEngine.start(opts)` inside the worker's event loop."""
 
@@ -154,7 +92,7 @@ class VllmEngine:
         """The adapters the engine holds, to add again after a level-2 wake."""
         self.facts = engine_facts(llm, opts.name, opts.model)
         self._defaults = llm.model_config.get_diff_sampling_param()
-        self._decode = _fast_decode(llm)
+        self._decode = vllm_convert.fast_decode(llm)
         self._grammars: GrammarCheck | None = None
         if llm.vllm_config.structured_outputs_config.backend == "guidance":
             self._grammars = GrammarCheck(llm.get_tokenizer(), self.facts.vocab_size)
@@ -247,14 +185,16 @@ class VllmEngine:
         )
         rid = req.request_id
         engine_input = (
-            _embeds_input(prompt_ids) if isinstance(prompt_ids, PromptEmbeds) else tokens_input(prompt_ids)
+            vllm_convert.embeds_of(prompt_ids)
+            if isinstance(prompt_ids, PromptEmbeds)
+            else tokens_input(prompt_ids)
         )
-        lora = _lora_request(adapter)
+        lora = vllm_convert.lora_request(adapter)
         constrained, produced = req.structured is not None, False
         tails = self._tails(prompt_ids, params, want_text)
         try:
             async for out in self.llm.generate(engine_input, params, rid, lora_request=lora):
-                step = self._step(out, want_text or tails is not None)
+                step = vllm_convert.step_of(out, want_text or tails is not None)
                 if tails is not None:
                     step = tails.repair(step)
                     if tails.done and not step.finished:
@@ -264,7 +204,7 @@ class VllmEngine:
                 if constrained and not produced:
                     produced = any(c.token_ids for c in step.choices)
                     if not produced and any(c.finish_reason == "error" for c in step.choices):
-                        raise _uncompiled(req)
+                        raise vllm_convert.uncompiled(req)
                 yield step
         except EngineDeadError:
             raise EngineDead("the vLLM engine died") from None
@@ -313,35 +253,6 @@ class VllmEngine:
             params.min_tokens,
             want_text,
             text_of if stop else None,
-        )
-
-    @staticmethod
-    def _step(out: Any, want_text: bool) -> EngineStep:
-        choices = []
-        for c in out.outputs:
-            logprobs = top = None
-            if c.logprobs:
-                logprobs, top = [], []
-                for tid, entry in zip(c.token_ids, c.logprobs, strict=False):
-                    logprobs.append(float(entry[tid].logprob) if tid in entry else float("nan"))
-                    top.append({int(k): float(v.logprob) for k, v in entry.items()})
-            reason = _FINISH.get(c.finish_reason) if c.finish_reason else None
-            choices.append(
-                ChoiceDelta(
-                    index=c.index,
-                    token_ids=list(c.token_ids),
-                    text=c.text if want_text else None,
-                    logprobs=logprobs,
-                    top_logprobs=top,
-                    finish_reason=reason,
-                    stop_reason=c.stop_reason,
-                )
-            )
-        return EngineStep(
-            choices=choices,
-            finished=out.finished,
-            cached_tokens=out.num_cached_tokens or 0,
-            kv_params=getattr(out, "kv_transfer_params", None),
         )
 
     async def check_health(self) -> None:
@@ -400,13 +311,13 @@ class VllmEngine:
             raise EngineRequestError("the engine is still partly asleep after waking weights and KV cache")
         for adapter in list(self._adapters.values()):
             try:
-                await self.llm.add_lora(_lora_request(adapter))
+                await self.llm.add_lora(vllm_convert.lora_request(adapter))
             except Exception as exc:  # vLLM loads it again on the first request that names it
                 log.warning("adapter %s not added back after waking: %s", adapter.name, exc)
 
     async def add_adapter(self, adapter: EngineAdapter) -> None:
         try:
-            ok = await self.llm.add_lora(_lora_request(adapter))
+            ok = await self.llm.add_lora(vllm_convert.lora_request(adapter))
         except Exception as exc:  # vLLM refuses with plain exceptions; the engine survives them
             raise EngineRequestError(f"the engine refused the adapter: {exc}") from None
         if not ok:
