@@ -28,12 +28,10 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import PubAck
-from nats.js.kv import KeyValue
 
 from .. import tracecontext
 from ..aio import describe, retried
-from ..errors import JetStreamUnavailable, NotPermitted, PayloadTooLarge, RequestFailed
-from ..router.publish import placed_subject
+from ..errors import JetStreamUnavailable, PayloadTooLarge, RequestFailed
 from ..schemas import (
     Cancelled,
     CancelRequest,
@@ -50,12 +48,12 @@ from ..subjects import codec
 from ..subjects.codec import HEADER_MARGIN
 from ..subjects.connection import connect
 from ..subjects.direct import subscribe_direct
-from ..subjects.directed import placement
 from ..subjects.names import Names, check_role, frame_batch_subject
 from ..subjects.policy import QueuePolicy
 from ..subjects.server import check_server
 from ..subjects.setup import ensure_routing_stream, ensure_streams
-from . import registry, results
+from . import results
+from .addressing import Addressing
 from .completion import Completion, assemble
 from .embeds import embeds_store, upload
 from .inboxes import Inboxes
@@ -118,8 +116,7 @@ class Client:
         self.embeds_inline_max = embeds_inline_max
         """Embeddings bigger than this (bytes) go through the object store; None: whatever does not
         fit one message (max_payload)."""
-        if router is not None and via_routers:
-            raise ValueError("give either router (place jobs here) or via_routers (a router fleet does)")
+        self._addressing = Addressing(self.names, router, via_routers)
         self.router = router
         """Places each job before it is published (started with the client unless already running)."""
         self.via_routers = via_routers
@@ -129,7 +126,6 @@ class Client:
         self._sub: Subscription | None = None
         self._pings: Pings | None = None
         self._tg: TaskGroup | None = None
-        self._registry: KeyValue | None = None
 
     @property
     def nc(self) -> NATS:
@@ -234,41 +230,13 @@ class Client:
         }
         if batch_frames and req.reply_to is not None and self.encoding == "msgpack":
             headers[codec.FRAME_BATCH_HEADER] = frame_batch_subject(req.reply_to)
-        if instance is None and self.via_routers:
-            subject = self.names.routing(role, req.model)
-        elif instance is None and self.router is not None and self.router.model == req.model:
-            chosen = await self.router.place(req, traceparent=traceparent)
-            subject = placed_subject(self.names, role, req.model, chosen.instance)
-        else:
-            subject = await self._subject(role, req.model, req.request_id, instance)
+        subject = await self._addressing.subject(self.js, role, req, traceparent, instance)
         return await retried(
             lambda: self.js.publish(subject, data, headers=headers, timeout=2.0),
             errors=_PUBLISH_RETRIED,
             within=self.publish_timeout,
             what=f"publishing {req.request_id}",
         )
-
-    async def _subject(self, role: str, model: str, request_id: str, instance: str | None) -> str:
-        """The directed queue of `instance` if it can take the job now, else the shared queue."""
-        if instance is None:
-            return self.names.jobs(role, model)
-        try:
-            if self._registry is None:
-                self._registry = await self.js.key_value(self.names.registry_bucket)
-            record = await registry.instance(self._registry, self.names, instance)
-        except nats.js.errors.BucketNotFoundError:
-            record = None  # no worker ever started: no instance to address
-        except (nats.errors.Error, NotPermitted) as exc:
-            # A placement is a preference: the job is not held up by a registry it cannot read.
-            log.warning(
-                "request %s goes to the shared queue: the registry is not readable: %s", request_id, exc
-            )
-            return self.names.jobs(role, model)
-        why = placement(record, role, model, time.time())
-        if why is None:
-            return self.names.directed_jobs(role, model, instance)
-        log.info("request %s goes to the shared queue, not to %s: %s", request_id, instance, why)
-        return self.names.jobs(role, model)
 
     async def offload_embeds(self, req: GenerateRequest) -> tuple[GenerateRequest, str | None]:
         """`req` with inline prompt embeddings moved to the object store when they are too big for
