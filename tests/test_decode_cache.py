@@ -16,7 +16,7 @@ from jetllm.schemas import KvCleared, KvRemoved, KvStored
 from jetllm.workers.cachedblocks import CachedBlocks
 from jetllm.workers.config import DisaggSettings
 from jetllm.workers.engine import EngineFacts, KvEventSource
-from jetllm.workers.kvevents import BlockSet
+from jetllm.workers.kvview import BlockSet
 from jetllm.workers.roles.decode import DecodeRole
 
 from .conftest import inproc_worker

@@ -195,7 +195,7 @@ async def test_a_worker_without_kv_events_says_so(nats_url, namespace):
 def test_batches_too_big_for_one_message_are_split_along_block_boundaries():
     """A long prompt's stored chain (or a large snapshot) is split into messages under the server's
     max_payload; applied in order they give the same blocks, each chained to the one before."""
-    from jetllm.workers.kvevents import chunks
+    from jetllm.workers.kvview import chunks
 
     ev = KvStored(
         block_hashes=list(range(1, 201)), token_ids=list(range(70_000, 70_000 + 200 * 16)), block_size=16
