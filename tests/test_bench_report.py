@@ -3,6 +3,7 @@ medians per target, ratios of the medians, and ratios round by round."""
 
 import pytest
 
+from jetllm.bench import box
 from jetllm.bench.run import report, round_ratios
 from jetllm.bench.targets import DIRECT, GATEWAY, JETLLM, OPENAI
 from jetllm.bench.workload import Summary, Workload
@@ -72,3 +73,38 @@ def test_the_report_gives_medians_their_ratio_and_the_ratio_of_each_round():
     assert "jetllm / direct throughput: **0.960x**" in text  # medians' ratio
     assert "TTFT p50 added by jetllm: **+8.0 ms**" in text
     assert "round by round: 0.900x, 1.000x, 0.960x (median 0.960x)" in text
+
+
+STAT = "cpu  {} 0 {} {} 0 0 0 {} 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\nintr 1 2\n"
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "stolen"),
+    [
+        (STAT.format(100, 50, 1000, 0), STAT.format(900, 150, 1900, 0), 0.0),  # a box to itself
+        (STAT.format(100, 50, 1000, 10), STAT.format(600, 150, 1300, 110), 0.1),  # a tenth taken
+        (STAT.format(100, 50, 1000, 10), STAT.format(100, 50, 1000, 10), None),  # no time passed
+    ],
+)
+def test_the_hosts_share_of_the_cpu_comes_from_proc_stat(before, after, stolen):
+    share = box.stolen_share(box.cpu_times(before), box.cpu_times(after))
+    assert share == (pytest.approx(stolen) if stolen is not None else None)
+
+
+@pytest.mark.parametrize("text", ["", "intr 1 2\n", "cpu 1 2 3\n", "cpu a b c d e f g h\n"])
+def test_a_proc_stat_without_the_counters_gives_none(text):
+    assert box.cpu_times(text) is None
+
+
+def test_the_report_carries_the_box_line_under_its_first_line():
+    line = box.describe(480.4, 512.6, 0.017, 0.08)
+    assert line == (
+        "Box: a reference loop (2,000,000 Python additions, `jetllm.bench.box`) took 480 ms before the run "
+        "and 513 ms after; the host took 1.7 % of the CPU time during the run for others (steal); "
+        "load average 0.08 before it."
+    )
+    rounds = [[row(DIRECT, 5000)], [row(JETLLM, 4800)]]
+    work = Workload(requests=256, concurrency=32, prompt_len=30, output_len=128, warmup=32)
+    text = report(work, EngineOptions(model="tiny", dtype="float32"), rounds, "jetllm bench", line)
+    assert text.splitlines()[2] == line
+    assert "Box:" not in report(work, EngineOptions(model="tiny", dtype="float32"), rounds, "jetllm bench")

@@ -29,6 +29,7 @@ from ..aio import run
 from ..batches import plan
 from ..spawn import stop
 from ..workers.engine import EngineOptions
+from .box import BoxWatch
 from .workload import Workload
 
 
@@ -277,6 +278,7 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
         requests=args.lines, concurrency=1, prompt_len=args.prompt_len, output_len=args.output_len
     ).prompts(vocab)
     log_dir = Path(tempfile.mkdtemp(prefix="jetllm-bench-batch-"))
+    box = BoxWatch.start()
     rows = run_offline(opts, prompts, args.output_len, args.rounds, log_dir / "offline.log")
     with NatsServer(log_dir / "nats") as server:
         rows.extend(
@@ -292,7 +294,7 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
                 args.rounds,
             )
         )
-    text = report(rows, args, command_line("bench-batch"))
+    text = report(rows, args, command_line("bench-batch"), box.line())
     publish(text, log_dir, write=args.write, marks=section_marks("bench-batch"))
     return 0
 
@@ -311,13 +313,14 @@ def _windows(text: str) -> list[tuple[int, float]]:
     return windows
 
 
-def report(rows: list[Figures], args: argparse.Namespace, command: str) -> str:
-    """The first row is the reference the others are compared with."""
+def report(rows: list[Figures], args: argparse.Namespace, command: str, box: str = "") -> str:
+    """The first row is the reference the others are compared with; `box`: BoxWatch.line()."""
     base = rows[0].tokens_per_second
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     lines = [
         f"Measured {when} on {os.cpu_count()} CPUs.",
         "",
+        *([box, ""] if box else []),
         f"`{command}`: {args.lines} lines, {args.prompt_len}-token prompts, {args.output_len} tokens each "
         f"(greedy, ignore_eos, text returned), max_num_seqs {args.max_num_seqs}; medians of the "
         "rounds.",

@@ -38,6 +38,7 @@ from ..schemas import (
     TokensPrompt,
 )
 from ..spawn import jetllm_command, stop
+from .box import BoxWatch
 from .run import _vocab, command_line, publish
 from .workload import percentile
 
@@ -321,7 +322,10 @@ async def _main(args: argparse.Namespace, log_dir: Path) -> tuple[Run, Run, Canc
     return results[0], results[1], cancels
 
 
-def report(base: Run, chaos: Run, cancels: CancelTimes, args: argparse.Namespace, command: str) -> str:
+def report(
+    base: Run, chaos: Run, cancels: CancelTimes, args: argparse.Namespace, command: str, box: str = ""
+) -> str:
+    """`box`: BoxWatch.line()."""
     same = base.outputs == chaos.outputs
     p50 = f"{chaos.resume_p50_s:.2f} s" if chaos.resume_p50_s is not None else "-"
     p99 = f"{chaos.resume_p99_s:.2f} s" if chaos.resume_p99_s is not None else "-"
@@ -350,14 +354,16 @@ def report(base: Run, chaos: Run, cancels: CancelTimes, args: argparse.Namespace
         f"from `Client.cancel` to the `cancelled` error frame, which the worker sends once the engine has "
         f"dropped the request: p50 {cancels.p50_s * 1000:.0f} ms, p99 {cancels.p99_s * 1000:.0f} ms; one engine "
         f"step (inter-token interval) under the same load: {cancels.step_p50_s * 1000:.0f} ms.\n"
+        + (f"\n{box}\n" if box else "")
     )
 
 
 def cmd_chaos(args: argparse.Namespace) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     log_dir = Path(tempfile.mkdtemp(prefix="jetllm-chaos-"))
+    box = BoxWatch.start()
     base, chaos, cancels = run(_main, args, log_dir)
-    text = report(base, chaos, cancels, args, command_line("bench-chaos"))
+    text = report(base, chaos, cancels, args, command_line("bench-chaos"), box.line())
     publish(text, log_dir, write=args.write, marks=MARKS)
     return 0 if base.outputs == chaos.outputs else 1
 

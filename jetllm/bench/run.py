@@ -18,6 +18,7 @@ import msgspec
 
 from ..aio import run
 from ..workers.engine import EngineOptions
+from .box import BoxWatch
 from .targets import (
     DIRECT,
     DISAGG_WORKERS,
@@ -125,13 +126,16 @@ def choices(flag: str, allowed: tuple[str, ...]) -> Callable[[str], list[str]]:
     return parse
 
 
-def report(work: Workload, opts: EngineOptions, rounds: list[list[Summary]], command: str) -> str:
-    """`rounds`: each target's rounds, in the order the targets were given."""
+def report(
+    work: Workload, opts: EngineOptions, rounds: list[list[Summary]], command: str, box: str = ""
+) -> str:
+    """`rounds`: each target's rounds, in the order the targets were given; `box`: BoxWatch.line()."""
     rows = [combine(r) for r in rounds]
     per_round = round_ratios(rounds)
     return (
         f"{measured_on()}\n\n"
-        f"Workload: {work.requests} requests, {work.concurrency} concurrent, {work.prompt_len}-token prompts, "
+        + (f"{box}\n\n" if box else "")
+        + f"Workload: {work.requests} requests, {work.concurrency} concurrent, {work.prompt_len}-token prompts, "
         f"{work.output_len} output tokens each (greedy, ignore_eos), after {work.warmup} warm-up requests; "
         f"model `{opts.name}`, engine arguments identical for all targets "
         f"(max_model_len={opts.max_model_len}, dtype={opts.dtype or 'auto'}, max_num_seqs={opts.max_num_seqs}, "
@@ -259,9 +263,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         warmup=args.warmup,
     )
     log_dir = Path(tempfile.mkdtemp(prefix="jetllm-bench-"))
+    box = BoxWatch.start()
     rounds = run(_run, args, work, opts, log_dir)
     rows = [combine(r) for r in rounds]
-    text = report(work, opts, rounds, command_line("bench"))
+    text = report(work, opts, rounds, command_line("bench"), box.line())
     publish(
         text, log_dir, write=args.write, marks=section_marks(args.section), json_path=args.json, rows=rows
     )
