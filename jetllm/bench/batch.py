@@ -1,10 +1,12 @@
 """`jetllm bench-batch`: the same lines through the durable batch API and through vLLM's offline
-`LLM.generate`, with the same engine arguments, one after the other.
+`LLM.generate`, with the same engine arguments, their rounds alternating.
 
-Offline runs in a child process (vLLM's engine is started and torn down there); the batch API
-runs on an embedded NATS with one `jetllm worker` process and a batch runner in this process.
-Both clocks start when the work is handed over (the prompts to `generate`, the batch to the
-runner) and stop when the last output is in; engine start-up is excluded from both.
+Offline runs in a child process that keeps its engine up between rounds (an idle vLLM engine
+takes no CPU); the batch API runs on an embedded NATS with one `jetllm worker` process and a
+batch runner in this process. Both engines are started before the first round, and the rounds
+take turns, so a box whose speed drifts during the run touches every target alike. Every clock
+starts when the work is handed over (the prompts to `generate`, the batch to the runner) and
+stops when the last output is in.
 """
 
 from __future__ import annotations
@@ -72,16 +74,22 @@ def _llm_kwargs(opts: EngineOptions) -> dict:
     return kw
 
 
-def offline(opts_json: str, prompts_json: str, output_len: int, rounds: int) -> None:
-    """The child process's part: print the offline figures as JSON lines.
+READY = "jetllm-offline ready"
+ROUND = "jetllm-offline round "
+"""Prefixes of the child's own lines on stdout, where vLLM may print too."""
 
-    The reference detokenizes, as vLLM's default does and as the batch API must (its output
-    lines carry text); one more run without text shows what detokenizing costs."""
+
+def offline(opts_json: str, output_len: int) -> None:
+    """The child process's part: vLLM's offline engine, kept up between rounds.
+
+    Reads the prompts as one JSON line, warms up, says READY, then runs one timed round per line
+    it reads (`text`: detokenized, as vLLM's default does and as the batch API must, its output
+    lines carrying text; `ids`: token ids only) and prints its seconds and output tokens."""
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     opts = msgspec.json.decode(opts_json, type=EngineOptions)
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in json.loads(prompts_json)]
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in json.loads(sys.stdin.readline())]
     llm = LLM(**_llm_kwargs(opts))
 
     def timed(detokenize: bool, batch: list[Any] = prompts) -> tuple[float, int]:
@@ -90,47 +98,67 @@ def offline(opts_json: str, prompts_json: str, output_len: int, rounds: int) -> 
         outs = llm.generate(batch, params, use_tqdm=False)
         return time.perf_counter() - started, sum(len(o.outputs[0].token_ids) for o in outs)
 
-    timed(True, prompts[:8])  # warm-up
-    with_text = [timed(True) for _ in range(rounds)]
-    ids_only = timed(False)
-    for label, runs in (
-        (OFFLINE, with_text),
-        ("vLLM offline LLM.generate, token ids only (detokenize=False)", [ids_only]),
-    ):
-        figures = Figures.of(label, len(prompts), [r[0] for r in runs], runs[0][1])
-        print(msgspec.json.encode(figures).decode(), flush=True)
+    timed(True, prompts[:8])
+    print(READY, flush=True)
+    for line in sys.stdin:
+        print(ROUND + json.dumps(timed(line.strip() != "ids")), flush=True)
 
 
 OFFLINE = "vLLM offline LLM.generate"
+OFFLINE_IDS = "vLLM offline LLM.generate, token ids only (detokenize=False)"
 
 
-def run_offline(
-    opts: EngineOptions, prompts: list[list[int]], output_len: int, rounds: int, log: Path
-) -> list[Figures]:
-    with open(log, "wb") as err:
-        done = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "jetllm.bench.batch",
-                msgspec.json.encode(opts).decode(),
-                str(output_len),
-                str(rounds),
-            ],
-            input=json.dumps(prompts).encode(),  # on stdin: a thousand prompts exceed argv's limit
+class OfflineChild:
+    """vLLM's offline `LLM.generate` in a child process, one timed round per call."""
+
+    def __init__(self, opts: EngineOptions, prompts: list[list[int]], output_len: int, log: Path) -> None:
+        self._log_path = log
+        self._log = open(log, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jetllm.bench.batch", msgspec.json.encode(opts).decode(), str(output_len)],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=err,
-            check=False,
+            stderr=self._log,
+            text=True,
         )
-    if done.returncode != 0:
-        raise RuntimeError(f"the offline run failed ({done.returncode}); see {log}")
-    mine = [x for x in done.stdout.splitlines() if x.startswith(b'{"label"')]  # vLLM prints too
-    if len(mine) != 2:
-        raise RuntimeError(f"the offline run printed no figures; see {log}")
-    return [msgspec.json.decode(x, type=Figures) for x in mine]
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(prompts) + "\n")  # a thousand prompts exceed argv's limit
+        self.proc.stdin.flush()
+        self._until(READY)
+
+    def _until(self, prefix: str) -> str:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix) :]
+        raise RuntimeError(f"the offline engine ended ({self.proc.wait()}); see {self._log_path}")
+
+    def round(self, detokenize: bool = True) -> tuple[float, int]:
+        """Seconds and output tokens of one `generate` over every prompt."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("text\n" if detokenize else "ids\n")
+        self.proc.stdin.flush()
+        seconds, tokens = json.loads(self._until(ROUND))
+        return float(seconds), int(tokens)
+
+    def close(self) -> None:
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+            self.proc.wait(60)
+        except Exception:
+            self.proc.kill()
+        self._log.close()
+
+    def __enter__(self) -> OfflineChild:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
-async def run_batch_api(
+async def run_targets(
+    offline: OfflineChild,
     opts: EngineOptions,
     prompts: list[list[int]],
     output_len: int,
@@ -140,8 +168,9 @@ async def run_batch_api(
     in_flight: int,
     rounds: int,
 ) -> list[Figures]:
-    """The batch API, and for scale the same lines streamed through the same worker by one
-    producer (`Client.complete`, `in_flight` at a time): what the plane costs apart from the runner."""
+    """Offline, the batch API, and for scale the same lines streamed through the same worker by
+    one producer (`Client.complete`, `in_flight` at a time): what the plane costs apart from the
+    runner. Offline's rows come first: the reference."""
     from ..batches.runner import BatchRunner
     from ..batches.service import BatchService
     from ..openai.endpoints import COMPLETIONS
@@ -197,23 +226,30 @@ async def run_batch_api(
                     return seconds, tokens
 
                 await one(prompts[:8], "warmup")
+                offline_runs: list[tuple[float, int]] = []
                 streamed: list[tuple[float, int]] = []
                 batched: dict[tuple[int, float], list[tuple[float, int]]] = {w: [] for w in windows}
-                targets: list[tuple[int, float] | None] = [None, *windows]  # None: streamed by one producer
+                targets: list[tuple[int, float] | str] = ["offline", "streamed", *windows]
                 for n in range(rounds):  # alternating, so drift on the box touches all alike
                     for target in targets if n % 2 == 0 else targets[::-1]:
-                        if target is None:
+                        if target == "offline":
+                            offline_runs.append(await anyio.to_thread.run_sync(offline.round))
+                        elif target == "streamed":
                             streamed.append(await _streamed(client, prompts, in_flight, body))
                         else:
+                            assert isinstance(target, tuple)
                             runner.pacing = dataclasses.replace(
                                 runner.pacing, window=target[0], refill=target[1]
                             )
                             batched[target].append(await one(prompts, f"measured{n}w{target[0]}r{target[1]}"))
+                ids_only = await anyio.to_thread.run_sync(offline.round, False)
                 tg.cancel_scope.cancel()
     finally:
         stop(proc)
         log.close()
     return [
+        Figures.of(OFFLINE, len(prompts), [r[0] for r in offline_runs], offline_runs[0][1]),
+        Figures.of(OFFLINE_IDS, len(prompts), [ids_only[0]], ids_only[1]),
         Figures.of(
             f"jetllm, streamed by one producer ({in_flight} in flight)",
             len(prompts),
@@ -278,21 +314,23 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
         requests=args.lines, concurrency=1, prompt_len=args.prompt_len, output_len=args.output_len
     ).prompts(vocab)
     log_dir = Path(tempfile.mkdtemp(prefix="jetllm-bench-batch-"))
+    windows = _windows(args.batch_window)
     box = BoxWatch.start()
-    rows = run_offline(opts, prompts, args.output_len, args.rounds, log_dir / "offline.log")
-    with NatsServer(log_dir / "nats") as server:
-        rows.extend(
-            run(
-                run_batch_api,
-                opts,
-                prompts,
-                args.output_len,
-                server.url,
-                log_dir,
-                _windows(args.batch_window),
-                opts.max_num_seqs or 256,
-                args.rounds,
-            )
+    with (
+        OfflineChild(opts, prompts, args.output_len, log_dir / "offline.log") as offline,
+        NatsServer(log_dir / "nats") as server,
+    ):
+        rows = run(
+            run_targets,
+            offline,
+            opts,
+            prompts,
+            args.output_len,
+            server.url,
+            log_dir,
+            windows,
+            opts.max_num_seqs or 256,
+            args.rounds,
         )
     text = report(rows, args, command_line("bench-batch"), box.line())
     publish(text, log_dir, write=args.write, marks=section_marks("bench-batch"))
@@ -358,7 +396,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         f"{plan.REFILL_SECONDS:g}); several, comma-separated, give a row each (e.g. 32,32:0,256)",
     )
     p.add_argument(
-        "--rounds", type=int, default=3, help="timed runs per target (medians reported; jetllm's alternate)"
+        "--rounds", type=int, default=3, help="timed runs per target (medians reported), every target taking its turn each round"
     )
     p.add_argument(
         "--write", default=None, help="put the table into this markdown file (bench-batch section)"
@@ -367,4 +405,4 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 if __name__ == "__main__":
-    offline(sys.argv[1], sys.stdin.read(), int(sys.argv[2]), int(sys.argv[3]))
+    offline(sys.argv[1], int(sys.argv[2]))
