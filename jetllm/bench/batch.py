@@ -121,10 +121,16 @@ class OfflineChild:
             stderr=self._log,
             text=True,
         )
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(prompts) + "\n")  # a thousand prompts exceed argv's limit
-        self.proc.stdin.flush()
-        self._until(READY)
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(json.dumps(prompts) + "\n")  # a thousand prompts exceed argv's limit
+            self.proc.stdin.flush()
+            self._until(READY)
+        except BaseException:  # a failed start (or a Ctrl-C during it) leaves no child behind
+            self.proc.kill()
+            self.proc.wait()
+            self._log.close()
+            raise
 
     def _until(self, prefix: str) -> str:
         assert self.proc.stdout is not None
@@ -396,7 +402,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         f"{plan.REFILL_SECONDS:g}); several, comma-separated, give a row each (e.g. 32,32:0,256)",
     )
     p.add_argument(
-        "--rounds", type=int, default=3, help="timed runs per target (medians reported), every target taking its turn each round"
+        "--rounds",
+        type=int,
+        default=3,
+        help="timed runs per target (medians reported), every target taking its turn each round",
     )
     p.add_argument(
         "--write", default=None, help="put the table into this markdown file (bench-batch section)"
