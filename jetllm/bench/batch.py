@@ -1,8 +1,8 @@
 """`jetllm bench-batch`: the same lines through the durable batch API and through vLLM's offline
 `LLM.generate`, with the same engine arguments, their rounds alternating.
 
-Offline runs in a child process that keeps its engine up between rounds (an idle vLLM engine
-takes no CPU); the batch API runs on an embedded NATS with one `jetllm worker` process and a
+Offline runs in a child process that keeps its engine up between rounds (offline.py; an idle
+vLLM engine takes no CPU); the batch API runs on an embedded NATS with one `jetllm worker` process and a
 batch runner in this process. Both engines are started before the first round, and the rounds
 take turns, so a box whose speed drifts during the run touches every target alike. Every clock
 starts when the work is handed over (the prompts to `generate`, the batch to the runner) and
@@ -17,7 +17,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -32,6 +31,7 @@ from ..batches import plan
 from ..spawn import stop
 from ..workers.engine import EngineOptions
 from .box import BoxWatch
+from .offline import OFFLINE, OFFLINE_IDS, OfflineChild
 from .workload import Workload
 
 
@@ -56,111 +56,6 @@ class Figures(msgspec.Struct, kw_only=True):
     @property
     def tokens_per_second(self) -> float:
         return self.output_tokens / self.seconds if self.seconds else 0.0
-
-
-def _llm_kwargs(opts: EngineOptions) -> dict:
-    """The worker's engine arguments as keyword arguments of `vllm.LLM` (those set away from
-    vLLM's defaults)."""
-    from vllm import EngineArgs
-
-    from ..workers.engine.args import engine_args
-
-    ours = engine_args(opts)
-    defaults = EngineArgs(model=opts.model)
-    names = {f.name for f in dataclasses.fields(EngineArgs)}
-    kw = {n: getattr(ours, n) for n in names if getattr(ours, n) != getattr(defaults, n)}
-    kw["model"] = opts.model
-    kw.pop("disable_log_stats", None)
-    return kw
-
-
-READY = "jetllm-offline ready"
-ROUND = "jetllm-offline round "
-"""Prefixes of the child's own lines on stdout, where vLLM may print too."""
-
-
-def offline(opts_json: str, output_len: int) -> None:
-    """The child process's part: vLLM's offline engine, kept up between rounds.
-
-    Reads the prompts as one JSON line, warms up, says READY, then runs one timed round per line
-    it reads (`text`: detokenized, as vLLM's default does and as the batch API must, its output
-    lines carrying text; `ids`: token ids only) and prints its seconds and output tokens."""
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    opts = msgspec.json.decode(opts_json, type=EngineOptions)
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in json.loads(sys.stdin.readline())]
-    llm = LLM(**_llm_kwargs(opts))
-
-    def timed(detokenize: bool, batch: list[Any] = prompts) -> tuple[float, int]:
-        params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, detokenize=detokenize)
-        started = time.perf_counter()
-        outs = llm.generate(batch, params, use_tqdm=False)
-        return time.perf_counter() - started, sum(len(o.outputs[0].token_ids) for o in outs)
-
-    timed(True, prompts[:8])
-    print(READY, flush=True)
-    for line in sys.stdin:
-        print(ROUND + json.dumps(timed(line.strip() != "ids")), flush=True)
-
-
-OFFLINE = "vLLM offline LLM.generate"
-OFFLINE_IDS = "vLLM offline LLM.generate, token ids only (detokenize=False)"
-
-
-class OfflineChild:
-    """vLLM's offline `LLM.generate` in a child process, one timed round per call."""
-
-    def __init__(self, opts: EngineOptions, prompts: list[list[int]], output_len: int, log: Path) -> None:
-        self._log_path = log
-        self._log = open(log, "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "jetllm.bench.batch", msgspec.json.encode(opts).decode(), str(output_len)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            text=True,
-        )
-        try:
-            assert self.proc.stdin is not None
-            self.proc.stdin.write(json.dumps(prompts) + "\n")  # a thousand prompts exceed argv's limit
-            self.proc.stdin.flush()
-            self._until(READY)
-        except BaseException:  # a failed start (or a Ctrl-C during it) leaves no child behind
-            self.proc.kill()
-            self.proc.wait()
-            self._log.close()
-            raise
-
-    def _until(self, prefix: str) -> str:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith(prefix):
-                return line[len(prefix) :]
-        raise RuntimeError(f"the offline engine ended ({self.proc.wait()}); see {self._log_path}")
-
-    def round(self, detokenize: bool = True) -> tuple[float, int]:
-        """Seconds and output tokens of one `generate` over every prompt."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write("text\n" if detokenize else "ids\n")
-        self.proc.stdin.flush()
-        seconds, tokens = json.loads(self._until(ROUND))
-        return float(seconds), int(tokens)
-
-    def close(self) -> None:
-        try:
-            if self.proc.stdin is not None:
-                self.proc.stdin.close()
-            self.proc.wait(60)
-        except Exception:
-            self.proc.kill()
-        self._log.close()
-
-    def __enter__(self) -> OfflineChild:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 async def run_targets(
@@ -411,7 +306,3 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--write", default=None, help="put the table into this markdown file (bench-batch section)"
     )
     p.set_defaults(func=cmd_bench_batch)
-
-
-if __name__ == "__main__":
-    offline(sys.argv[1], int(sys.argv[2]))
