@@ -108,3 +108,51 @@ def test_the_report_carries_the_box_line_under_its_first_line():
     text = report(work, EngineOptions(model="tiny", dtype="float32"), rounds, "jetllm bench", line)
     assert text.splitlines()[2] == line
     assert "Box:" not in report(work, EngineOptions(model="tiny", dtype="float32"), rounds, "jetllm bench")
+
+
+PROC_STAT = "4242 ({}) S 1 4242 4242 0 -1 4194560 9000 0 12 0 {} {} 3 4 20 0 5 0 777 1000 200\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "ticks"),
+    [
+        (PROC_STAT.format("python", 1500, 250), 1750),  # user + system, not the children's
+        (PROC_STAT.format("VLLM::Engine Core", 10, 5), 15),  # a name with a space
+        (PROC_STAT.format("a) b (c", 7, 0), 7),  # parentheses inside the name
+        ("", None),
+        ("4242 (python) S 1 2 3\n", None),  # cut short
+        (PROC_STAT.format("python", "x", 1), None),
+    ],
+)
+def test_a_process_cpu_time_comes_from_its_proc_stat_line(text, ticks):
+    assert box.process_ticks(text) == ticks
+
+
+def test_a_process_that_is_gone_counts_no_cpu_and_a_live_one_some():
+    import os
+
+    assert box.cpu_seconds([2**22 + 12345]) == 0.0
+    spent = sum(range(3_000_000))
+    assert spent and box.cpu_seconds([os.getpid()]) > 0.0
+
+
+def test_the_batch_report_gives_cpu_per_line_where_it_was_measured():
+    import argparse
+
+    from jetllm.bench.batch import Figures, Round
+    from jetllm.bench.batch import report as batch_report
+
+    rows = [
+        Figures.of("offline", 100, [Round(2.0, 6400, 0.30), Round(2.2, 6400, 0.10), Round(1.8, 6400, 0.20)]),
+        Figures.of("batch API", 100, [Round(4.0, 6400, 0.90)]),
+        Figures.of("not measured", 100, [Round(3.2, 6400)]),
+    ]
+    args = argparse.Namespace(lines=100, prompt_len=30, output_len=64, max_num_seqs=256)
+    table = [
+        line for line in batch_report(rows, args, "jetllm bench-batch").splitlines() if line.startswith("| ")
+    ]
+    assert table[1:] == [
+        "| offline | 2.00 | 3,200 | 1.00x | 2.00 | 2.00, 2.20, 1.80 |",
+        "| batch API | 4.00 | 1,600 | 0.50x | 9.00 | 4.00 |",
+        "| not measured | 3.20 | 2,000 | 0.62x | - | 3.20 |",
+    ]

@@ -30,9 +30,15 @@ from ..aio import run
 from ..batches import plan
 from ..spawn import stop
 from ..workers.engine import EngineOptions
-from .box import BoxWatch
+from .box import BoxWatch, cpu_seconds
 from .offline import OFFLINE, OFFLINE_IDS, OfflineChild
 from .workload import Workload
+
+
+class Round(msgspec.Struct, frozen=True):
+    seconds: float
+    tokens: int
+    cpu_seconds: float | None = None
 
 
 class Figures(msgspec.Struct, kw_only=True):
@@ -42,15 +48,20 @@ class Figures(msgspec.Struct, kw_only=True):
     """The median of `rounds`."""
     output_tokens: int
     rounds: list[float] = []
+    cpu_ms_per_line: float | None = None
+    """CPU time outside the engine's own processes, per line (median of the rounds): offline's
+    front-end process, or jetllm's worker process, NATS server and producer (this process)."""
 
     @classmethod
-    def of(cls, label: str, lines: int, rounds: list[float], output_tokens: int) -> Figures:
+    def of(cls, label: str, lines: int, runs: list[Round]) -> Figures:
+        cpu = [r.cpu_seconds for r in runs if r.cpu_seconds is not None]
         return cls(
             label=label,
             lines=lines,
-            seconds=statistics.median(rounds),
-            output_tokens=output_tokens,
-            rounds=rounds,
+            seconds=statistics.median(r.seconds for r in runs),
+            output_tokens=runs[0].tokens,
+            rounds=[r.seconds for r in runs],
+            cpu_ms_per_line=statistics.median(cpu) * 1000 / lines if cpu and lines else None,
         )
 
     @property
@@ -68,6 +79,7 @@ async def run_targets(
     windows: list[tuple[int, float]],
     in_flight: int,
     rounds: int,
+    server_pid: int | None = None,
 ) -> list[Figures]:
     """Offline, the batch API, and for scale the same lines streamed through the same worker by
     one producer (`Client.complete`, `in_flight` at a time): what the plane costs apart from the
@@ -112,6 +124,17 @@ async def run_targets(
             async with anyio.create_task_group() as tg:
                 tg.start_soon(runner.serve)
 
+                plane = [proc.pid, os.getpid(), *([server_pid] if server_pid else [])]
+                front_end = [offline.proc.pid, os.getpid()]
+
+                async def measured(pids: list[int], fn: Any, *args: Any) -> Round:
+                    cpu = cpu_seconds(pids)
+                    seconds, tokens = await fn(*args)
+                    return Round(seconds, tokens, cpu_seconds(pids) - cpu)
+
+                async def offline_round(detokenize: bool = True) -> tuple[float, int]:
+                    return await anyio.to_thread.run_sync(offline.round, detokenize)
+
                 async def one(ps: list[list[int]], tag: str) -> tuple[float, int]:
                     f = await service.upload(jsonl(ps, tag), f"{tag}.jsonl", "batch")
                     started = time.perf_counter()
@@ -127,43 +150,36 @@ async def run_targets(
                     return seconds, tokens
 
                 await one(prompts[:8], "warmup")
-                offline_runs: list[tuple[float, int]] = []
-                streamed: list[tuple[float, int]] = []
-                batched: dict[tuple[int, float], list[tuple[float, int]]] = {w: [] for w in windows}
+                offline_runs: list[Round] = []
+                streamed: list[Round] = []
+                batched: dict[tuple[int, float], list[Round]] = {w: [] for w in windows}
                 targets: list[tuple[int, float] | str] = ["offline", "streamed", *windows]
                 for n in range(rounds):  # alternating, so drift on the box touches all alike
                     for target in targets if n % 2 == 0 else targets[::-1]:
                         if target == "offline":
-                            offline_runs.append(await anyio.to_thread.run_sync(offline.round))
+                            offline_runs.append(await measured(front_end, offline_round))
                         elif target == "streamed":
-                            streamed.append(await _streamed(client, prompts, in_flight, body))
+                            streamed.append(
+                                await measured(plane, _streamed, client, prompts, in_flight, body)
+                            )
                         else:
                             assert isinstance(target, tuple)
                             runner.pacing = dataclasses.replace(
                                 runner.pacing, window=target[0], refill=target[1]
                             )
-                            batched[target].append(await one(prompts, f"measured{n}w{target[0]}r{target[1]}"))
-                ids_only = await anyio.to_thread.run_sync(offline.round, False)
+                            tag = f"measured{n}w{target[0]}r{target[1]}"
+                            batched[target].append(await measured(plane, one, prompts, tag))
+                ids_only = await measured(front_end, offline_round, False)
                 tg.cancel_scope.cancel()
     finally:
         stop(proc)
         log.close()
     return [
-        Figures.of(OFFLINE, len(prompts), [r[0] for r in offline_runs], offline_runs[0][1]),
-        Figures.of(OFFLINE_IDS, len(prompts), [ids_only[0]], ids_only[1]),
-        Figures.of(
-            f"jetllm, streamed by one producer ({in_flight} in flight)",
-            len(prompts),
-            [r[0] for r in streamed],
-            streamed[0][1],
-        ),
+        Figures.of(OFFLINE, len(prompts), offline_runs),
+        Figures.of(OFFLINE_IDS, len(prompts), [ids_only]),
+        Figures.of(f"jetllm, streamed by one producer ({in_flight} in flight)", len(prompts), streamed),
         *(
-            Figures.of(
-                f"jetllm batch API (window {w}, refill {refill:g} s)",
-                len(prompts),
-                [r[0] for r in runs],
-                runs[0][1],
-            )
+            Figures.of(f"jetllm batch API (window {w}, refill {refill:g} s)", len(prompts), runs)
             for (w, refill), runs in batched.items()
         ),
     ]
@@ -232,6 +248,7 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
             windows,
             opts.max_num_seqs or 256,
             args.rounds,
+            server.proc.pid if server.proc else None,
         )
     text = report(rows, args, command_line("bench-batch"), box.line())
     publish(text, log_dir, write=args.write, marks=section_marks("bench-batch"))
@@ -264,13 +281,23 @@ def report(rows: list[Figures], args: argparse.Namespace, command: str, box: str
         f"(greedy, ignore_eos, text returned), max_num_seqs {args.max_num_seqs}; medians of the "
         "rounds.",
         "",
-        "| target | seconds | output tokens/s | vs offline | seconds per round |",
-        "|---|---:|---:|---:|---|",
+        "| target | seconds | output tokens/s | vs offline | CPU outside the engine, ms a line | seconds per round |",
+        "|---|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         ratio = r.tokens_per_second / base if base else 0.0
         each = ", ".join(f"{x:.2f}" for x in r.rounds)
-        lines.append(f"| {r.label} | {r.seconds:.2f} | {r.tokens_per_second:,.0f} | {ratio:.2f}x | {each} |")
+        cpu = "-" if r.cpu_ms_per_line is None else f"{r.cpu_ms_per_line:.2f}"
+        lines.append(
+            f"| {r.label} | {r.seconds:.2f} | {r.tokens_per_second:,.0f} | {ratio:.2f}x | {cpu} | {each} |"
+        )
+    lines += [
+        "",
+        "CPU outside the engine: the CPU time of every process but the engine's own two (its engine "
+        "core and model runner), per line, in the median round: for offline its front-end process "
+        "(input and output processing, detokenizing); for jetllm the worker process, the NATS server "
+        "and the producer or batch runner.",
+    ]
     return "\n".join(lines) + "\n"
 
 

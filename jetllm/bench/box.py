@@ -49,6 +49,32 @@ def stolen_share(before: tuple[int, ...], after: tuple[int, ...]) -> float | Non
     return spent[7] / total if total > 0 else None
 
 
+def process_ticks(stat: str) -> int | None:
+    """User plus system clock ticks of one process, from /proc/<pid>/stat's text (its own threads,
+    not its children's); None when the text is not such a line. The command name in parentheses
+    may hold spaces and parentheses itself, so fields are counted after its last ')'."""
+    _, paren, rest = stat.rpartition(")")
+    fields = rest.split()
+    if not paren or len(fields) < 13:
+        return None
+    try:
+        return int(fields[11]) + int(fields[12])
+    except ValueError:
+        return None
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """CPU time the processes have used so far, in seconds; a process already gone counts 0."""
+    ticks = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ticks += process_ticks(f.read()) or 0
+        except OSError:
+            pass
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def _read_stat() -> tuple[int, ...] | None:
     try:
         with open("/proc/stat") as f:
