@@ -142,17 +142,21 @@ def test_the_batch_report_gives_cpu_per_line_where_it_was_measured():
     from jetllm.bench.batch import Figures, Round
     from jetllm.bench.batch import report as batch_report
 
+    offline = [Round(2.0, 6400, {"front end": x}) for x in (0.3, 0.1, 0.2)]
+    plane = {"worker": 0.6, "NATS server": 0.1, "producer": 0.2}
     rows = [
-        Figures.of("offline", 100, [Round(2.0, 6400, 0.30), Round(2.2, 6400, 0.10), Round(1.8, 6400, 0.20)]),
-        Figures.of("batch API", 100, [Round(4.0, 6400, 0.90)]),
+        Figures.of("offline", 100, offline),
+        Figures.of("batch API", 100, [Round(4.0, 6400, plane)]),
         Figures.of("not measured", 100, [Round(3.2, 6400)]),
     ]
     args = argparse.Namespace(lines=100, prompt_len=30, output_len=64, max_num_seqs=256)
-    table = [
-        line for line in batch_report(rows, args, "jetllm bench-batch").splitlines() if line.startswith("| ")
-    ]
-    assert table[1:] == [
-        "| offline | 2.00 | 3,200 | 1.00x | 2.00 | 2.00, 2.20, 1.80 |",
+    text = batch_report(rows, args, "jetllm bench-batch").splitlines()
+    assert [line for line in text if line.startswith("| ")][1:] == [
+        "| offline | 2.00 | 3,200 | 1.00x | 2.00 | 2.00, 2.00, 2.00 |",
         "| batch API | 4.00 | 1,600 | 0.50x | 9.00 | 4.00 |",
         "| not measured | 3.20 | 2,000 | 0.62x | - | 3.20 |",
+    ]
+    assert [line for line in text if line.startswith("- ")] == [
+        "- offline: front end 2.00 ms",
+        "- batch API: worker 6.00 ms, NATS server 1.00 ms, producer 2.00 ms",
     ]

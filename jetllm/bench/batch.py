@@ -38,7 +38,9 @@ from .workload import Workload
 class Round(msgspec.Struct, frozen=True):
     seconds: float
     tokens: int
-    cpu_seconds: float | None = None
+    cpu: dict[str, float] = {}
+    """CPU seconds of the round by process outside the engine (offline's front end; jetllm's
+    worker, NATS server and producer)."""
 
 
 class Figures(msgspec.Struct, kw_only=True):
@@ -48,20 +50,24 @@ class Figures(msgspec.Struct, kw_only=True):
     """The median of `rounds`."""
     output_tokens: int
     rounds: list[float] = []
-    cpu_ms_per_line: float | None = None
-    """CPU time outside the engine's own processes, per line (median of the rounds): offline's
-    front-end process, or jetllm's worker process, NATS server and producer (this process)."""
+    cpu_ms_per_line: dict[str, float] = {}
+    """CPU time outside the engine's own processes, per line, by process (each the median of the
+    rounds): offline's front-end process, or jetllm's worker, NATS server and producer."""
 
     @classmethod
     def of(cls, label: str, lines: int, runs: list[Round]) -> Figures:
-        cpu = [r.cpu_seconds for r in runs if r.cpu_seconds is not None]
         return cls(
             label=label,
             lines=lines,
             seconds=statistics.median(r.seconds for r in runs),
             output_tokens=runs[0].tokens,
             rounds=[r.seconds for r in runs],
-            cpu_ms_per_line=statistics.median(cpu) * 1000 / lines if cpu and lines else None,
+            cpu_ms_per_line={
+                name: statistics.median(r.cpu.get(name, 0.0) for r in runs) * 1000 / lines
+                for name in runs[0].cpu
+            }
+            if lines
+            else {},
         )
 
     @property
@@ -124,13 +130,14 @@ async def run_targets(
             async with anyio.create_task_group() as tg:
                 tg.start_soon(runner.serve)
 
-                plane = [proc.pid, os.getpid(), *([server_pid] if server_pid else [])]
-                front_end = [offline.proc.pid, os.getpid()]
+                plane = {"worker": [proc.pid], "NATS server": [server_pid or 0], "producer": [os.getpid()]}
+                front_end = {"front end": [offline.proc.pid], "producer": [os.getpid()]}
 
-                async def measured(pids: list[int], fn: Any, *args: Any) -> Round:
-                    cpu = cpu_seconds(pids)
+                async def measured(pids: dict[str, list[int]], fn: Any, *args: Any) -> Round:
+                    before = {name: cpu_seconds(p) for name, p in pids.items()}
                     seconds, tokens = await fn(*args)
-                    return Round(seconds, tokens, cpu_seconds(pids) - cpu)
+                    spent = {name: cpu_seconds(p) - before[name] for name, p in pids.items()}
+                    return Round(seconds, tokens, spent)
 
                 async def offline_round(detokenize: bool = True) -> tuple[float, int]:
                     return await anyio.to_thread.run_sync(offline.round, detokenize)
@@ -287,16 +294,20 @@ def report(rows: list[Figures], args: argparse.Namespace, command: str, box: str
     for r in rows:
         ratio = r.tokens_per_second / base if base else 0.0
         each = ", ".join(f"{x:.2f}" for x in r.rounds)
-        cpu = "-" if r.cpu_ms_per_line is None else f"{r.cpu_ms_per_line:.2f}"
+        cpu = f"{sum(r.cpu_ms_per_line.values()):.2f}" if r.cpu_ms_per_line else "-"
         lines.append(
             f"| {r.label} | {r.seconds:.2f} | {r.tokens_per_second:,.0f} | {ratio:.2f}x | {cpu} | {each} |"
         )
     lines += [
         "",
         "CPU outside the engine: the CPU time of every process but the engine's own two (its engine "
-        "core and model runner), per line, in the median round: for offline its front-end process "
-        "(input and output processing, detokenizing); for jetllm the worker process, the NATS server "
-        "and the producer or batch runner.",
+        "core and model runner), per line, the median of the rounds; by process:",
+        "",
+        *(
+            f"- {r.label}: " + ", ".join(f"{name} {ms:.2f} ms" for name, ms in r.cpu_ms_per_line.items())
+            for r in rows
+            if r.cpu_ms_per_line
+        ),
     ]
     return "\n".join(lines) + "\n"
 
