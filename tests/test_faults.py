@@ -36,7 +36,6 @@ WHILE = {
     "result": "storing its result",
     "final": "sending its final frame",
     "trace": None,  # after the end: the producer has its final frame, the job is acked
-    "compact": None,
 }
 assert set(WHILE) == set(faults.STAGES)
 

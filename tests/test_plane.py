@@ -22,6 +22,8 @@ from jetllm.schemas import (
     ErrorFrame,
     FinalFrame,
     GenerateRequest,
+    Record,
+    Result,
     SamplingOptions,
     StopConditions,
     TextPrompt,
@@ -52,6 +54,19 @@ async def test_frames_arrive_in_order_and_end_with_usage(nats_url, client, fake_
     final = frames[-1]
     assert final.usage.prompt_tokens == 3 and final.usage.completion_tokens == 6
     assert final.choices[0].finish_reason == "length"
+
+
+async def test_a_finished_requests_log_keeps_its_result_alone(nats_url, client, fake_engine):
+    """The result rolls the request's log up as it is stored: its claim goes, no purge needed."""
+    request = req("fake", [1, 2, 3], max_tokens=6)
+    async with inproc_worker(nats_url, fake_engine, namespace=client.names.namespace):
+        done = await client.complete(request)
+    subject = client.names.request_log(request.request_id)
+    info = await client.js.stream_info(client.names.requests_stream, subjects_filter=subject)
+    assert info.state.subjects == {subject: 1}
+    last = await client.js.get_last_msg(client.names.requests_stream, subject)
+    result = codec.KindDecoder(Record).decode(last.data)
+    assert isinstance(result, Result) and result.token_ids == [done.token_ids]
 
 
 async def test_complete_assembles_text_for_chat_and_text_prompts(nats_url, client, fake_engine):

@@ -48,6 +48,10 @@ def test_an_existing_stream_changes_only_in_what_the_side_owns_or_needs(wanted, 
 def test_direct_gets_are_turned_on_and_an_unlimited_age_is_not_limited():
     update = update_for(dataclasses.replace(CURRENT, allow_direct=False), Wanted(WANT), rescale=False)
     assert update is not None and update.allow_direct
+    rolls = dataclasses.replace(WANT, allow_rollup_hdrs=True)
+    update = update_for(CURRENT, Wanted(rolls), rescale=False)
+    assert update == dataclasses.replace(CURRENT, allow_rollup_hdrs=True)
+    assert update_for(update, Wanted(WANT), rescale=False) is None  # a side that needs none leaves it
     unlimited = dataclasses.replace(CURRENT, max_age=0.0)
     assert update_for(unlimited, Wanted(WANT, raised=("max_age",)), rescale=False) is None
 

@@ -67,7 +67,7 @@ async def attach(js: JetStreamContext, names: Names, request_id: str) -> AsyncGe
                     seen.append(frame)
                     yield frame
                 elif frame.seq > len(seen) + 1:
-                    contiguous = False  # compacted under us: the result has the rest
+                    contiguous = False  # rolled up under us: the result has the rest
                     break
             if isinstance(record, Result):
                 for frame in rest_of(record, seen, len(seen)):

@@ -248,7 +248,6 @@ def _worker(n: Names, inbox: str) -> tuple[list[str], list[str]]:
         *_stream(jobs, "MSG.GET", "MSG.DELETE"),
         *_direct(requests),
         *_reader(requests),
-        *_stream(requests, "PURGE"),
         *_direct(n.cancels_stream),  # a job cancelled while queued is dropped unrun
         *_stream(n.kv_events_stream, "MSG.GET"),
         *_stream(registry, "MSG.GET"),  # the sweep reads an instance's record

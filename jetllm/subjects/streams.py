@@ -100,7 +100,8 @@ def traces_stream(names: Names, policy: QueuePolicy, replicas: int) -> Wanted:
 
 def requests_stream(names: Names, policy: QueuePolicy, replicas: int) -> Wanted:
     """Results are kept `results_max_age`, and never less than a job may wait (`max_age`): a
-    worker that pulls an old job must still find what became of it."""
+    worker that pulls an old job must still find what became of it. A result rolls its subject up
+    (the request's earlier records go as it is stored: workers/requestlog.py)."""
     config = StreamConfig(
         name=names.requests_stream,
         description="jetllm request log: delivered tokens (for migration) and results",
@@ -112,6 +113,7 @@ def requests_stream(names: Names, policy: QueuePolicy, replicas: int) -> Wanted:
         duplicate_window=min(policy.setting("duplicate_window"), DEDUP_CAP_S),
         discard=DiscardPolicy.OLD,
         allow_direct=True,
+        allow_rollup_hdrs=True,
     )
     owned = _named(policy, max_age="results_max_age", duplicate_window="duplicate_window")
     return Wanted(config, owned, raised=_named(policy, max_age="max_age"))

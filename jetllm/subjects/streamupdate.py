@@ -10,7 +10,7 @@ only what it owns or what its code cannot work without:
 - limits its records need at least (`raised`: the request log must outlive a queued job), which
   are raised, never lowered;
 - what this version of jetllm reads and writes: subjects it publishes to are added (never
-  removed, so an older side's subjects stay), and direct gets are allowed;
+  removed, so an older side's subjects stay), direct gets are allowed, and so are rollups;
 - replicas, when it names them (`rescale`; see setup.py).
 """
 
@@ -44,6 +44,8 @@ def update_for(current: StreamConfig, wanted: Wanted, *, rescale: bool) -> Strea
         changes["subjects"] = subjects
     if want.allow_direct and not current.allow_direct:
         changes["allow_direct"] = True
+    if want.allow_rollup_hdrs and not current.allow_rollup_hdrs:
+        changes["allow_rollup_hdrs"] = True
     if rescale and (want.num_replicas or 1) != (current.num_replicas or 1):
         changes["num_replicas"] = want.num_replicas
     for name in wanted.raised:

@@ -213,7 +213,7 @@ class FrameSink:
             log.warning("request %s: frames up to %d not logged: %s", self.request_id, pending[-1].seq, exc)
 
     def _ending(self) -> None:
-        """The result is about to be stored: no checkpoint may follow it (compaction keeps the last
+        """The result is about to be stored: no checkpoint may follow it (its rollup keeps the last
         record, and readers take the last one for the result)."""
         self.log_subject = None
 

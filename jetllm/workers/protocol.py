@@ -26,6 +26,7 @@ import msgspec
 import nats.errors
 from nats.aio.msg import Msg
 
+from ..aio import contained
 from ..errors import EngineDead, EngineRequestError, JetllmError, RequestRejected
 from ..schemas import (
     CancelRequest,
@@ -139,7 +140,8 @@ class JobRun:
             self.tokens = frames.tokens
             await frames.pulled(d.ctx.instance, job_ack=msg.reply)
             await self._serve()
-            d.tasks.spawn(
+            await contained(  # the job has settled: a failing trace record is only logged
+                "a trace record",
                 d.traces.publish,
                 hop.record(
                     request_id=req.request_id,
@@ -297,7 +299,6 @@ class JobRun:
         await frames.send(final)
         await job.ack()
         d.ctx.counters.acked += 1
-        d.tasks.spawn(d.log.compact, rid)
 
     async def reply(self, message: msgspec.Struct, kind: str) -> None:
         """Answer a job whose requester waits for one message and keeps no log (a prefill), and ack."""

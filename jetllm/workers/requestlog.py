@@ -31,6 +31,11 @@ log = logging.getLogger(__name__)
 _decoder = codec.KindDecoder(Record)
 _cancel_decoder = codec.Decoder(Cancelled)
 
+ROLLUP = {"Nats-Rollup": "sub"}
+"""On a result: the stream keeps it alone, the request's earlier records go as it is stored."""
+ROLLUP_REFUSED = 10111
+"""JetStream's error code for a rollup on a stream that does not allow them."""
+
 
 class Unreadable:
     """The last record is one this version cannot read (a newer worker's kind): read the history,
@@ -238,7 +243,9 @@ class RequestLog:
         frame published after it reaches the producer; no round trip on the token path."""
         await self.nc.publish(self.names.request_log(request_id), codec.encode(record))
 
-    async def write_stored(self, request_id: str, record: Record, *, within: float = 60.0) -> None:
+    async def write_stored(
+        self, request_id: str, record: Record, *, within: float = 60.0, rollup: bool = False
+    ) -> None:
         """Append a record and wait until the stream has stored it, retrying across a broker restart.
 
         For records that decide whether a job runs again (results, and steps rewritten after a
@@ -248,7 +255,7 @@ class RequestLog:
         try:
             with anyio.fail_after(within):
                 await retried(
-                    lambda: self.js.publish(subject, data, timeout=5),
+                    lambda: self._publish(subject, data, rollup),
                     errors=(nats.errors.Error, TimeoutError),
                     within=within,
                     what=f"request {request_id}: storing a {type(record).__name__} record",
@@ -260,10 +267,26 @@ class RequestLog:
                 f"request log: could not store a {type(record).__name__} record in {within:.0f}s"
             ) from None
 
+    async def _publish(self, subject: str, data: bytes, rollup: bool) -> None:
+        if rollup:
+            try:
+                await self.js.publish(subject, data, timeout=5, headers=ROLLUP)
+                return
+            except nats.js.errors.APIError as exc:
+                if exc.err_code != ROLLUP_REFUSED:
+                    raise
+                log.warning("request log: the stream refuses rollups; a result is stored beside its log")
+        await self.js.publish(subject, data, timeout=5)
+
     async def store_result(self, request_id: str, result: Result) -> None:
-        """Store a request's end before acking its job, so a redelivery answers from it, not reruns."""
+        """Store a request's end before acking its job, so a redelivery answers from it, not reruns.
+
+        The result rolls the request's subject up: the claims and steps before it served only to
+        resume the request, and dropping them with the same write costs no request of its own."""
         try:
-            await self.write_stored(request_id, fitted(result, self.nc.max_payload - codec.HEADER_MARGIN))
+            await self.write_stored(
+                request_id, fitted(result, self.nc.max_payload - codec.HEADER_MARGIN), rollup=True
+            )
         except LogUnavailable as exc:
             log.warning(
                 "request %s: its result is not in the log (%s); a redelivery would run it again",
@@ -332,12 +355,3 @@ class RequestLog:
         if read_to < last_seq:  # answered by a copy that is behind the one that gave `last`
             raise LogUnavailable(f"request log: read to seq {read_to} of {last_seq}")
         return analyze(records)
-
-    async def compact(self, request_id: str) -> None:
-        """Keep only the last record (the Result) of a finished request."""
-        try:
-            await self.js.purge_stream(
-                self.names.requests_stream, subject=self.names.request_log(request_id), keep=1
-            )
-        except Exception as exc:  # only costs space until max_age
-            log.debug("request %s: compacting its log failed: %s", request_id, exc)

@@ -37,7 +37,7 @@ class Running:
         self.cancel_reason: str | None = None
         self.superseded = False
         self.ended = False
-        """Its result is being stored: the log must get no record after it (compaction keeps the last)."""
+        """Its result is being stored: the log must get no record after it (its rollup keeps the last)."""
 
 
 class RunningRequests(dict[str, Running]):

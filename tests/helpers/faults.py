@@ -31,7 +31,6 @@ STAGES = (
     "result",
     "final",
     "trace",
-    "compact",
 )
 
 
@@ -126,7 +125,6 @@ def _patches(engine_cls: type) -> list[tuple[Any, str, Any]]:
         (RequestLog, "store_result", _by_request_id("result", lambda result: result.final is not None)),
         (FrameSink, "send", _by_sink("final", lambda frame: isinstance(frame, FinalFrame))),
         (TracePublisher, "publish", _trace),
-        (RequestLog, "compact", _by_request_id("compact")),
     ]
 
 
