@@ -69,6 +69,23 @@ async def test_a_finished_requests_log_keeps_its_result_alone(nats_url, client, 
     assert isinstance(result, Result) and result.token_ids == [done.token_ids]
 
 
+async def test_a_stream_that_refuses_rollups_still_gets_the_result(nats_url, client, fake_engine):
+    """Someone turned rollups off after the worker started: the result is stored beside the log."""
+    import dataclasses
+
+    js, stream = client.js, client.names.requests_stream
+    async with inproc_worker(nats_url, fake_engine, namespace=client.names.namespace):
+        config = (await js.stream_info(stream)).config
+        await js.update_stream(dataclasses.replace(config, allow_rollup_hdrs=False))
+        request = req("fake", [1, 2, 3], max_tokens=4)
+        done = await client.complete(request)
+    subject = client.names.request_log(request.request_id)
+    info = await js.stream_info(stream, subjects_filter=subject)
+    assert info.state.subjects == {subject: 2}  # its claim stays
+    result = codec.KindDecoder(Record).decode((await js.get_last_msg(stream, subject)).data)
+    assert isinstance(result, Result) and result.token_ids == [done.token_ids]
+
+
 async def test_complete_assembles_text_for_chat_and_text_prompts(nats_url, client, fake_engine):
     async with inproc_worker(nats_url, fake_engine, namespace=client.names.namespace):
         chat = await client.complete(
