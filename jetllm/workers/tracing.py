@@ -91,7 +91,10 @@ class TracePublisher:
         self._otel = _otel_tracer()
 
     async def publish(self, rec: TraceRecord) -> None:
-        log.info(
+        # A completed hop's line is a debug line: at thousands of jobs a second, a line each would
+        # cost the worker more CPU than its JetStream record, and `jetllm trace` reads the record.
+        log.log(
+            logging.DEBUG if rec.outcome == "completed" else logging.INFO,
             "trace %s request %s attempt %d on %s (%s): %s, queued %.0f ms, first token %s, "
             "%d tokens in %d frames, %.0f ms",
             rec.trace_id,

@@ -158,7 +158,9 @@ class GenerateRole(Role):
         up side by side.
 
         The engine starts on the prompt at once (see earlystart.py) unless the log already
-        showed the request is not fresh.
+        showed the request is not fresh. A prompt is rendered and the log read in this task, the
+        cancel in a task of its own: a task costs more CPU than rendering a token prompt, and the
+        two lookups are still in flight together.
         """
         self.check_model(req)
         got: dict[str, Any] = {}
@@ -174,12 +176,12 @@ class GenerateRole(Role):
 
         prompt = req.prompt
         async with anyio.create_task_group() as tg:
-            tg.start_soon(fetch, "last", lambda: self._log.last(req.request_id))
             tg.start_soon(fetch, "cancel", lambda: self._log.cancel(req.request_id))
-            if isinstance(prompt, EmbedsPrompt):
+            if isinstance(prompt, EmbedsPrompt):  # an object store read: beside the log's
                 tg.start_soon(fetch, "prompt", lambda: self._embeds.load(prompt))
             else:
-                tg.start_soon(fetch, "prompt", lambda: self._engine.render(prompt))
+                await fetch("prompt", lambda: self._engine.render(prompt))
+            await fetch("last", lambda: self._log.last(req.request_id))
         last, cancel = got["last"], got["cancel"]
         if last is not None or cancel is not None:
             await early.close()
