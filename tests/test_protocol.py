@@ -87,10 +87,6 @@ class Wire:
     def jetstream(self, **kw: Any) -> Wire:
         return self
 
-    # JetStream
-    async def purge_stream(self, *args: Any, **kw: Any) -> None:
-        self.sent.append(("purge", b""))
-
     @property
     def frames(self) -> list[Any]:
         return [
@@ -237,7 +233,6 @@ async def test_with_an_interval_of_zero_the_log_leads_every_frame_and_the_ack_co
     ]
     # the result rolls the log up: its claim and steps go as it is stored, with no request of its own
     assert wire.rollups == [NAMES.request_log(wire.frames[0].request_id)]
-    assert "purge" not in [subject for subject, _ in wire.sent]
     pulled = wire.frames[0]  # before the log is read: whom to ping, which delivery to NAK
     assert (pulled.worker, pulled.job_ack) == ("w1", wire.frames[1].job_ack) and pulled.job_ack
     c = deps.ctx.counters
