@@ -46,7 +46,8 @@ async def supervised(
 
 
 async def contained(what: str, fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
-    """Run a one-off background step (a trace record) whose failure must stay its own."""
+    """Run a one-off step (a job's trace record, an adapter's cache pruning) whose failure must
+    stay its own."""
     try:
         await fn(*args)
     except Exception:

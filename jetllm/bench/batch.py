@@ -130,7 +130,8 @@ async def run_targets(
             async with anyio.create_task_group() as tg:
                 tg.start_soon(runner.serve)
 
-                plane = {"worker": [proc.pid], "NATS server": [server_pid or 0], "producer": [os.getpid()]}
+                server = {"NATS server": [server_pid]} if server_pid is not None else {}
+                plane = {"worker": [proc.pid], **server, "producer": [os.getpid()]}
                 front_end = {"front end": [offline.proc.pid], "producer": [os.getpid()]}
 
                 async def measured(pids: dict[str, list[int]], fn: Any, *args: Any) -> Round:

@@ -236,6 +236,7 @@ class RequestLog:
         self.nc = nc
         self.js = nc.jetstream(timeout=10)
         self.names = names
+        self._told_refused = False
 
     async def write(self, request_id: str, record: Record) -> None:
         """Append a record. A plain publish: the stream stores it in connection order, before any
@@ -273,7 +274,11 @@ class RequestLog:
             except nats.js.errors.APIError as exc:
                 if exc.err_code != ROLLUP_REFUSED:
                     raise
-                log.warning("request log: the stream refuses rollups; a result is stored beside its log")
+                if not self._told_refused:  # once: it is the stream's setting, not this job's
+                    self._told_refused = True
+                    log.warning(
+                        "request log: the stream refuses rollups; results are stored beside their logs"
+                    )
         await self.js.publish(subject, data, timeout=5)
 
     async def store_result(self, request_id: str, result: Result) -> None:

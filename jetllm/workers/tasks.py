@@ -1,6 +1,6 @@
 """The task group a worker's jobs run in, handed to the parts that start work in it.
 
-Jobs, their background steps (a trace record, an adapter's cache pruning) and
+Jobs, background steps (an adapter's queues synced, its cache pruned) and
 the pullers all run in one group that the serve loop opens once the worker serves and closes after
 the drain; stopping waits for that group. Parts get this small handle instead of the group (or the
 worker), and work offered while no group is open is refused (`start_soon`) or skipped (`spawn`).
