@@ -158,6 +158,20 @@ def test_jobs_beyond_the_window_spend_one_freed_slot_each(queued, submitted, spe
 
 
 @pytest.mark.parametrize(
+    ("duplicate", "reconnected", "since_read", "read"),
+    [
+        (False, False, 0.0, False),  # a fresh line: its result comes on the subscription
+        (False, False, 59.0, False),
+        (False, False, plan.RESULT_RECHECK, True),  # the safety net for a dropped record
+        (True, False, 0.0, True),  # an earlier runner's job may have ended before we subscribed
+        (False, True, 0.0, True),  # a record may have gone by while we were away
+    ],
+)
+def test_when_a_waiting_line_reads_its_result_directly(duplicate, reconnected, since_read, read):
+    assert plan.read_result(duplicate=duplicate, reconnected=reconnected, since_read=since_read) is read
+
+
+@pytest.mark.parametrize(
     "text, seconds", [("24h", 86400), ("1h", 3600), ("90m", 5400), ("5s", 5), ("168h", 604800)]
 )
 def test_completion_windows(text, seconds):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 
 import anyio
 import msgspec
@@ -38,7 +39,7 @@ _record_decoder = codec.KindDecoder(Record)
 STATE_EVERY = 0.5
 """Seconds between reads of the batch's state (a cancel) and writes of its counts."""
 RESULT_CHECK = 5.0
-"""Seconds between direct reads of a running line's result, behind the live subscription."""
+"""Seconds between a running line's looks at whether to read its result directly (`plan.read_result`)."""
 CANCEL_WAIT = 10.0
 """Seconds a stopping batch waits for the lines it cancelled to report their end."""
 
@@ -196,27 +197,16 @@ class HeldBatch:
     async def _run_line(self, line: InputLine, endpoint: str) -> None:
         """Submit the line's job and wait until its result is in its request log: seen live on
         the log's subject, subscribed to before the job is submitted (no consumer on the server per
-        line), and read directly now and then, for a result an earlier runner's job stored before
-        the subscription, or one missed across a reconnect. Lines submit concurrently, so their
-        publish acks overlap."""
+        line), and read directly only when it may have gone by unseen (`plan.read_result`: an earlier
+        runner's job, a reconnect, and once a minute). Lines submit concurrently, so their publish
+        acks overlap."""
         rid = line_request_id(self.id, line.line)
         found: list[Result] = []
         ended = anyio.Event()
-
-        async def on_record(msg: Msg) -> None:
-            try:
-                record = _record_decoder.decode(msg.data)
-            except Exception:  # a newer kind of record, or not ours to read
-                return
-            if isinstance(record, Result):
-                found.append(record)
-                ended.set()
-            elif isinstance(record, Claim) and line.line in self.queued:
-                self.queued.discard(line.line)
-                self.changed.set()
-
+        on_record = self._on_record(line.line, found, ended)
         sub = None
-        submitted = False
+        submitted = duplicate = reconnected = False
+        last_read, reconnects = time.monotonic(), self._reconnects()
         try:
             while not found:
                 try:
@@ -226,20 +216,26 @@ class HeldBatch:
                         )
                     if not submitted:
                         try:
-                            await self.client.submit(prepare(endpoint, line.body, rid).job.request)
+                            ack = await self.client.submit(prepare(endpoint, line.body, rid).job.request)
                         except (JetllmError, OpenAIError) as exc:
                             found.append(_failed(rid, exc))  # this line cannot be a job: it fails alone
                             break
-                        submitted = True
-                    else:
+                        submitted, duplicate = True, bool(ack.duplicate)
+                    if plan.read_result(
+                        duplicate=duplicate, reconnected=reconnected, since_read=time.monotonic() - last_read
+                    ):
+                        duplicate = reconnected = False
+                        last_read, reconnects = time.monotonic(), self._reconnects()
                         stored = await self.client.result(rid)
                         if stored is not None:
                             found.append(stored)
                             break
                 except Exception as exc:  # the server is away for now: submitted or read again later
                     log.info("batch %s: trying %s again after %s", self.id, rid, exc)
+                    reconnected = submitted
                 with anyio.move_on_after(RESULT_CHECK):
                     await ended.wait()
+                reconnected = reconnected or self._reconnects() != reconnects
         finally:
             if sub is not None:
                 with anyio.CancelScope(shield=True):
@@ -248,6 +244,29 @@ class HeldBatch:
                     except Exception:
                         pass
         self._ended(line.line, found[0], ran=submitted and line.line not in self.queued)
+
+    def _on_record(
+        self, line: int, found: list[Result], ended: anyio.Event
+    ) -> Callable[[Msg], Awaitable[None]]:
+        """What a line's subscription does with each record of its log: a claim takes the line out
+        of the window, a result ends the wait."""
+
+        async def on_record(msg: Msg) -> None:
+            try:
+                record = _record_decoder.decode(msg.data)
+            except Exception:  # a newer kind of record, or not ours to read
+                return
+            if isinstance(record, Result):
+                found.append(record)
+                ended.set()
+            elif isinstance(record, Claim) and line in self.queued:
+                self.queued.discard(line)
+                self.changed.set()
+
+        return on_record
+
+    def _reconnects(self) -> int:
+        return int(self.client.nc.stats.get("reconnects", 0))
 
     def _ended(self, line: int, result: Result, *, ran: bool) -> None:
         """`ran`: a worker claimed the line's job, so its slot is free now."""
