@@ -86,6 +86,46 @@ async def test_a_stream_that_refuses_rollups_still_gets_the_result(nats_url, cli
     assert isinstance(result, Result) and result.token_ids == [done.token_ids]
 
 
+@pytest.mark.parametrize(
+    ("attached", "detached_interval", "checkpointed"),
+    [
+        (True, 5.0, True),  # a producer listens: its tokens are checkpointed every --checkpoint-interval
+        (False, 5.0, False),  # nobody listens: not before --detached-checkpoint-interval
+        (False, 0.2, True),
+    ],
+)
+async def test_a_detached_jobs_tokens_are_checkpointed_at_their_own_interval(
+    nats_url, client, attached, detached_interval, checkpointed
+):
+    """What a reader of the log (`Client.attach`, a worker taking the job over) finds while it runs."""
+    request = req("fake", [1, 2, 3], max_tokens=150)  # about 3 s at 20 ms a token
+    subject = client.names.request_log(request.request_id)
+    async with inproc_worker(
+        nats_url,
+        FakeEngine(step_delay=0.02),
+        namespace=client.names.namespace,
+        checkpoint_interval=0.2,
+        detached_checkpoint_interval=detached_interval,
+    ):
+        async with anyio.create_task_group() as tg:
+            if attached:
+                tg.start_soon(client.complete, request)
+            else:
+                await client.submit(request)
+
+            async def records() -> int:
+                info = await client.js.stream_info(client.names.requests_stream, subjects_filter=subject)
+                return (info.state.subjects or {}).get(subject, 0)
+
+            with anyio.fail_after(10):
+                while await records() == 0:  # its claim
+                    await anyio.sleep(0.02)
+            await anyio.sleep(1.0)
+            assert (await records() > 1) is checkpointed
+        result = await client.wait_result(request.request_id, timeout=20)
+    assert len(result.token_ids[0]) == 150
+
+
 async def test_complete_assembles_text_for_chat_and_text_prompts(nats_url, client, fake_engine):
     async with inproc_worker(nats_url, fake_engine, namespace=client.names.namespace):
         chat = await client.complete(

@@ -147,6 +147,13 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
         "newer ones and hands them to the worker that takes over (0: log every frame before it is sent)",
     )
     w.add_argument(
+        "--detached-checkpoint-interval",
+        type=float,
+        default=5.0,
+        help="the same for a detached job (no reply subject, e.g. a batch line): nobody saw its newest "
+        "tokens, so a worker that dies costs at most this long a generation again",
+    )
+    w.add_argument(
         "--max-migrations",
         type=int,
         default=3,
@@ -355,6 +362,7 @@ def worker_config(args: argparse.Namespace, slots: int | None = None):
         slots=slots or args.slots or 0,
         heartbeat_interval=args.heartbeat_interval,
         checkpoint_interval=args.checkpoint_interval,
+        detached_checkpoint_interval=args.detached_checkpoint_interval,
         max_migrations=args.max_migrations,
         grace_period=args.grace_period,
         health_interval=args.health_interval,

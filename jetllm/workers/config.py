@@ -49,6 +49,8 @@ class WorkerConfig(msgspec.Struct, kw_only=True):
     """A quiet request gets a heartbeat frame this often."""
     checkpoint_interval: float = 0.5
     """Seconds between request-log checkpoints of a request's token frames; 0: every frame."""
+    detached_checkpoint_interval: float = 5.0
+    """The same for a detached job (no reply subject): its newest tokens were seen by nobody."""
     max_migrations: int = 3
     """Default migration budget of a request: how often workers may die under it."""
     grace_period: float = 30.0

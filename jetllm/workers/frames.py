@@ -31,6 +31,10 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_INTERVAL = 0.5
 """Seconds between request-log checkpoints of a request's token frames (`--checkpoint-interval`)."""
+DETACHED_CHECKPOINT_INTERVAL = 5.0
+"""The same for a detached job (`--detached-checkpoint-interval`): nobody saw its newest tokens, so
+a worker that dies costs at most this long a generation again, and a batch line shorter than it
+writes no checkpoint at all (docs/decisions.md)."""
 
 
 class FrameSink:

@@ -47,7 +47,7 @@ from ..subjects.directed import queue_of
 from .context import WorkerContext
 from .deadletters import DeadLetters
 from .framebatch import FrameBatcher, batch_subject
-from .frames import CHECKPOINT_INTERVAL, FrameSink
+from .frames import CHECKPOINT_INTERVAL, DETACHED_CHECKPOINT_INTERVAL, FrameSink
 from .jobs import Job, RejectedJob, dead_letter_record, salvage
 from .pulls import Pulls
 from .requestlog import LogUnavailable, RequestLog, contiguous_after
@@ -80,6 +80,7 @@ class JobDeps:
     pulls: Pulls
     lifecycle: Lifecycle
     checkpoint_interval: float = CHECKPOINT_INTERVAL
+    detached_checkpoint_interval: float = DETACHED_CHECKPOINT_INTERVAL
     batcher: FrameBatcher | None = None
 
 
@@ -133,7 +134,9 @@ class JobRun:
                 req.request_id,
                 attempt=job.attempt,
                 log_subject=d.ctx.names.request_log(req.request_id),
-                checkpoint_interval=d.checkpoint_interval,
+                checkpoint_interval=(
+                    d.checkpoint_interval if req.reply_to is not None else d.detached_checkpoint_interval
+                ),
                 headers=hop.header,
                 batch=self._batch(msg.headers, req.reply_to, encoding),
             )

@@ -186,6 +186,7 @@ class Worker:
             pulls=pulls,
             lifecycle=lifecycle,
             checkpoint_interval=config.checkpoint_interval,
+            detached_checkpoint_interval=config.detached_checkpoint_interval,
             batcher=self.batcher,
         )
         on_job = intake(jobs, slots)

@@ -34,6 +34,7 @@ async def main(args: argparse.Namespace) -> int:
         max_migrations=args.max_migrations,
         heartbeat_interval=0.2,
         checkpoint_interval=args.checkpoint_interval,
+        detached_checkpoint_interval=args.detached_checkpoint_interval,
         policy=QueuePolicy(ack_wait=args.ack_wait, replicas=args.replicas),
     )
     try:
@@ -53,6 +54,7 @@ if __name__ == "__main__":
     p.add_argument("--max-migrations", type=int, default=3)
     p.add_argument("--ack-wait", type=float, default=10.0)
     p.add_argument("--checkpoint-interval", type=float, default=0.5)
+    p.add_argument("--detached-checkpoint-interval", type=float, default=5.0)
     p.add_argument("--replicas", type=int, default=None)
     p.add_argument("--stuck-before-claim", action="store_true", help="never get past reading the request log")
     args = p.parse_args()
