@@ -6,7 +6,8 @@ starts a nats-server. When the process that started them is SIGKILLed (the OOM k
 cache on a GPU) and the server its port, so a restarted worker finds the box full. A signal on
 parent death (`PR_SET_PDEATHSIG`) would need code in vLLM's spawned processes; instead one small
 process per worker holds the read end of a pipe from it: the kernel closes the write end when
-the worker dies, and the watchdog then terminates what it was told to watch.
+the worker dies, and the watchdog then terminates what it was told to watch and removes the
+directories it was told to remove (an engine's KV-event sockets, which a killed worker leaves).
 
 Run as `python -m jetllm.reaper` by `watch()`; it imports nothing but the standard library and
 psutil (a dependency of vLLM), and it never outlives the pipe.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -64,9 +66,24 @@ def watch_pid(pid: int) -> None:
 
 def watch(procs: set[Any] | list[Any]) -> None:
     """End `procs` (psutil processes) when this process dies."""
+    lines = []
+    for p in procs:
+        try:
+            lines.append(f"{p.pid} {p.create_time()!r}")
+        except Exception:  # gone already: nothing to end
+            pass
+    if lines:
+        _tell(lines)
+
+
+def remove_at_exit(path: str) -> None:
+    """Remove directory `path` (one this process made) once this process has ended and what it
+    watches is gone, however it ended."""
+    _tell([f"rm {os.path.abspath(path)}"])
+
+
+def _tell(lines: list[str]) -> None:
     global _watchdog
-    if not procs:
-        return
     try:
         if _watchdog is None:
             _watchdog = subprocess.Popen(
@@ -76,10 +93,10 @@ def watch(procs: set[Any] | list[Any]) -> None:
                 start_new_session=True,  # a Ctrl-C to our group must not end it first
             )
         pipe: IO[bytes] = _watchdog.stdin  # type: ignore[assignment]
-        pipe.write(b"".join(f"{p.pid} {p.create_time()!r}\n".encode() for p in procs if p.is_running()))
+        pipe.write(b"".join(f"{line}\n".encode() for line in lines))
         pipe.flush()
     except Exception as exc:  # a safety net: never fail a start-up over it
-        log.warning("child processes will outlive this one if it is killed: %s", exc)
+        log.warning("child processes or temporary files will outlive this one if it is killed: %s", exc)
 
 
 def _main(parent: int) -> int:
@@ -87,7 +104,11 @@ def _main(parent: int) -> int:
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     watched: list[tuple[int, float]] = []
+    paths: list[str] = []
     for line in sys.stdin.buffer:  # until the parent's end closes: it exited or was killed
+        if line.startswith(b"rm "):
+            paths.append(os.fsdecode(line[3:].rstrip(b"\n")))
+            continue
         pid, started = line.split()
         watched.append((int(pid), float(started)))
     alive = []
@@ -112,6 +133,8 @@ def _main(parent: int) -> int:
             f"jetllm reaper: killed {', '.join(names)}, left by {parent}, after {GRACE:.0f} s",
             file=sys.stderr,
         )
+    for path in paths:  # after the processes that used them are gone
+        shutil.rmtree(path, ignore_errors=True)
     return 0
 
 

@@ -6,6 +6,7 @@ import os
 import tempfile
 from typing import Any
 
+from ... import reaper
 from ...kvtransfer.params import JETLLM_CONNECTOR
 from .options import EngineOptions
 
@@ -80,13 +81,20 @@ def engine_args(opts: EngineOptions, kv_dir: str | None = None) -> Any:
                 "(drop enable_prefix_caching=false, or turn KV events off)"
             )
         kw["enable_prefix_caching"] = True
-        kw["kv_events_config"] = kv_events_config(kv_dir or tempfile.mkdtemp(prefix="jetllm-kv-"))
+        kw["kv_events_config"] = kv_events_config(kv_dir or kv_sockets_dir())
     kw["kv_transfer_config"] = kv_transfer_config(opts)
     kw.update(whole_prompts(on_cpu))
     extra = dict(opts.extra)
     kw["structured_outputs_config"] = structured_outputs_config(extra.pop("structured_outputs_config", None))
     kw.update(extra)
     return AsyncEngineArgs(**kw)
+
+
+def kv_sockets_dir() -> str:
+    """A directory for the KV-event sockets, gone when this process is."""
+    path = tempfile.mkdtemp(prefix="jetllm-kv-")
+    reaper.remove_at_exit(path)
+    return path
 
 
 def whole_prompts(on_cpu: bool) -> dict[str, Any]:

@@ -6,7 +6,6 @@ import functools
 import gc
 import logging
 import shutil
-import tempfile
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any
 
@@ -25,7 +24,7 @@ from ...schemas import (
     TokensPrompt,
 )
 from . import vllm_convert
-from .args import engine_args
+from .args import engine_args, kv_sockets_dir
 from .base import (
     EngineAdapter,
     EngineLoad,
@@ -100,7 +99,7 @@ class VllmEngine:
     @classmethod
     async def start(cls, opts: EngineOptions) -> VllmEngine:
         """Start the engine (blocks the loop for its start-up, ~15 s for a tiny model on CPU)."""
-        kv_dir = tempfile.mkdtemp(prefix="jetllm-kv-") if opts.kv_events else None
+        kv_dir = kv_sockets_dir() if opts.kv_events else None
         try:
             args = engine_args(opts, kv_dir)
             from vllm.usage.usage_lib import UsageContext
