@@ -126,6 +126,23 @@ async def dead_engine_hands_jobs_back_and_the_worker_exits_nonzero(
     return survivor
 
 
+def _kv_socket_dirs(processes) -> set[str]:
+    """The private directories (`jetllm-kv-*`) of the Unix sockets these processes have open."""
+    import psutil
+
+    found = set()
+    for process in processes:
+        try:
+            conns = process.net_connections("unix")
+        except psutil.NoSuchProcess:
+            continue
+        for conn in conns:
+            for path in (conn.laddr, conn.raddr):
+                if isinstance(path, str) and "jetllm-kv-" in path:
+                    found.add(os.path.dirname(path))
+    return found
+
+
 def _connected_to(process, port: int) -> bool:
     import psutil
 
@@ -137,7 +154,8 @@ def _connected_to(process, port: int) -> bool:
 
 async def a_worker_killed_alone_takes_its_engine_processes_with_it(c: Client, worker: WorkerProcess) -> None:
     """The OOM killer or `kill -9` hits the worker's pid only: vLLM's engine processes must not
-    live on holding their memory (they did, before engine/lifetime.py)."""
+    live on holding their memory (they did, before engine/lifetime.py), nor its KV-event sockets
+    stay in the temporary directory (they did, before the watchdog removed them)."""
     import psutil
 
     await c.submit(req(TINY, [5, 6, 7], stop=StopConditions(max_tokens=480, ignore_eos=True)))
@@ -147,6 +165,8 @@ async def a_worker_killed_alone_takes_its_engine_processes_with_it(c: Client, wo
     assert not waited.cancelled_caught, f"the worker took no job in 30 s:\n{worker.log_tail(60)}"
     engine = psutil.Process(worker.proc.pid).children(recursive=True)
     assert len(engine) >= 2, [p.name() for p in engine]  # EngineCore and its model runner
+    sockets = _kv_socket_dirs([psutil.Process(worker.proc.pid), *engine])
+    assert sockets, "the worker's engine publishes no KV events on Unix sockets (started with --kv-events)"
     os.kill(worker.proc.pid, signal.SIGKILL)
     # Its NATS connection dies with it, not with the engine processes it forked (reaped ~5 s
     # later): none of them holds a socket to the server, so the server says "no responders" as
@@ -168,3 +188,7 @@ async def a_worker_killed_alone_takes_its_engine_processes_with_it(c: Client, wo
             await anyio.sleep(0.05)
     _, alive = await anyio.to_thread.run_sync(lambda: psutil.wait_procs(engine, timeout=60))
     assert not alive, [(p.pid, p.name()) for p in alive]
+    with anyio.move_on_after(30):  # the watchdog removes them once the engine's processes are gone
+        while any(os.path.exists(d) for d in sockets):
+            await anyio.sleep(0.1)
+    assert not [d for d in sockets if os.path.exists(d)], "the killed worker left its KV-event sockets"
