@@ -154,8 +154,9 @@ def _connected_to(process, port: int) -> bool:
 
 async def a_worker_killed_alone_takes_its_engine_processes_with_it(c: Client, worker: WorkerProcess) -> None:
     """The OOM killer or `kill -9` hits the worker's pid only: vLLM's engine processes must not
-    live on holding their memory (they did, before engine/lifetime.py), nor its KV-event sockets
-    stay in the temporary directory (they did, before the watchdog removed them)."""
+    live on holding their memory (they did, before engine/lifetime.py), nor their sockets (vLLM's
+    own and the KV-event ones) stay in the temporary directory (they did, before the watchdog
+    removed them)."""
     import psutil
 
     await c.submit(req(TINY, [5, 6, 7], stop=StopConditions(max_tokens=480, ignore_eos=True)))
@@ -167,6 +168,12 @@ async def a_worker_killed_alone_takes_its_engine_processes_with_it(c: Client, wo
     assert len(engine) >= 2, [p.name() for p in engine]  # EngineCore and its model runner
     sockets = _kv_socket_dirs([psutil.Process(worker.proc.pid), *engine])
     assert sockets, "the worker's engine publishes no KV events on Unix sockets (started with --kv-events)"
+    # what the engine's processes were started with (the worker sets it once it runs)
+    rpc = max((p.environ().get("VLLM_RPC_BASE_PATH", "") for p in engine), key=len)
+    assert "jetllm-rpc-" in rpc and os.listdir(rpc), (
+        f"vLLM's own sockets are not in a private directory: {rpc!r}"
+    )
+    sockets.add(rpc)
     os.kill(worker.proc.pid, signal.SIGKILL)
     # Its NATS connection dies with it, not with the engine processes it forked (reaped ~5 s
     # later): none of them holds a socket to the server, so the server says "no responders" as
@@ -191,4 +198,4 @@ async def a_worker_killed_alone_takes_its_engine_processes_with_it(c: Client, wo
     with anyio.move_on_after(30):  # the watchdog removes them once the engine's processes are gone
         while any(os.path.exists(d) for d in sockets):
             await anyio.sleep(0.1)
-    assert not [d for d in sockets if os.path.exists(d)], "the killed worker left its KV-event sockets"
+    assert not [d for d in sockets if os.path.exists(d)], "the killed worker left its engine's sockets"

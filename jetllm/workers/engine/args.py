@@ -41,8 +41,10 @@ def kv_events_config(directory: str) -> Any:
 
 def engine_args(opts: EngineOptions, kv_dir: str | None = None) -> Any:
     """vLLM's engine arguments; `kv_dir` holds the KV-event sockets (a fresh temporary directory
-    when None and opts.kv_events is set)."""
+    when None and opts.kv_events is set). The engines this process starts bind their own sockets
+    in a directory of its own (`private_rpc_dir`)."""
     _quiet_defaults()
+    private_rpc_dir()
     from vllm import AsyncEngineArgs
     from vllm.platforms import current_platform
 
@@ -88,6 +90,26 @@ def engine_args(opts: EngineOptions, kv_dir: str | None = None) -> Any:
     kw["structured_outputs_config"] = structured_outputs_config(extra.pop("structured_outputs_config", None))
     kw.update(extra)
     return AsyncEngineArgs(**kw)
+
+
+RPC_BASE = "VLLM_RPC_BASE_PATH"
+
+
+def private_rpc_dir() -> None:
+    """vLLM's engine processes bind their ZeroMQ sockets as files in `VLLM_RPC_BASE_PATH` (the
+    temporary directory by default), and a killed engine leaves them there: about eight per
+    engine start. This process's engines get a directory of their own instead, removed by the
+    watchdog when the process ends, however it ends. One per process, so that an engine started
+    later in it finds the directory the first one's cached setting names. Left alone when the
+    operator set the variable, or when the temporary directory's path is too long for socket names."""
+    if RPC_BASE in os.environ:
+        return
+    path = tempfile.mkdtemp(prefix="jetllm-rpc-")
+    if len(path) + 40 > 100:  # a socket's name is a uuid (36) under it; Unix ends paths at ~107
+        os.rmdir(path)
+        return
+    reaper.remove_at_exit(path)
+    os.environ[RPC_BASE] = path
 
 
 def kv_sockets_dir() -> str:
