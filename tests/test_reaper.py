@@ -5,9 +5,11 @@ sockets). Real processes, no engine: a child stands in for the worker, a `sleep`
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -73,3 +75,34 @@ def test_a_worker_that_exits_on_its_own_leaves_nothing_either(tmp_path):
     child.wait()
     assert child.returncode == 0
     assert _gone(engine, sockets), f"engine alive: {_alive(engine)}, sockets: {sockets.exists()}"
+
+
+def test_the_engines_of_a_process_put_their_sockets_in_a_directory_of_its_own(monkeypatch):
+    """vLLM's socket files go where `VLLM_RPC_BASE_PATH` says: a process's own directory, which the
+    watchdog removes, unless the operator chose one; a jetllm parent's is not the child's."""
+    from jetllm.workers.engine import args
+
+    tmp_path = Path(tempfile.mkdtemp(prefix="r"))  # short: socket paths end at ~107 bytes
+    removed: list[str] = []
+    monkeypatch.setattr(args.reaper, "remove_at_exit", removed.append)
+    monkeypatch.setattr(args, "_made", [])
+    monkeypatch.setattr(args.tempfile, "tempdir", str(tmp_path))
+    monkeypatch.delenv(args.RPC_BASE, raising=False)
+
+    try:
+        args.private_rpc_dir()
+        own = os.environ[args.RPC_BASE]
+        assert Path(own).parent == tmp_path and Path(own).name.startswith("jetllm-rpc-") and removed == [own]
+        args.private_rpc_dir()  # a second engine in the same process: the same directory
+        assert os.environ[args.RPC_BASE] == own and removed == [own]
+
+        monkeypatch.setattr(args, "_made", [])  # as in a child that inherited its parent's setting
+        args.private_rpc_dir()
+        child = os.environ[args.RPC_BASE]
+        assert child != own and removed == [own, child]
+
+        monkeypatch.setenv(args.RPC_BASE, str(tmp_path / "sockets"))  # the operator's choice
+        args.private_rpc_dir()
+        assert os.environ[args.RPC_BASE] == str(tmp_path / "sockets") and removed == [own, child]
+    finally:
+        shutil.rmtree(tmp_path)

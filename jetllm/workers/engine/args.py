@@ -95,20 +95,27 @@ def engine_args(opts: EngineOptions, kv_dir: str | None = None) -> Any:
 RPC_BASE = "VLLM_RPC_BASE_PATH"
 
 
+_PRIVATE = "jetllm-rpc-"
+_made: list[str] = []
+
+
 def private_rpc_dir() -> None:
     """vLLM's engine processes bind their ZeroMQ sockets as files in `VLLM_RPC_BASE_PATH` (the
     temporary directory by default), and a killed engine leaves them there: about eight per
     engine start. This process's engines get a directory of their own instead, removed by the
     watchdog when the process ends, however it ends. One per process, so that an engine started
     later in it finds the directory the first one's cached setting names. Left alone when the
-    operator set the variable, or when the temporary directory's path is too long for socket names."""
-    if RPC_BASE in os.environ:
+    operator set the variable, or when the temporary directory's path is too long for socket names;
+    a directory inherited from a jetllm parent is the parent's, so the process makes its own."""
+    current = os.environ.get(RPC_BASE)
+    if current is not None and (current in _made or not os.path.basename(current).startswith(_PRIVATE)):
         return
-    path = tempfile.mkdtemp(prefix="jetllm-rpc-")
+    path = tempfile.mkdtemp(prefix=_PRIVATE)
     if len(path) + 40 > 100:  # a socket's name is a uuid (36) under it; Unix ends paths at ~107
         os.rmdir(path)
         return
     reaper.remove_at_exit(path)
+    _made.append(path)
     os.environ[RPC_BASE] = path
 
 
