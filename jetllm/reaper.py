@@ -7,7 +7,8 @@ cache on a GPU) and the server its port, so a restarted worker finds the box ful
 parent death (`PR_SET_PDEATHSIG`) would need code in vLLM's spawned processes; instead one small
 process per worker holds the read end of a pipe from it: the kernel closes the write end when
 the worker dies, and the watchdog then terminates what it was told to watch and removes the
-directories it was told to remove (an engine's KV-event sockets, which a killed worker leaves).
+directories it was told to remove (where an engine's processes put their sockets: a killed
+engine leaves them).
 
 Run as `python -m jetllm.reaper` by `watch()`; it imports nothing but the standard library and
 psutil (a dependency of vLLM), and it never outlives the pipe.

@@ -93,10 +93,9 @@ def engine_args(opts: EngineOptions, kv_dir: str | None = None) -> Any:
 
 
 RPC_BASE = "VLLM_RPC_BASE_PATH"
-
-
 _PRIVATE = "jetllm-rpc-"
 _made: list[str] = []
+"""The directories this process made (an inherited one is a parent's)."""
 
 
 def private_rpc_dir() -> None:
