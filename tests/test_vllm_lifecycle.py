@@ -126,8 +126,9 @@ async def dead_engine_hands_jobs_back_and_the_worker_exits_nonzero(
     return survivor
 
 
-def _kv_socket_dirs(processes) -> set[str]:
-    """The private directories (`jetllm-kv-*`) of the Unix sockets these processes have open."""
+def _socket_dirs(processes) -> set[str]:
+    """The private directories (`jetllm-kv-*`, `jetllm-rpc-*`) of the Unix sockets these processes
+    have open."""
     import psutil
 
     found = set()
@@ -138,7 +139,9 @@ def _kv_socket_dirs(processes) -> set[str]:
             continue
         for conn in conns:
             for path in (conn.laddr, conn.raddr):
-                if isinstance(path, str) and "jetllm-kv-" in path:
+                if isinstance(path, str) and os.path.basename(os.path.dirname(path)).startswith(
+                    ("jetllm-kv-", "jetllm-rpc-")
+                ):
                     found.add(os.path.dirname(path))
     return found
 
@@ -166,14 +169,9 @@ async def a_worker_killed_alone_takes_its_engine_processes_with_it(c: Client, wo
     assert not waited.cancelled_caught, f"the worker took no job in 30 s:\n{worker.log_tail(60)}"
     engine = psutil.Process(worker.proc.pid).children(recursive=True)
     assert len(engine) >= 2, [p.name() for p in engine]  # EngineCore and its model runner
-    sockets = _kv_socket_dirs([psutil.Process(worker.proc.pid), *engine])
-    assert sockets, "the worker's engine publishes no KV events on Unix sockets (started with --kv-events)"
-    # what the engine's processes were started with (the worker sets it once it runs)
-    rpc = max((p.environ().get("VLLM_RPC_BASE_PATH", "") for p in engine), key=len)
-    assert "jetllm-rpc-" in rpc and os.listdir(rpc), (
-        f"vLLM's own sockets are not in a private directory: {rpc!r}"
-    )
-    sockets.add(rpc)
+    sockets = _socket_dirs([psutil.Process(worker.proc.pid), *engine])
+    # KV events (the worker runs with --kv-events) and vLLM's own, each in a directory of the worker's
+    assert {os.path.basename(d).split("-")[1] for d in sockets} == {"kv", "rpc"}, sockets
     os.kill(worker.proc.pid, signal.SIGKILL)
     # Its NATS connection dies with it, not with the engine processes it forked (reaped ~5 s
     # later): none of them holds a socket to the server, so the server says "no responders" as
