@@ -357,7 +357,9 @@ async def test_blocks_sent_straight_to_the_decode_worker_are_checked_and_never_s
         assert got == "live" and dest.read_bytes()[offset:] == b"".join(blocks)
         info = await prefill.jetstream().stream_info(names.kv_blocks_stream)
         assert info.state.messages == 0  # nothing went through the store
-        with pytest.raises(TransferFailed, match="block 1 of .* fails its checksum"):
+        # The forger's messages and the real ones can meet interleaved at the receiver (seen on
+        # CI twice): then the bytes run past the header's last block instead. Refused either way.
+        with pytest.raises(TransferFailed, match="block 1 of .* fails its checksum|runs past the last block"):
             await transfer_once(forged=True)
         with pytest.raises(TransferFailed, match=r"0 of \d+ messages arrived and the blocks were not stored"):
             await transfer_once(forged=False, listening=False)
