@@ -10,6 +10,7 @@ import uuid
 
 import anyio
 import msgspec
+import nats.errors
 import pytest
 
 from jetllm.errors import AcceptTimeout, PayloadTooLarge, RequestFailed, WorkerSilent
@@ -268,6 +269,35 @@ async def test_cancelling_the_iteration_aborts_the_request_and_frees_the_slot(na
         # the only slot is free again: the next request runs
         assert (await client.complete(req("fake", max_tokens=2))).finish_reason == "length"
         assert worker.counters.cancelled == 1
+
+
+async def test_a_producer_whose_first_puback_was_lost_still_owns_its_request(nats_url, client, monkeypatch):
+    """A busy server can store a job and answer too late: the retry's PubAck then says "duplicate".
+    The request is still this producer's: it streams, and leaving the stream cancels it."""
+    engine = FakeEngine(step_delay=0.02, max_model_len=100_000)
+    publish, lost = client.js.publish, []
+
+    async def late_puback(subject, payload=b"", *args, **kwargs):
+        ack = await publish(subject, payload, *args, **kwargs)
+        if subject == client.names.jobs("generate", "fake") and not lost:
+            lost.append(ack)
+            raise nats.errors.TimeoutError
+        return ack
+
+    monkeypatch.setattr(client.js, "publish", late_puback)
+    async with inproc_worker(nats_url, engine, namespace=client.names.namespace):
+        long = req("fake", max_tokens=50_000)
+        seen = 0
+        async for frame in client.generate(long):
+            if isinstance(frame, TokensFrame):
+                seen += 1
+                if seen == 3:
+                    break
+        assert lost, "the first PubAck was not dropped"
+        with anyio.fail_after(5):
+            while long.request_id not in engine.aborted:
+                await anyio.sleep(0.01)
+    assert (await client.submit(long)).duplicate  # a later submit of the same id is a duplicate
 
 
 async def test_cancel_from_another_task_reaches_the_worker(nats_url, client):

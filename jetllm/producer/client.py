@@ -12,6 +12,7 @@ what they decide.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -205,7 +206,8 @@ class Client:
         batch_frames: bool = False,
         instance: str | None = None,
     ) -> PubAck:
-        """Publish a job durably; the PubAck says it is stored (or was a duplicate).
+        """Publish a job durably; the PubAck says it is stored, or was a duplicate: a job with this
+        request id was stored before this call (not by an attempt of this call whose PubAck was lost).
 
         Retried across reconnects and JetStream leader changes for up to `publish_timeout`
         seconds; the request id as `Nats-Msg-Id` makes the retries safe. The job carries a W3C
@@ -231,12 +233,25 @@ class Client:
         if batch_frames and req.reply_to is not None and self.encoding == "msgpack":
             headers[codec.FRAME_BATCH_HEADER] = frame_batch_subject(req.reply_to)
         subject = await self._addressing.subject(self.js, role, req, traceparent, instance)
-        return await retried(
-            lambda: self.js.publish(subject, data, headers=headers, timeout=2.0),
-            errors=_PUBLISH_RETRIED,
-            within=self.publish_timeout,
-            what=f"publishing {req.request_id}",
-        )
+        maybe_stored = False
+
+        async def publish() -> PubAck:
+            nonlocal maybe_stored
+            try:
+                return await self.js.publish(subject, data, headers=headers, timeout=2.0)
+            except nats.errors.NoRespondersError:  # no stream took it
+                raise
+            except _PUBLISH_RETRIED:
+                maybe_stored = True
+                raise
+
+        what = f"publishing {req.request_id}"
+        ack = await retried(publish, errors=_PUBLISH_RETRIED, within=self.publish_timeout, what=what)
+        if ack.duplicate and maybe_stored:
+            # An earlier attempt was stored and only its PubAck lost (a busy server): the job is
+            # this call's, not an earlier submitter's, or generate() would not cancel it on leaving.
+            ack = dataclasses.replace(ack, duplicate=False)
+        return ack
 
     async def offload_embeds(self, req: GenerateRequest) -> tuple[GenerateRequest, str | None]:
         """`req` with inline prompt embeddings moved to the object store when they are too big for
