@@ -14,6 +14,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import ClassVar
 
 import anyio
 import pytest
@@ -113,6 +114,31 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.line(problem, red=True)
 
 
+_log_start = pytest.StashKey[dict[int, int]]()
+
+
+def pytest_runtest_setup(item):
+    item.stash[_log_start] = {id(w): w.log_size() for w in WorkerProcess.live}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing test's report carries what each live worker wrote during the test, ending with
+    where its tasks wait: a CI run's failure is then readable without the worker's log file."""
+    report = (yield).get_result()
+    if report.when != "call" or not report.failed:
+        return
+    start = item.stash.get(_log_start, {})
+    for w in WorkerProcess.live:
+        w.dump_tasks()
+        report.sections.append(
+            (
+                f"worker {w.namespace} (pid {w.proc.pid}), its log during the test",
+                w.log_tail(300, start.get(id(w), 0)),
+            )
+        )
+
+
 @pytest.fixture(scope="session")
 def anyio_backend() -> str:
     return "asyncio"
@@ -193,6 +219,8 @@ class WorkerProcess:
     _terminated = False
     _started = 0
     """Workers started so far: consecutive ones get different cores (jetllm/cpus.py)."""
+    live: ClassVar[list[WorkerProcess]] = []
+    """Workers not yet stopped: a failing test's report shows their logs (pytest_runtest_makereport)."""
 
     def __init__(
         self,
@@ -233,6 +261,7 @@ class WorkerProcess:
             *args,
         ]
         self._log = open(log_path, "wb")
+        WorkerProcess.live.append(self)
         ranks = "--data-parallel-size" in args or "--headless" in args  # vLLM splits cores per rank
         cores = {} if ranks else engine_cores(WorkerProcess._started, 2)
         WorkerProcess._started += 1
@@ -262,11 +291,33 @@ class WorkerProcess:
             await nc.close()
         raise TimeoutError(f"worker not ready after {timeout}s:\n{self.log_tail()}")
 
-    def log_tail(self, lines: int = 40) -> str:
+    def log_tail(self, lines: int = 40, since: int = 0) -> str:
+        """The log's last `lines` lines, of what it wrote after byte `since`."""
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            with open(self.log_path, "rb") as f:
+                f.seek(since)
+                text = f.read().decode(errors="replace")
         except OSError:
             return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def log_size(self) -> int:
+        try:
+            return self.log_path.stat().st_size
+        except OSError:
+            return 0
+
+    def dump_tasks(self, timeout: float = 3.0) -> None:
+        """Has the worker log what each of its tasks awaits (SIGUSR1), and waits for it to be written."""
+        if self.proc.poll() is not None:
+            return
+        size = self.log_size()
+        self.proc.send_signal(signal.SIGUSR1)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and "tasks, each with what it awaits" not in self.log_tail(
+            400, size
+        ):
+            time.sleep(0.05)
 
     def signal(self, sig: int) -> None:
         """SIGKILL takes the whole process group, as a dying machine or container would (a worker
@@ -302,6 +353,8 @@ class WorkerProcess:
         self._kill_group()  # and whatever it left behind
         self.proc.wait()
         self._log.close()
+        with contextlib.suppress(ValueError):
+            WorkerProcess.live.remove(self)
 
     def engine_pids(self) -> list[int]:
         """The engine's processes among the worker's children (EngineCore; not its watchdog)."""
@@ -395,6 +448,7 @@ class FakeWorkerProcess(WorkerProcess):
         self.served = "fake"
         self.log_path = log_path
         self._log = open(log_path, "wb")
+        WorkerProcess.live.append(self)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.helpers.fake_worker", url, namespace, *args],
             stdout=self._log,
@@ -484,6 +538,7 @@ class DirectVllm:
 
         self._lock = threading.Lock()
         self._log = open(log_path, "wb")
+        WorkerProcess.live.append(self)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.helpers.direct_vllm", str(model)],
             stdin=subprocess.PIPE,

@@ -260,9 +260,15 @@ async def test_cancel_aborts_the_engine_request_and_frees_the_slot(c, shared_vll
         status = await instance_status(c.nc, c.names, shared_vllm.instance)
         assert req.request_id in status.request_ids, "the worker no longer runs it at its first tokens"
         await stream.aclose()  # leaving the stream cancels the request
-        with anyio.fail_after(10):  # with the engine frozen, only the cancel can end it
-            while req.request_id in (await instance_status(c.nc, c.names, shared_vllm.instance)).request_ids:
-                await anyio.sleep(0.05)
+        try:
+            with anyio.fail_after(10):  # with the engine frozen, only the cancel can end it
+                while (
+                    req.request_id in (await instance_status(c.nc, c.names, shared_vllm.instance)).request_ids
+                ):
+                    await anyio.sleep(0.05)
+        except TimeoutError:  # where it waits, while the engine is still frozen (the report shows the log)
+            await anyio.to_thread.run_sync(shared_vllm.dump_tasks)
+            raise
     assert (await c.wait_result(req.request_id, timeout=10)).error.code.value == "cancelled"
     with anyio.fail_after(10):
         while await _cancelled(c, shared_vllm) == before:
@@ -285,6 +291,23 @@ async def test_cancel_aborts_the_engine_request_and_frees_the_slot(c, shared_vll
             if status.extra["engine_running"] == "0" and status.engine_unfinished == 0:
                 break
             await anyio.sleep(0.05)
+
+
+async def test_sigusr1_shows_where_a_running_request_waits_and_the_worker_serves_on(c, shared_vllm):
+    """What an operator sees of a request that does not move: its job's task, by request id,
+    waiting on vLLM's output for it."""
+    req = request([4, 5, 6], stop=StopConditions(max_tokens=480, ignore_eos=True))
+    async with first_tokens_then_frozen(c, shared_vllm, req) as (frame, stream):
+        assert isinstance(frame, TokensFrame), f"the request ended without a token: {frame}"
+        size = shared_vllm.log_size()
+        await anyio.to_thread.run_sync(shared_vllm.dump_tasks)
+        dump = shared_vllm.log_tail(5000, size)
+        lines = [x for x in dump.splitlines() if x.strip().startswith(f"job {req.request_id}")]
+        assert lines, f"no line for the request's job in:\n{dump[-4000:]}"
+        assert any("engine/vllm_engine.py" in x and "vllm/v1/engine/async_llm.py" in x for x in lines), lines
+        await stream.aclose()
+    done = await c.complete(request([1, 5, 6, 7, 8], max_tokens=4))
+    assert done.usage.completion_tokens == 4
 
 
 async def test_a_json_job_is_served_and_answered_in_json(c):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import anyio
 
+from .. import taskdump
 from ..aio import run, supervised
 from ..batches import plan
 from ..batches.runner import BatchRunner
@@ -124,16 +125,17 @@ async def _runner(args: argparse.Namespace) -> int:
     async with _service(args, "jetllm-batch-runner") as (client, service):
         runner = BatchRunner.configured(client, service, args)
         print(f"batch runner {runner.instance} on namespace {args.namespace}", file=sys.stderr, flush=True)
-        async with anyio.create_task_group() as tg:
+        with taskdump.dump_on_signal():
+            async with anyio.create_task_group() as tg:
 
-            async def on_signal() -> None:
-                with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                    async for _ in signals:  # the batches held go back to the queue after ack_wait
-                        tg.cancel_scope.cancel()
-                        return
+                async def on_signal() -> None:
+                    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                        async for _ in signals:  # the batches held go back to the queue after ack_wait
+                            tg.cancel_scope.cancel()
+                            return
 
-            tg.start_soon(on_signal)
-            await supervised("batch runner", runner.serve)
+                tg.start_soon(on_signal)
+                await supervised("batch runner", runner.serve)
     return 0
 
 

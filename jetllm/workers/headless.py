@@ -8,6 +8,7 @@ record (its ranks are in the leader's `dp_ranks`). SIGTERM or SIGINT stops its e
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import signal
 from typing import Any
@@ -48,6 +49,7 @@ def run_headless(opts: EngineOptions) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # no event loop here: threads are the dump
     leader = get_tcp_uri(parallel.data_parallel_master_ip, parallel.data_parallel_rpc_port)
     log.info(
         "headless: ranks %d..%d of %d for the leader at %s",

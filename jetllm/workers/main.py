@@ -8,6 +8,7 @@ import time
 import anyio
 from nats.aio.client import Client as NATS
 
+from .. import taskdump
 from ..subjects.connection import connect
 from ..subjects.server import check_server
 from .engine.options import EngineOptions
@@ -26,6 +27,11 @@ async def connect_waiting(url: str, wait: float, name: str) -> NATS:
 async def run_worker(
     url: str, engine_opts: EngineOptions, config: WorkerConfig, *, nats_wait: float = 60.0
 ) -> int:
+    with taskdump.dump_on_signal():
+        return await _run_worker(url, engine_opts, config, nats_wait)
+
+
+async def _run_worker(url: str, engine_opts: EngineOptions, config: WorkerConfig, nats_wait: float) -> int:
     from .engine.vllm_engine import VllmEngine
 
     nc = await connect_waiting(url, nats_wait, name=f"jetllm-worker-{engine_opts.name}"[:64])

@@ -26,6 +26,7 @@ import msgspec
 import nats.errors
 from nats.aio.msg import Msg
 
+from .. import taskdump
 from ..aio import contained
 from ..errors import EngineDead, EngineRequestError, JetllmError, RequestRejected
 from ..schemas import (
@@ -121,6 +122,7 @@ class JobRun:
                 await self._reject(exc, exc.request_id)
                 return
             self.request, self.request_id = req, req.request_id
+            taskdump.name_task(f"job {req.request_id}")
             if req.request_id in d.running:
                 # A second job with this id while the first runs here: let the first finish.
                 log.warning("request %s delivered again while running here; holding the copy", req.request_id)

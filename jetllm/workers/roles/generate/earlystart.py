@@ -15,6 +15,8 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import anyio
 
+from .... import taskdump
+
 T = TypeVar("T")
 
 
@@ -25,8 +27,12 @@ class Holds(Protocol):
 
 
 class EarlyStart(Generic[T]):
-    def __init__(self, spawn: Callable[..., Any], frames: Holds, run: Callable[[Any], Awaitable[T]]) -> None:
+    def __init__(
+        self, spawn: Callable[..., Any], frames: Holds, run: Callable[[Any], Awaitable[T]], name: str
+    ) -> None:
+        """`name`: the task's, for the task dump (taskdump.py)."""
         self._spawn = spawn
+        self._name = name
         self._frames = frames
         self._run = run
         self._scope = anyio.CancelScope()
@@ -40,6 +46,7 @@ class EarlyStart(Generic[T]):
         self._spawn(self._main, prompt)
 
     async def _main(self, prompt: Any) -> None:
+        taskdump.name_task(self._name)
         try:
             with self._scope:
                 try:

@@ -88,7 +88,10 @@ class GenerateRole(Role):
         req: GenerateRequest = job.request
         rid = job.request_id
         early: EarlyStart[Outcome] = EarlyStart(
-            job.start_soon, job, lambda prompt: self._generate(req, job, prompt, History())
+            job.start_soon,
+            job,
+            lambda prompt: self._generate(req, job, prompt, History()),
+            f"job {rid}, early start",
         )
         try:
             job.stage = "reading its request log and rendering its prompt"
