@@ -98,13 +98,22 @@ def _short(filename: str) -> str:
     return "/".join(parts[-2:])
 
 
+def ignore_until_ready() -> None:
+    """From a command's start: SIGUSR1 is ignored until the loop can answer it, not the end of the
+    process (its default). The engine's processes inherit this, so a dump sent to the whole
+    process group ends none of them."""
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+
+
 @contextlib.contextmanager
 def dump_on_signal() -> Iterator[None]:
-    """While open, each SIGUSR1 writes the dump to the log (without it, SIGUSR1 ends the process).
+    """While open, each SIGUSR1 writes the dump to the log; then SIGUSR1 is handled as before.
     A plain handler on the running loop, not a task: it changes nothing about how the body ends."""
     loop = asyncio.get_running_loop()
+    before = signal.getsignal(signal.SIGUSR1)
     loop.add_signal_handler(signal.SIGUSR1, log_tasks)
     try:
         yield
     finally:
         loop.remove_signal_handler(signal.SIGUSR1)
+        signal.signal(signal.SIGUSR1, before)

@@ -309,7 +309,7 @@ class WorkerProcess:
 
     def dump_tasks(self, timeout: float = 3.0) -> None:
         """Has the worker log what each of its tasks awaits (SIGUSR1), and waits for it to be written."""
-        if self.proc.poll() is not None:
+        if self.proc.poll() is not None or self.instance is None:  # not seen serving: leave it be
             return
         size = self.log_size()
         self.proc.send_signal(signal.SIGUSR1)

@@ -6,6 +6,10 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
+import subprocess
+import sys
+import time
 
 import anyio
 import pytest
@@ -67,3 +71,49 @@ async def test_sigusr1_writes_the_dump_to_the_log_and_the_process_goes_on(caplog
                     await anyio.sleep(0.01)
         ev.set()
     assert "_outer" in caplog.text and "_inner" in caplog.text
+
+
+def test_a_worker_dumps_its_tasks_on_sigusr1_while_it_waits_for_nats_and_runs_on(tmp_path):
+    """The dump is there from the worker's start, before any engine: here it waits for a NATS
+    server that is not there, and the dump shows that wait."""
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log_path = tmp_path / "worker.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "jetllm",
+        "worker",
+        "--nats",
+        f"nats://127.0.0.1:{port}",
+        "--nats-wait",
+        "120",
+    ]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [*cmd, "--model", str(tmp_path / "no-model")],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+
+    def wait_for(text: str) -> str:
+        deadline = time.monotonic() + 60
+        while text not in (got := log_path.read_text(errors="replace")):
+            assert proc.poll() is None, f"the worker ended ({proc.returncode}):\n{got}"
+            assert time.monotonic() < deadline, got
+            time.sleep(0.05)
+        return got
+
+    try:
+        wait_for("Connection refused")  # it is trying to connect
+        proc.send_signal(signal.SIGUSR1)
+        dump = wait_for("tasks, each with what it awaits")
+        assert "run_worker" in dump and "connect" in dump.split("tasks, each with what it awaits", 1)[1]
+        proc.send_signal(signal.SIGUSR1)
+        time.sleep(0.5)
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()

@@ -140,6 +140,7 @@ async def _runner(args: argparse.Namespace) -> int:
 
 
 def cmd_runner(args: argparse.Namespace) -> int:
+    taskdump.ignore_until_ready()
     return run(_runner, args)
 
 

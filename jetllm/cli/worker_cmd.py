@@ -10,6 +10,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from .. import taskdump
 from ..subjects.connection import redact
 from .common import add_nats, nats_url
 from .disagg import block_dir, prefill_worker
@@ -49,6 +50,7 @@ def _engine_env() -> None:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    taskdump.ignore_until_ready()
     _engine_env()
     from ..aio import describe, run
     from ..workers.main import EXIT_STARTUP_FAILED, run_worker
@@ -74,6 +76,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     """Embedded NATS (unless --nats) plus one worker (or, with --disagg, a decode worker here and
     a prefill worker beside it), until Ctrl-C."""
+    taskdump.ignore_until_ready()
     _engine_env()
     from ..aio import describe, run
     from ..cpus import engine_cores
