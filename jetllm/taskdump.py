@@ -83,10 +83,13 @@ def _awaited_by(obj: Any) -> Any:
 
 
 def _describe(obj: Any) -> str:
-    """A leaf that is not a frame: the future a coroutine waits on, trimmed."""
+    """A leaf that is not a frame: the future a coroutine waits on, by its type and state only
+    (a future's repr shows its callbacks' arguments, which the log has no business holding)."""
     future = next((r for r in gc.get_referents(obj) if isinstance(r, asyncio.Future)), None)
-    text = repr(future if future is not None else obj)
-    return text if len(text) <= 160 else text[:157] + "..."
+    if future is None:
+        return f"<{type(obj).__name__}>"
+    state = "cancelled" if future.cancelled() else "done" if future.done() else "pending"
+    return f"<{type(future).__name__} {state}>"
 
 
 def _short(filename: str) -> str:
