@@ -103,8 +103,8 @@ def _short(filename: str) -> str:
 
 def ignore_until_ready() -> None:
     """From a command's start: SIGUSR1 is ignored until the loop can answer it, not the end of the
-    process (its default). The engine's processes inherit this, so a dump sent to the whole
-    process group ends none of them."""
+    process (its default). Only this process's: the engine's processes, started once the handler
+    is in place, keep the default, so the signal goes to the worker's pid, not its group."""
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
 
 

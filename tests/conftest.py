@@ -330,10 +330,18 @@ class WorkerProcess:
             self.proc.send_signal(sig)
 
     def _kill_group(self) -> None:
+        """A dying container takes its shared memory with it; this host keeps it. The group kill
+        also kills the resource tracker that would unlink vLLM's ring buffers, so they are
+        unlinked here (each CI run left some 160 of them in /dev/shm before)."""
+        # a reaped worker's pid may be someone else's now: read maps only while it is ours
+        segments = _shared_memory_of(self.proc.pid) if self.proc.poll() is None else set()
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+        for path in segments:  # only this group's engine maps them: its names are random
+            with contextlib.suppress(OSError):
+                os.unlink(path)
 
     def wait(self, timeout: float = 120.0) -> int:
         return self.proc.wait(timeout)
@@ -374,6 +382,25 @@ class WorkerProcess:
             yield engine
         finally:
             engine.signal(signal.SIGCONT)
+
+
+def _shared_memory_of(pid: int) -> set[str]:
+    """The /dev/shm files a process and its descendants map."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        pids = [pid, *(p.pid for p in root.children(recursive=True))]
+    except psutil.Error:
+        return set()
+    found: set[str] = set()
+    for p in pids:
+        with contextlib.suppress(OSError), open(f"/proc/{p}/maps") as maps:
+            for line in maps:
+                at = line.find("/dev/shm/")
+                if at >= 0:
+                    found.add(line[at:].rstrip("\n").removesuffix(" (deleted)"))
+    return found
 
 
 class FrozenEngine:
@@ -538,7 +565,6 @@ class DirectVllm:
 
         self._lock = threading.Lock()
         self._log = open(log_path, "wb")
-        WorkerProcess.live.append(self)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.helpers.direct_vllm", str(model)],
             stdin=subprocess.PIPE,

@@ -11,6 +11,7 @@ import uuid
 import anyio
 import msgspec
 import nats.errors
+import nats.js.errors
 import pytest
 
 from jetllm.errors import AcceptTimeout, PayloadTooLarge, RequestFailed, WorkerSilent
@@ -298,6 +299,23 @@ async def test_a_producer_whose_first_puback_was_lost_still_owns_its_request(nat
             while long.request_id not in engine.aborted:
                 await anyio.sleep(0.01)
     assert (await client.submit(long)).duplicate  # a later submit of the same id is a duplicate
+
+
+async def test_a_duplicate_after_an_attempt_that_stored_nothing_is_still_a_duplicate(client, monkeypatch):
+    """While a stream's leader moves, nothing answers ("no response from stream"): that attempt
+    stored nothing, so a duplicate after it is an earlier submitter's job, not this call's."""
+    first = req("fake", max_tokens=2)
+    await client.submit(first)  # an earlier submitter; no worker runs here, so it stays queued
+    publish, refused = client.js.publish, []
+
+    async def no_stream_at_first(subject, payload=b"", *args, **kwargs):
+        if not refused:
+            refused.append(subject)
+            raise nats.js.errors.NoStreamResponseError
+        return await publish(subject, payload, *args, **kwargs)
+
+    monkeypatch.setattr(client.js, "publish", no_stream_at_first)
+    assert (await client.submit(first)).duplicate and refused
 
 
 async def test_cancel_from_another_task_reaches_the_worker(nats_url, client):

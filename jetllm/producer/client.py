@@ -66,6 +66,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+_MAYBE_STORED = (nats.errors.TimeoutError, nats.errors.ConnectionClosedError)
 _PUBLISH_RETRIED = (
     nats.errors.TimeoutError,
     nats.errors.NoRespondersError,
@@ -239,9 +240,7 @@ class Client:
             nonlocal maybe_stored
             try:
                 return await self.js.publish(subject, data, headers=headers, timeout=2.0)
-            except nats.errors.NoRespondersError:  # no stream took it
-                raise
-            except _PUBLISH_RETRIED:
+            except _MAYBE_STORED:  # sent, and no answer; the other failures stored nothing
                 maybe_stored = True
                 raise
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from jetllm import taskdump
 from jetllm.aio import run
 from jetllm.subjects.connection import connect
 from jetllm.subjects.policy import QueuePolicy
@@ -38,7 +39,8 @@ async def main(args: argparse.Namespace) -> int:
         policy=QueuePolicy(ack_wait=args.ack_wait, replicas=args.replicas),
     )
     try:
-        return await Worker(nc, engine, config).serve()
+        with taskdump.dump_on_signal():  # as `jetllm worker`: a failing test's report dumps its tasks
+            return await Worker(nc, engine, config).serve()
     finally:
         await nc.close()
 
@@ -58,5 +60,6 @@ if __name__ == "__main__":
     p.add_argument("--replicas", type=int, default=None)
     p.add_argument("--stuck-before-claim", action="store_true", help="never get past reading the request log")
     args = p.parse_args()
+    taskdump.ignore_until_ready()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     raise SystemExit(run(main, args))
