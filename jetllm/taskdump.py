@@ -51,12 +51,17 @@ def await_chain(awaitable: Any) -> list[str]:
     return chain
 
 
+def all_tasks() -> list[tuple[str, list[str]]]:
+    """Every task of the running loop, by name: its name and its chain of awaits."""
+    tasks = sorted(asyncio.all_tasks(), key=lambda t: t.get_name())
+    return [(task.get_name(), await_chain(task.get_coro())) for task in tasks]
+
+
 def dump_tasks() -> str:
     """Every task of the running loop, one line each: its name, then its chain of awaits."""
-    tasks = sorted(asyncio.all_tasks(), key=lambda t: t.get_name())
+    tasks = all_tasks()
     lines = [f"{len(tasks)} tasks, each with what it awaits (outermost first):"]
-    for task in tasks:
-        lines.append(f"  {task.get_name()}: " + " > ".join(await_chain(task.get_coro())))
+    lines += [f"  {name}: " + " > ".join(chain) for name, chain in tasks]
     return "\n".join(lines)
 
 

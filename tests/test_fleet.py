@@ -6,6 +6,8 @@ The same behaviours against real vLLM: test_vllm_fleet.py.
 
 from __future__ import annotations
 
+from contextlib import aclosing
+
 import anyio
 import pytest
 
@@ -22,6 +24,8 @@ from jetllm.schemas import (
     LoadReport,
     PulledFrame,
     SleepRequest,
+    TasksReport,
+    TokensFrame,
 )
 from jetllm.subjects import codec
 
@@ -95,6 +99,23 @@ async def test_health_canary_passes_then_fails_on_a_stall_and_on_a_dead_engine(n
         (dead,) = await ask(client.nc, names, "health", instance=worker.instance)
         assert not dead.healthy and not dead.engine_alive and dead.canary_ok is None
         fake_engine.dead = False
+
+
+async def test_tasks_names_each_running_request_and_where_it_waits(nats_url, client):
+    """The operator's view of a worker over NATS, as SIGUSR1 writes it to its log."""
+    engine = FakeEngine(step_delay=0.02, max_model_len=100_000)
+    names = client.names
+    async with inproc_worker(nats_url, engine, namespace=names.namespace) as worker:
+        long = req("fake", max_tokens=50_000)
+        async with aclosing(client.generate(long)) as frames:
+            async for frame in frames:
+                if isinstance(frame, TokensFrame):
+                    break
+            (report,) = await ask(client.nc, names, "tasks", instance=worker.instance)
+    assert isinstance(report, TasksReport) and report.instance == worker.instance
+    jobs = [t for t in report.tasks if t.name.startswith(f"job {long.request_id}")]
+    assert jobs, [t.name for t in report.tasks]
+    assert any("fake_engine.py" in step for t in jobs for step in t.awaits), jobs
 
 
 async def test_model_wide_verbs_get_one_reply_per_instance(nats_url, client):

@@ -7,6 +7,7 @@ test_vllm_*.py; the error paths run against both engines (see test_bad_jobs.py).
 from __future__ import annotations
 
 import uuid
+from contextlib import aclosing
 
 import anyio
 import msgspec
@@ -254,16 +255,22 @@ async def test_worker_never_holds_more_jobs_than_its_slots(nats_url, client):
     assert peak_waiting > 0  # the backlog stayed in JetStream
 
 
+async def _leave_after_tokens(client: Client, request: GenerateRequest, tokens: int) -> None:
+    """Streams `request` until `tokens` token frames came, then leaves the loop (which cancels it)."""
+    seen = 0
+    async with aclosing(client.generate(request)) as frames:
+        async for frame in frames:
+            if isinstance(frame, TokensFrame):
+                seen += 1
+                if seen == tokens:
+                    break
+
+
 async def test_cancelling_the_iteration_aborts_the_request_and_frees_the_slot(nats_url, client):
     engine = FakeEngine(step_delay=0.02, max_model_len=100_000)
     async with inproc_worker(nats_url, engine, namespace=client.names.namespace, slots=1) as worker:
         long = req("fake", max_tokens=50_000)
-        seen = 0
-        async for frame in client.generate(long):
-            if isinstance(frame, TokensFrame):
-                seen += 1
-                if seen == 3:
-                    break
+        await _leave_after_tokens(client, long, 3)
         with anyio.fail_after(5):  # the slot frees once the cancelled request is settled
             while long.request_id not in engine.aborted or worker.status().in_flight:
                 await anyio.sleep(0.01)
@@ -288,12 +295,7 @@ async def test_a_producer_whose_first_puback_was_lost_still_owns_its_request(nat
     monkeypatch.setattr(client.js, "publish", late_puback)
     async with inproc_worker(nats_url, engine, namespace=client.names.namespace):
         long = req("fake", max_tokens=50_000)
-        seen = 0
-        async for frame in client.generate(long):
-            if isinstance(frame, TokensFrame):
-                seen += 1
-                if seen == 3:
-                    break
+        await _leave_after_tokens(client, long, 3)
         assert lost, "the first PubAck was not dropped"
         with anyio.fail_after(5):
             while long.request_id not in engine.aborted:

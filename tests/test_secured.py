@@ -396,6 +396,7 @@ async def test_every_refusal_is_one_clear_error_at_once_and_the_connection_lives
         # (what a producer tries, what the error says)
         (lambda: ask(nc, names, "sleep", model="fake"), "ctl.m.fake.sleep: that needs admin"),
         (lambda: ask(nc, names, "lora-load", instance="w1"), "ctl.i.w1.lora-load: that needs admin"),
+        (lambda: ask(nc, names, "tasks", instance="w1"), "ctl.i.w1.tasks: that needs admin"),  # names requests
         (lambda: lora.put("fake.a", b"{}"), f"$KV.{names.lora_bucket}.fake.a: that needs admin"),
         (lambda: registry.put("i.w1", b"{}"), "that needs worker or admin credentials"),
         (lambda: publish(advisory), f"publish to {advisory}: no jetllm role may"),

@@ -15,7 +15,7 @@ from ..producer.fleet import ask
 from ..producer.registry import instances, watch
 from ..producer.traces import trace_records
 from ..router.trace import route_lines
-from ..schemas import ControlFailed, HealthCheck, HealthReport, InstanceRecord, SleepRequest
+from ..schemas import ControlFailed, HealthCheck, HealthReport, InstanceRecord, SleepRequest, TasksReport
 from ..subjects import codec
 from ..subjects.connection import connect
 from ..subjects.names import Names
@@ -161,6 +161,24 @@ async def _ctl(args: argparse.Namespace) -> int:
     return 1 if not replies or any(isinstance(r, ControlFailed) for r in replies) else 0
 
 
+async def _tasks(args: argparse.Namespace) -> int:
+    nc = await connect(nats_url(args))
+    try:
+        replies = await _ask(nc, Names(args.namespace), "tasks", b"", args.timeout, **_target(args))
+    finally:
+        await nc.close()
+    for r in replies:
+        if args.json:
+            print(msgspec.json.encode(r).decode())
+        elif isinstance(r, TasksReport):
+            print(f"{r.instance}: {len(r.tasks)} tasks, each with what it awaits (outermost first)")
+            for t in r.tasks:
+                print(f"  {t.name}: " + " > ".join(t.awaits))
+        else:
+            print(f"{r.instance:34} failed: {getattr(r, 'message', r)}")
+    return 0 if replies and all(isinstance(r, TasksReport) for r in replies) else 1
+
+
 async def _trace(args: argparse.Namespace) -> int:
     nc = await connect(nats_url(args))
     try:
@@ -248,6 +266,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=30.0, help="seconds each instance gets to answer")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=lambda a: run(_health, a))
+
+    p = sub.add_parser(
+        "tasks",
+        help="where each task of a worker waits (as SIGUSR1 logs it): for a request that will not end",
+    )
+    add_nats(p)
+    p.add_argument("--instance", default=None)
+    p.add_argument("--model", default=None, help="every instance of the model")
+    p.add_argument("--timeout", type=float, default=10.0)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=lambda a: run(_tasks, a))
 
     p = sub.add_parser(
         "ctl", help="engine control: reset-prefix-cache, sleep, wake (one instance or a model)"

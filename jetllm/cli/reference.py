@@ -73,6 +73,8 @@ SECTIONS: list[tuple[str, list[type]]] = [
             s.SleepRequest,
             s.ControlDone,
             s.ControlFailed,
+            s.TasksReport,
+            s.TaskWait,
         ],
     ),
     ("Tracing", [s.TraceRecord, s.RouteDecision, s.RouteCandidate]),

@@ -35,6 +35,8 @@ def wire_types() -> dict[str, object]:
         "SleepRequest": s.SleepRequest,
         "ControlDone": s.ControlDone,
         "ControlFailed": s.ControlFailed,
+        "TasksReport": s.TasksReport,
+        "TaskWait": s.TaskWait,
         # the fleet's shared view
         "InstanceRecord": s.InstanceRecord,
         "ModelCard": s.ModelCard,

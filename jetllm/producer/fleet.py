@@ -12,14 +12,14 @@ import nats.errors
 from nats.aio.client import Client as NATS
 
 from ..errors import NotPermitted
-from ..schemas import ControlDone, ControlFailed, HealthReport, StatusRequest, WorkerStatus
+from ..schemas import ControlDone, ControlFailed, HealthReport, StatusRequest, TasksReport, WorkerStatus
 from ..subjects import codec
 from ..subjects.denials import checked
 from ..subjects.names import Names
 from .registry import instances
 
 _decoder = codec.Decoder(WorkerStatus)
-ControlReply = ControlDone | ControlFailed | HealthReport
+ControlReply = ControlDone | ControlFailed | HealthReport | TasksReport
 _reply_decoder = codec.Decoder(ControlReply)
 
 

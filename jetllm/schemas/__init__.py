@@ -26,6 +26,8 @@ from .fleet import (
     ModelCard,
     Routed,
     SleepRequest,
+    TasksReport,
+    TaskWait,
 )
 from .frames import (
     AcceptedFrame,
@@ -105,6 +107,8 @@ __all__ = [
     "InstanceState",
     "InstanceRecord",
     "HealthReport",
+    "TasksReport",
+    "TaskWait",
     "HealthCheck",
     "EngineInfo",
     "ControlFailed",

@@ -122,6 +122,22 @@ class ControlDone(Report, kw_only=True, tag="done"):
     state: InstanceState | None = None
 
 
+class TaskWait(Report, kw_only=True):
+    """One asyncio task of a process and what it awaits."""
+
+    name: str
+    """The task's name: a job's tasks are `job <request id>`."""
+    awaits: list[str] = []
+    """Its chain of awaits, outermost first: `function (file:line)`, ending with the future it waits on."""
+
+
+class TasksReport(Report, kw_only=True, tag="tasks"):
+    """A worker's answer to `tasks`: where each of its tasks waits, as SIGUSR1 writes it to its log."""
+
+    instance: str
+    tasks: list[TaskWait] = []
+
+
 class HealthReport(Report, kw_only=True, tag="health"):
     """A worker's answer on its health subject."""
 

@@ -30,8 +30,9 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from .. import taskdump
 from ..aio import contained, describe, supervised
-from ..schemas import HealthCheck, LoraLoad, LoraUnload, SleepRequest, WorkerStatus
+from ..schemas import HealthCheck, LoraLoad, LoraUnload, SleepRequest, TasksReport, TaskWait, WorkerStatus
 from ..subjects.consumers import ensure_consumer
 from ..subjects.denials import checked
 from ..subjects.names import Names
@@ -222,7 +223,13 @@ class Worker:
             ("lora-unload", lora.on_unload, LoraUnload),
             ("lora-list", lora.on_list, None),
             ("kv-resync", self.kv_events.resync_verb, None),
+            ("tasks", self._tasks, None),
         ]
+
+    async def _tasks(self, _: None) -> TasksReport:
+        """What SIGUSR1 writes to the log, asked over NATS (admin only: it names running requests)."""
+        tasks = [TaskWait(name=name, awaits=chain) for name, chain in taskdump.all_tasks()]
+        return TasksReport(instance=self.instance, tasks=tasks)
 
     def _subscriptions(self) -> dict[str, Callable[[Msg], Awaitable[None]]]:
         names, instance = self.ctx.names, self.instance
