@@ -38,6 +38,7 @@ VERBS = (
     "lora-load",
     "lora-unload",
     "lora-list",
+    "tasks",
 )
 """Served on the instance and the model subject (ControlServer.add)."""
 
