@@ -147,6 +147,7 @@ def test_fleet_commands_name_an_instance_that_does_not_answer(nats_url, namespac
     for args in (
         ["health", "--instance", "gone-1", "--timeout", "2"],
         ["ctl", "wake", "--instance", "gone-1"],
+        ["tasks", "--instance", "gone-1"],
     ):
         out = jetllm(*args, "--nats", nats_url, "--namespace", namespace, timeout=60)
         assert out.returncode == 1 and "no instance 'gone-1' answers" in out.stderr, out.stderr

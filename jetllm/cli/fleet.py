@@ -149,24 +149,25 @@ async def _health(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
-async def _ctl(args: argparse.Namespace) -> int:
+async def _ask_target(args: argparse.Namespace, verb: str, body: bytes = b"") -> list:
+    """`verb` to the instance or model the flags name, on a connection of its own."""
     nc = await connect(nats_url(args))
-    body = codec.encode(SleepRequest(level=args.level)) if args.verb == "sleep" else b""
     try:
-        replies = await _ask(nc, Names(args.namespace), args.verb, body, args.timeout, **_target(args))
+        return await _ask(nc, Names(args.namespace), verb, body, args.timeout, **_target(args))
     finally:
         await nc.close()
+
+
+async def _ctl(args: argparse.Namespace) -> int:
+    body = codec.encode(SleepRequest(level=args.level)) if args.verb == "sleep" else b""
+    replies = await _ask_target(args, args.verb, body)
     for r in replies:
         print(msgspec.json.encode(r).decode())
     return 1 if not replies or any(isinstance(r, ControlFailed) for r in replies) else 0
 
 
 async def _tasks(args: argparse.Namespace) -> int:
-    nc = await connect(nats_url(args))
-    try:
-        replies = await _ask(nc, Names(args.namespace), "tasks", b"", args.timeout, **_target(args))
-    finally:
-        await nc.close()
+    replies = await _ask_target(args, "tasks")
     for r in replies:
         if args.json:
             print(msgspec.json.encode(r).decode())
