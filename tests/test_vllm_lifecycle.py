@@ -1,4 +1,5 @@
-"""Worker processes as an operator runs them: start after the jobs, SIGTERM, engine death, a kill.
+"""Worker processes as an operator runs them: start after the jobs, SIGTERM, engine death, a kill,
+a worker without metrics.
 
 One test hands the fleet on from worker to worker (three engine start-ups where separate tests
 took five): each phase's replacement is the next phase's subject."""
@@ -16,7 +17,9 @@ import pytest
 
 from jetllm.producer import Client
 from jetllm.producer.completion import Completion, assemble
-from jetllm.schemas import Frame, StopConditions, TokensFrame
+from jetllm.producer.registry import instances
+from jetllm.schemas import Frame, LoadReport, StopConditions, TokensFrame
+from jetllm.subjects import codec
 from jetllm.workers.runtime import EXIT_ENGINE_DEAD
 
 from .conftest import TINY, WorkerProcess
@@ -35,6 +38,7 @@ async def test_drain_engine_death_and_a_lone_kill_each_hand_their_jobs_on(nats_u
         survivor = await dead_engine_hands_jobs_back_and_the_worker_exits_nonzero(
             c, nats_url, namespace, start_worker, second
         )
+        await a_worker_without_metrics_still_reports_its_engines_load(c, survivor)
         await a_worker_killed_alone_takes_its_engine_processes_with_it(c, survivor)
 
 
@@ -115,7 +119,7 @@ async def dead_engine_hands_jobs_back_and_the_worker_exits_nonzero(
     assert "engine is dead" in worker.log_tail(200)
     # ack_wait is an hour (a worker starting sets the queue's): only an explicit hand-back lets a new
     # worker run the job now
-    survivor = start_worker(namespace, "--ack-wait", "3600")
+    survivor = start_worker(namespace, "--ack-wait", "3600", "--no-metrics")
     await survivor.wait_ready(nats_url)
     with anyio.fail_after(120):
         while (await c.nc.jetstream().stream_info(c.names.jobs_stream)).state.messages:
@@ -124,6 +128,28 @@ async def dead_engine_hands_jobs_back_and_the_worker_exits_nonzero(
     assert result is not None and result.final is not None, result
     assert result.worker == survivor.instance and len(result.token_ids[0]) == 480
     return survivor
+
+
+async def a_worker_without_metrics_still_reports_its_engines_load(c: Client, worker: WorkerProcess) -> None:
+    """`--no-metrics` drops vLLM's Prometheus logger too, not the engine's statistics: what a
+    router weighs (running, KV usage) still comes from the engine's scheduler."""
+    (record,) = [r for r in await instances(c.js, c.names) if r.instance == worker.instance]
+    assert record.metrics_url is None
+    sub = await c.nc.subscribe(c.names.load(TINY, worker.instance))
+    busy: list[LoadReport] = []
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(
+                c.complete, req(TINY, [8, 9, 10], stop=StopConditions(max_tokens=480, ignore_eos=True))
+            )
+            with anyio.fail_after(60):
+                while not busy:
+                    report = codec.Decoder(LoadReport).decode((await sub.next_msg(timeout=60)).data)
+                    if report.running:
+                        busy.append(report)
+    finally:
+        await sub.unsubscribe()
+    assert busy[0].running == 1 and busy[0].kv_usage, busy[0]
 
 
 def _socket_dirs(processes) -> set[str]:

@@ -176,7 +176,11 @@ def add_worker_options(p: argparse.ArgumentParser) -> None:
         help="Prometheus endpoint port; 0 picks a free one and publishes it in the registry "
         "(no ports to assign by hand)",
     )
-    w.add_argument("--no-metrics", action="store_true", help="no Prometheus endpoint")
+    w.add_argument(
+        "--no-metrics",
+        action="store_true",
+        help="no Prometheus endpoint, and vLLM keeps none of its metrics (the load routers see is still reported)",
+    )
     w.add_argument(
         "--registry-interval",
         type=float,
@@ -343,6 +347,7 @@ def engine_options(args: argparse.Namespace):
         enable_lora=args.enable_lora,
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
+        engine_metrics=not args.no_metrics,
         kv_events=args.kv_events,
         kv_connector=args.kv_connector,
         kv_connector_config=args.kv_connector_config,

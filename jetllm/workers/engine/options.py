@@ -37,6 +37,10 @@ class EngineOptions(msgspec.Struct, kw_only=True):
     max_loras: int = 1
     """Adapters held at once (and run in one batch)."""
     max_lora_rank: int = 16
+    engine_metrics: bool = True
+    """Keep vLLM's Prometheus metrics (the worker's `/metrics` serves them). False when the worker
+    serves no metrics endpoint: vLLM would otherwise still update its histograms at every engine
+    step, one observation per token, for nobody."""
     kv_events: bool = False
     """Publish KV-cache events (turns prefix caching on; the worker relays them to JetStream)."""
     kv_block_dir: str | None = None

@@ -77,6 +77,33 @@ class _LoadRecorder:
         return Logger(vllm_config, engine_index)
 
 
+def _unexported() -> type:
+    """vLLM's Prometheus stat logger doing nothing. vLLM adds its own unless one of the loggers it
+    is given is one; the worker's load recorder needs the engine's statistics, so they stay on."""
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    class Unexported(PrometheusStatLogger):
+        def __init__(self, vllm_config: Any, engine_indexes: list[int] | None = None) -> None:
+            pass
+
+        def record(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def record_sleep_state(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def record_admission_rejection(self, reason: str) -> None:
+            pass
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+        def log(self) -> None:
+            pass
+
+    return Unexported
+
+
 class VllmEngine:
     """One AsyncLLM. Build it with `await VllmEngine.start(opts)` inside the worker's event loop."""
 
@@ -107,8 +134,9 @@ class VllmEngine:
 
             recorder = _LoadRecorder()
             before = reaper.descendants()
+            loggers = [recorder.factory] if opts.engine_metrics else [recorder.factory, _unexported()]
             llm = AsyncLLM.from_engine_args(
-                args, usage_context=UsageContext.ENGINE_CONTEXT, stat_loggers=[recorder.factory]
+                args, usage_context=UsageContext.ENGINE_CONTEXT, stat_loggers=loggers
             )
             reaper.watch(reaper.descendants() - before)
             # vLLM's engine processes cache their environment once started; its front end, which
