@@ -229,6 +229,16 @@ async def test_accept_timeout_when_no_worker_serves_the_model(client):
             pass
 
 
+async def test_accept_timeout_also_for_a_request_id_already_queued(client):
+    """generate() on a request submitted before follows that job: accept_timeout still bounds the
+    wait for a worker to take it, instead of waiting forever."""
+    queued = req("nobody-serves-this")
+    await client.submit(queued)
+    with anyio.fail_after(30), pytest.raises(AcceptTimeout):  # it waited forever before
+        async for _ in client.generate(queued, accept_timeout=0.5):
+            pass
+
+
 async def test_worker_never_holds_more_jobs_than_its_slots(nats_url, client):
     engine = FakeEngine(step_delay=0.01)
     async with inproc_worker(nats_url, engine, namespace=client.names.namespace, slots=4):

@@ -149,3 +149,28 @@ def _batch(seq: int, part: int | None = None) -> KvEventBatch:
 )
 def test_seq_checks(last, batch, verdict):
     assert check_seq(last, batch) is verdict
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param(
+            KvStored(block_hashes=[-1], parent_block_hash=5, token_ids=A[:4], block_size=B),
+            id="a negative block hash",
+        ),
+        pytest.param(
+            KvStored(block_hashes=[1], token_ids=A[:4], block_size=0, lora_name="ad"), id="a block size of 0"
+        ),
+    ],
+)
+def test_an_event_that_cannot_be_applied_is_skipped_alone(bad):
+    """Events come from outside the router: one it cannot apply must not cost the rest of its batch
+    (the feed would otherwise replay the whole stream)."""
+    index = BlockIndex()
+    s = index.slot("w1")
+    index.apply(s, [bad, stored(A)], H)
+    assert index.overlap(H.chain(A)) == {"w1": 4} and index.bad_events == 1
+
+
+def test_lora_block_ids_take_any_token_id_a_job_may_hold():
+    assert len(lora_chain("ad", [1, 2, 3, 2**40], B)) == 1

@@ -225,3 +225,39 @@ async def test_several_routers_place_every_job_of_the_routing_queue_exactly_once
     assert all(by_id[job.request_id] == directed for job in jobs[1::2])
     homes = {by_id[job.request_id] for job in jobs[2::2]}  # the cold prompt: one home, whichever router
     assert len(homes) == 1 and homes <= {names.directed_jobs("generate", MODEL, w) for w in ("w1", "w2")}
+
+
+async def test_a_job_the_router_cannot_place_goes_to_the_shared_queue_once(nats_url, namespace):
+    """A LoRA job with a token id past 32 bits (valid by the schema) once made the router raise: left
+    unacked, it came back every ack_wait and never reached a worker. Any failure to place now sends
+    the job to the shared queue, where a worker answers it."""
+    async with Client(nats_url, namespace=namespace, via_routers=True) as c:
+        names, js, nc = c.names, c.js, c.nc
+        await register(js, names, "w1")
+        await ensure_kv_events_stream(js, names, QueuePolicy())
+        wide = req(MODEL, [1, 2, 3, 4, 5, 2**32, 7, 8, 9], adapter="ad")
+        broken = req(MODEL, COLD)
+        router = Router(MODEL, name="r1")
+        real_decide = router.decide
+
+        def decide(request, tokens):
+            if request.request_id == broken.request_id:
+                raise RuntimeError("a bug in deciding")
+            return real_decide(request, tokens)
+
+        router.decide = decide  # type: ignore[method-assign]
+        await c.submit(wide)
+        await c.submit(broken)
+        try:
+            async with anyio.create_task_group() as tg:
+                await router.start(nc, names)
+                tg.start_soon(lambda: serve(nc, names, router, batch=4, ack_wait=1.0))
+                with anyio.fail_after(10):
+                    while (await js.stream_info(names.jobs_stream)).state.messages < 2:
+                        await anyio.sleep(0.1)
+                tg.cancel_scope.cancel()
+        finally:
+            await router.close()
+        placed = dict((rid, subject) for subject, rid in await stored_jobs(js, names))
+    assert placed[broken.request_id] == names.jobs("generate", MODEL)
+    assert wide.request_id in placed

@@ -452,6 +452,23 @@ def test_a_terminal_frame_marks_the_request_finished_before_it_is_yielded():
     assert seq.finished and seq.last_seq == 2 and [f.seq for f in seq.seen] == [1]
 
 
-def test_undecodable_bytes_raise():
-    with pytest.raises(msgspec.DecodeError):
-        Sequencer("r", 0.0).receive(b"\xc1", 0.0)
+@pytest.mark.parametrize(
+    "data",
+    [
+        pytest.param(b"\xc1", id="not msgpack"),
+        pytest.param(codec.encode(tok(2), "json"), id="json to a msgpack reader"),
+        pytest.param(
+            msgspec.msgpack.encode({"kind": "tokens", "seq": "2", "attempt": 1}),
+            id="a field of the wrong type",
+        ),
+    ],
+)
+def test_an_unreadable_frame_is_dropped_and_the_stream_goes_on(data):
+    """Anyone who may publish to an inbox can send bytes; a lost real frame shows as a gap."""
+    seq = Sequencer("r", 0.0)
+    seq.receive(codec.encode(acc()), 0.0)
+    seq.receive(codec.encode(tok(1)), 0.0)
+    dropped = seq.receive(data, 0.0)
+    assert dropped.drop is not None and dropped.drop.startswith("unreadable frame") and not dropped.emit
+    after = seq.receive(codec.encode(tok(2)), 0.0)
+    assert [f.seq for f in after.emit] == [2] and after.error is None

@@ -310,10 +310,11 @@ class Client:
         """How the request ended, if it has (stored for `results_max_age`)."""
         return await results.result(self.js, self.names, request_id)
 
-    def attach(self, request_id: str) -> AsyncGenerator[Frame, None]:
+    def attach(self, request_id: str, accept_timeout: float | None = None) -> AsyncGenerator[Frame, None]:
         """The frames of a request someone else submitted (or an earlier run of this program),
-        read from the request log: everything delivered so far, then live until it ends."""
-        return results.attach(self.js, self.names, request_id)
+        read from the request log: everything delivered so far, then live until it ends. Raises
+        AcceptTimeout when no worker claims it within `accept_timeout` seconds (None: wait)."""
+        return results.attach(self.js, self.names, request_id, accept_timeout)
 
     async def wait_result(self, request_id: str, timeout: float | None = None) -> Result:
         with anyio.fail_after(timeout):
@@ -362,7 +363,7 @@ class Client:
             if ack.duplicate:
                 # The job exists already (submitted before, maybe by a run that died): follow it.
                 ours = False  # nothing of ours to cancel: the request belongs to its first submitter
-                async with aclosing(self.attach(req.request_id)) as frames:
+                async with aclosing(self.attach(req.request_id, accept_timeout)) as frames:
                     async for frame in frames:
                         yield frame
                 return
@@ -389,6 +390,8 @@ class Client:
                     )
                 else:
                     decision = seq.receive(data, now)
+                    if decision.drop is not None:
+                        log.debug("request %s: frame dropped (%s)", req.request_id, decision.drop)
                 if decision.asks:
                     decision = await self._carry_out(seq, decision)
                 for frame in decision.emit:
@@ -409,11 +412,9 @@ class Client:
                 log.warning("could not answer a worker's resume query: %s", exc)
 
     def _replying_here(self, req: GenerateRequest, token: str) -> GenerateRequest:
-        if req.reply_to is None:
-            return msgspec.structs.replace(req, reply_to=self._inboxes.subject(token))
-        if not self._inboxes.owns(req.reply_to):
+        if req.reply_to is not None:  # frames sent there would reach no inbox of this call's
             raise ValueError("generate() sets reply_to itself; leave it None (or use submit())")
-        return req
+        return msgspec.structs.replace(req, reply_to=self._inboxes.subject(token))
 
     async def _carry_out(self, seq: Sequencer, decision: Decision) -> Decision:
         """What the sequencer asks of the world (the log, a ping, a NAK), reported back until it has decided."""
@@ -432,7 +433,10 @@ class Client:
         if decision.nak is not None and decision.nak.startswith(f"$JS.ACK.{self.names.jobs_stream}."):
             # a frame names the subject: NAK jobs only, whatever a worker (or anyone) claims
             with anyio.CancelScope(shield=True):
-                await self.nc.publish(decision.nak, b"-NAK")
+                try:
+                    await self.nc.publish(decision.nak, b"-NAK")
+                except Exception as exc:  # e.g. not a valid subject; the job then moves after ack_wait
+                    log.warning("request %s: could not hand its job back: %s", rid, describe(exc))
         return decision
 
     async def _gone(self, worker: str) -> bool:

@@ -42,6 +42,7 @@ async def assemble(req: GenerateRequest, frames: AsyncIterator[Frame], n: int) -
     started = time.monotonic()
     async for frame in frames:
         if isinstance(frame, TokensFrame):
+            _check_index(req, frame.index, n)
             tokens[frame.index].extend(frame.token_ids)
             if frame.text is not None:
                 any_text = True
@@ -51,6 +52,10 @@ async def assemble(req: GenerateRequest, frames: AsyncIterator[Frame], n: int) -
         elif isinstance(frame, ErrorFrame):
             raise RequestFailed(frame.code, frame.message, field=frame.field)
         elif isinstance(frame, FinalFrame):
+            if not frame.choices:
+                raise RequestFailed(ErrorCode.INTERNAL, f"{req.request_id}: its final frame has no choices")
+            for c in frame.choices:
+                _check_index(req, c.index, n)
             choices = [
                 Completion(
                     request_id=req.request_id,
@@ -69,3 +74,12 @@ async def assemble(req: GenerateRequest, frames: AsyncIterator[Frame], n: int) -
     raise RequestFailed(  # pragma: no cover - generate() always ends with final or error
         ErrorCode.INTERNAL, f"{req.request_id} ended after {elapsed:.1f}s without a final frame"
     )
+
+
+def _check_index(req: GenerateRequest, index: int, n: int) -> None:
+    """A frame comes from outside the producer: a choice it names must be one the request has."""
+    if not 0 <= index < n:
+        raise RequestFailed(
+            ErrorCode.INTERNAL,
+            f"{req.request_id}: a frame names choice {index}, but the request has {n} (0..{n - 1})",
+        )

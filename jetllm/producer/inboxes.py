@@ -71,9 +71,6 @@ class Inboxes:
     def subject(self, token: str) -> str:
         return f"{self.root}.{token}"
 
-    def owns(self, subject: str) -> bool:
-        return subject.startswith(self.root)
-
     def open(self, token: str) -> Inbox:
         inbox = self._open[token] = Inbox()
         return inbox

@@ -16,6 +16,7 @@ import anyio
 import nats.js.errors
 from nats.js import JetStreamContext
 
+from ..errors import AcceptTimeout
 from ..schemas import Cancelled, Frame, Record, Result, Step, Steps, TokensFrame
 from ..subjects import codec, streamread
 from ..subjects.names import Names
@@ -50,9 +51,12 @@ async def result_quietly(js: JetStreamContext, names: Names, request_id: str) ->
         return None
 
 
-async def attach(js: JetStreamContext, names: Names, request_id: str) -> AsyncGenerator[Frame, None]:
+async def attach(
+    js: JetStreamContext, names: Names, request_id: str, accept_timeout: float | None = None
+) -> AsyncGenerator[Frame, None]:
     """The frames of a request someone else submitted (or an earlier run of this program),
-    read from the request log: everything delivered so far, then live until it ends."""
+    read from the request log: everything delivered so far, then live until it ends. Raises
+    AcceptTimeout when its log stays empty (no worker claimed it) for `accept_timeout` seconds."""
     done = await result(js, names, request_id)
     if done is not None:
         for frame in rest_of(done, [], 0):
@@ -61,7 +65,7 @@ async def attach(js: JetStreamContext, names: Names, request_id: str) -> AsyncGe
     seen: list[TokensFrame] = []
     contiguous = True
     async with aclosing(_records(js, names, request_id)) as records:
-        async for record in records:
+        async for record in _claimed_within(records, request_id, accept_timeout):
             for frame in _frames_in(record) if contiguous else ():
                 if frame.seq == len(seen) + 1:
                     seen.append(frame)
@@ -149,6 +153,22 @@ async def _result_before(js: JetStreamContext, names: Names, request_id: str) ->
     except Exception:  # what was read so far is the best answer there is
         pass
     return found
+
+
+async def _claimed_within(
+    records: AsyncGenerator[Record, None], request_id: str, timeout: float | None
+) -> AsyncGenerator[Record, None]:
+    """`records`, the first of them (a worker's claim) due within `timeout` seconds."""
+    first = None
+    with anyio.move_on_after(timeout):
+        first = await anext(records, None)
+    if first is None:
+        if timeout is not None:
+            raise AcceptTimeout(f"request {request_id}: no worker accepted it within {timeout}s")
+        return
+    yield first
+    async for record in records:
+        yield record
 
 
 async def _records(js: JetStreamContext, names: Names, request_id: str) -> AsyncGenerator[Record, None]:

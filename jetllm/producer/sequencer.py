@@ -134,6 +134,8 @@ class Sequencer:
             frame = _decode(data, self.encoding)
         except codec.UnknownKind as exc:  # a newer worker's extra information: not ours to read
             return Decision(drop=str(exc))
+        except msgspec.DecodeError as exc:  # anyone may publish to an inbox; a lost real frame is a gap
+            return Decision(drop=f"unreadable frame: {exc}")
         return self.frame(frame, now)
 
     def frame(self, frame: Frame, now: float) -> Decision:

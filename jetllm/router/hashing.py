@@ -67,7 +67,7 @@ def lora_root(adapter: str) -> int:
 def lora_block(parent: int, tokens: Sequence[int]) -> int:
     """The router's own id of a LoRA block: a chain hash of the tokens after the parent's id."""
     h = hashlib.blake2b(parent.to_bytes(8, "big"), digest_size=8)
-    h.update(b"".join(t.to_bytes(4, "little") for t in tokens))
+    h.update(b"".join((t & 0xFFFFFFFF).to_bytes(4, "little") for t in tokens))  # any int a job may hold
     return int.from_bytes(h.digest(), "big")
 
 

@@ -13,11 +13,14 @@ Only the engine's own cache tier counts (medium None or "GPU"); offload tiers ar
 
 from __future__ import annotations
 
+import logging
 from array import array
 from collections.abc import Iterable, Sequence
 
 from ..schemas import KvCleared, KvEvent, KvRemoved, KvStored
 from .hashing import BlockHasher, lora_chain
+
+log = logging.getLogger(__name__)
 
 Slot = tuple[str, int]
 """(instance, dp_rank)."""
@@ -50,6 +53,8 @@ class BlockIndex:
         self._free: list[int] = []
         self._ints: list[int] = []
         """One int object per slot number, shared by every single-holder entry."""
+        self.bad_events = 0
+        """Events skipped because they could not be applied (a block size of 0, a negative hash)."""
 
     # bookkeeping
 
@@ -146,30 +151,37 @@ class BlockIndex:
         own hash: a mismatch marks the slot foreign (its worker hashes with another seed) and clears it."""
         state = self._state(slot)
         for ev in events:
-            if isinstance(ev, KvStored):
-                if ev.medium not in (None, "GPU") or state.foreign:
-                    continue
-                if ev.lora_name is not None:
-                    self._store_lora(slot, state, ev)
-                    continue
-                if hasher is not None and ev.parent_block_hash is None and ev.block_hashes:
-                    if (
-                        ev.block_size == hasher.block_size
-                        and hasher.chain(ev.token_ids[: ev.block_size]) != ev.block_hashes[:1]
-                    ):
-                        self.clear(slot)
-                        state.foreign = True
-                        continue
-                for h in ev.block_hashes:
-                    self._add(slot, state, h)
-            elif isinstance(ev, KvRemoved):
-                if ev.medium not in (None, "GPU"):
-                    continue
-                for h in ev.block_hashes:
-                    key = state.lora.pop(h, None) if state.lora else None
-                    self._remove(slot, state, h if key is None else key)
-            elif isinstance(ev, KvCleared):
-                self.clear(slot)
+            try:
+                self._apply_one(slot, state, ev, hasher)
+            except (ArithmeticError, ValueError) as exc:  # a forged or broken event: skip it alone
+                self.bad_events += 1
+                log.debug("KV index: skipping an event of slot %d: %s", slot, exc)
+
+    def _apply_one(self, slot: int, state: _SlotState, ev: KvEvent, hasher: BlockHasher | None) -> None:
+        if isinstance(ev, KvStored):
+            if ev.medium not in (None, "GPU") or state.foreign:
+                return
+            if ev.lora_name is not None:
+                self._store_lora(slot, state, ev)
+                return
+            if hasher is not None and ev.parent_block_hash is None and ev.block_hashes:
+                if (
+                    ev.block_size == hasher.block_size
+                    and hasher.chain(ev.token_ids[: ev.block_size]) != ev.block_hashes[:1]
+                ):
+                    self.clear(slot)
+                    state.foreign = True
+                    return
+            for h in ev.block_hashes:
+                self._add(slot, state, h)
+        elif isinstance(ev, KvRemoved):
+            if ev.medium not in (None, "GPU"):
+                return
+            for h in ev.block_hashes:
+                key = state.lora.pop(h, None) if state.lora else None
+                self._remove(slot, state, h if key is None else key)
+        elif isinstance(ev, KvCleared):
+            self.clear(slot)
 
     def _store_lora(self, slot: int, state: _SlotState, ev: KvStored) -> None:
         assert ev.lora_name is not None

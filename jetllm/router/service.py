@@ -76,8 +76,13 @@ async def route_one(nc: NATS, names: Names, router: Router, msg: Msg) -> str | N
             queued = msg.metadata.timestamp.timestamp()
         except Exception:
             queued = None
-        placement = await router.place(req, traceparent=headers.get(tracecontext.HEADER), queued_at=queued)
-        instance = placement.instance
+        try:
+            placement = await router.place(
+                req, traceparent=headers.get(tracecontext.HEADER), queued_at=queued
+            )
+            instance = placement.instance
+        except Exception as exc:  # left unacked it would come back forever; a worker says what is wrong
+            log.warning("router: cannot place %s (%s); it goes to the shared queue", req.request_id, exc)
     else:
         headers.setdefault("Nats-Msg-Id", f"routed-{msg.metadata.sequence.stream}")
     await retried(
