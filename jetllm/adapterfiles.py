@@ -32,6 +32,11 @@ class AdapterFileError(JetllmError):
     """The adapter cannot be used; `code` says why in the wire's terms."""
 
 
+def short(name: str) -> str:
+    """A name from an adapter's files, quoted and cut to fit in an error reply."""
+    return repr(name) if len(name) <= 120 else f"{name[:60]!r}... ({len(name)} characters)"
+
+
 def max_bytes(file: str) -> int:
     return MAX_CONFIG_BYTES if file == CONFIG else MAX_WEIGHTS_BYTES
 
@@ -74,15 +79,24 @@ def digests(directory: Path) -> dict[str, str]:
     return {f: file_sha256(directory / f, max_bytes(f)) for f in ADAPTER_FILES}
 
 
+def _json(data: bytes, what: str) -> Any:
+    """Parsed JSON, or ADAPTER_INVALID naming `what`: anyone can write an adapter's files, and
+    json's own limits (integers over 4300 digits, nesting past the recursion limit) are failures
+    of the file, not of jetllm."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise AdapterFileError(f"{what} is nested too deeply", code=ErrorCode.ADAPTER_INVALID) from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an over-long integer
+        raise AdapterFileError(f"{what} is not usable JSON: {exc}", code=ErrorCode.ADAPTER_INVALID) from None
+
+
 def read_config(path: Path) -> dict[str, Any]:
     if path.stat().st_size > MAX_CONFIG_BYTES:
         raise AdapterFileError(
             f"{CONFIG} is larger than {MAX_CONFIG_BYTES} bytes", code=ErrorCode.ADAPTER_INVALID
         )
-    try:
-        config = json.loads(path.read_bytes())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise AdapterFileError(f"{CONFIG} is not valid JSON: {exc}", code=ErrorCode.ADAPTER_INVALID) from None
+    config = _json(path.read_bytes(), CONFIG)
     if not isinstance(config, dict):
         raise AdapterFileError(f"{CONFIG} must hold a JSON object", code=ErrorCode.ADAPTER_INVALID)
     return config
@@ -102,10 +116,7 @@ def read_safetensors_header(path: Path) -> dict[str, tuple[str, list[int]]]:
             raise AdapterFileError(
                 f"{WEIGHTS} has a corrupt header (length {n}, file {size} bytes)", code=bad
             )
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise AdapterFileError(f"{WEIGHTS} has a corrupt header: {exc}", code=bad) from None
+        header = _json(f.read(n), f"the header of {WEIGHTS}")
     if not isinstance(header, dict):
         raise AdapterFileError(f"{WEIGHTS} has a corrupt header (not an object)", code=bad)
     header.pop("__metadata__", None)
@@ -118,11 +129,11 @@ def read_safetensors_header(path: Path) -> dict[str, tuple[str, list[int]]]:
             for d in shape:
                 count *= int(d)
             ok = dtype in _DTYPES and 0 <= start <= end <= data and end - start == count * _DTYPES[dtype]
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):  # OverflowError: int(1e400)
             ok = False
         if not ok:
             raise AdapterFileError(
-                f"{WEIGHTS}: tensor {name!r} is corrupt or of an unsupported dtype "
+                f"{WEIGHTS}: tensor {short(name)} is corrupt or of an unsupported dtype "
                 f"(supported: {', '.join(_DTYPES)})",
                 code=bad,
             )

@@ -9,6 +9,7 @@ from __future__ import annotations
 from contextlib import aclosing
 
 import anyio
+import msgspec
 import pytest
 
 from jetllm.producer import Client
@@ -99,6 +100,72 @@ async def test_health_canary_passes_then_fails_on_a_stall_and_on_a_dead_engine(n
         (dead,) = await ask(client.nc, names, "health", instance=worker.instance)
         assert not dead.healthy and not dead.engine_alive and dead.canary_ok is None
         fake_engine.dead = False
+
+
+async def test_health_refuses_a_canary_it_cannot_run_naming_the_field(nats_url, client, fake_engine):
+    """A NaN or non-positive stall timeout would fail the canary at once (and leave `last_error`
+    saying so): it is an invalid request instead, and the next check is healthy."""
+    names = client.names
+    cases = [
+        ({"stall_timeout": float("nan")}, "$.stall_timeout"),
+        ({"stall_timeout": 0.0}, "$.stall_timeout"),
+        ({"stall_timeout": -1.0}, "$.stall_timeout"),
+        ({"stall_timeout": float("inf")}, "$.stall_timeout"),
+        ({"max_tokens": 0}, "$.max_tokens"),
+        ({"max_tokens": 10**9}, "$.max_tokens"),
+    ]
+    async with inproc_worker(nats_url, fake_engine, namespace=names.namespace) as worker:
+        for body, field in cases:
+            (bad,) = await ask(
+                client.nc, names, "health", msgspec.msgpack.encode(body), instance=worker.instance
+            )
+            assert isinstance(bad, ControlFailed) and bad.code == ErrorCode.INVALID_REQUEST, (body, bad)
+            assert f"`{field}`" in bad.message, (body, bad)
+        (ok,) = await ask(client.nc, names, "health", instance=worker.instance)
+        assert ok.healthy and ok.canary_ok and ok.last_error is None
+
+
+async def test_control_requests_are_strict_like_jobs(nats_url, client, fake_engine):
+    """Another schema version is refused as a job would be, a verb without a request refuses any
+    field, and a missing required field is named; what jetllm's own callers send still works."""
+    names = client.names
+    refused = [
+        ("sleep", {"v": 99, "level": 1}, ErrorCode.UNSUPPORTED_VERSION, "$.v: schema version 99"),
+        (
+            "sleep",
+            {"v": 2, "level": 1, "deeper": True},
+            ErrorCode.UNSUPPORTED_VERSION,
+            "$.v: schema version 2",
+        ),
+        ("tasks", {"v": 7}, ErrorCode.UNSUPPORTED_VERSION, "$.v: schema version 7"),
+        ("wake", {"force": True}, ErrorCode.INVALID_REQUEST, "wake: $.force: Object contains unknown field"),
+        ("reset-prefix-cache", [1], ErrorCode.INVALID_REQUEST, "Expected `object`"),
+        ("lora-load", b"", ErrorCode.INVALID_REQUEST, "lora-load: $.name: Object missing required field"),
+        (
+            "lora-load",
+            {"version": 1},
+            ErrorCode.INVALID_REQUEST,
+            "lora-load: $.name: Object missing required",
+        ),
+    ]
+    accepted = [
+        ("wake", b""),
+        ("wake", {}),
+        ("wake", {"v": 1}),
+        ("reset-prefix-cache", b""),
+        ("tasks", {"v": 1}),
+    ]
+    async with inproc_worker(nats_url, fake_engine, namespace=names.namespace) as worker:
+        for verb, body, code, message in refused:
+            raw = body if isinstance(body, bytes) else msgspec.msgpack.encode(body)
+            (reply,) = await ask(client.nc, names, verb, raw, instance=worker.instance)
+            assert isinstance(reply, ControlFailed) and reply.code == code, (verb, body, reply)
+            assert message in reply.message, (verb, body, reply)
+        assert worker.state == "serving"  # the sleep of another version did not run
+        for verb, body in accepted:
+            raw = body if isinstance(body, bytes) else msgspec.msgpack.encode(body)
+            (reply,) = await ask(client.nc, names, verb, raw, instance=worker.instance)
+            assert not isinstance(reply, ControlFailed), (verb, body, reply)
 
 
 async def test_tasks_names_each_running_request_and_where_it_waits(nats_url, client):

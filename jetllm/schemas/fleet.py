@@ -3,7 +3,7 @@ and the replies of control verbs (request/reply on per-instance and per-model su
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -157,9 +157,10 @@ class HealthCheck(Command, kw_only=True):
     """Asks for a HealthReport; `canary` runs a short greedy generation through the engine."""
 
     canary: bool = True
-    max_tokens: int = 4
-    stall_timeout: float = 5.0
-    """Fail the canary if no token arrives for this long."""
+    max_tokens: Annotated[int, msgspec.Meta(ge=1, le=16)] = 4
+    """Tokens the canary generates."""
+    stall_timeout: Annotated[float, msgspec.Meta(gt=0, le=600)] = 5.0
+    """Fail the canary if no token arrives for this many seconds."""
 
 
 class SleepRequest(Command, kw_only=True):

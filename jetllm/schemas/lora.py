@@ -28,7 +28,15 @@ class AdapterSpec(Command, kw_only=True):
 
     name: AdapterName
     source: AdapterSource
-    ref: Annotated[str, Meta(min_length=1, max_length=1024)]
+    ref: Annotated[
+        str,
+        Meta(
+            min_length=1,
+            max_length=1024,
+            pattern=r"^[^\x00-\x1f\x7f]+$",
+            description="No control characters.",
+        ),
+    ]
     """path: a directory on the workers, inside one of their `--lora-dir`s; object: the adapter's
     name in the adapters object store (`jetllm lora push`); hub: a model hub repository id."""
     sha256: Sha256 | None = None

@@ -1,10 +1,12 @@
 """Control verbs of one worker: request/reply on its instance subject and on its model's subject.
 
 Each verb declares the type of its request; the server decodes the body with it (an empty body is
-the type's defaults when it has them) and the handler gets the decoded Struct, or None for a verb
-that takes no body. A handler returns a reply Struct or raises ControlError; the reply (or a
-ControlFailed naming this instance) goes back to the asker, so a fan-out over the model subject
-collects one answer per instance. Handlers run in their own task, never in the NATS callback.
+`{}`: the type's defaults, or an error naming the first required field) and the handler gets the
+decoded Struct, or None for a verb that takes no body (its body must be empty, `{}` or `{"v": 1}`).
+Requests are strict like jobs: an unknown field or a schema version this worker does not speak
+is refused, naming the field. A handler returns a reply Struct or raises ControlError; the reply
+(or a ControlFailed naming this instance) goes back to the asker, so a fan-out over the model
+subject collects one answer per instance. Handlers run in their own task, never in the NATS callback.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from nats.aio.subscription import Subscription
 
 from ..errors import JetllmError
 from ..schemas import ControlFailed, ErrorCode
+from ..schemas.common import SUPPORTED_VERSIONS, Command
 from ..subjects import codec
 from ..subjects.names import Names
 
@@ -44,24 +47,55 @@ def reply_encoding(msg: Msg) -> Any:
         return "msgpack"
 
 
+class NoBody(Command, kw_only=True):
+    """What a verb without a request may be sent: nothing but `v`, so `wake {"force": true}` is
+    refused rather than silently ignored."""
+
+
 @functools.cache
 def decoder(request: type[msgspec.Struct]) -> codec.Decoder:
     """The decoder of a verb's request type (strict: an unknown field is refused), built once."""
     return codec.Decoder(request)
 
 
-def _defaults_only(request: type[msgspec.Struct]) -> bool:
-    return not any(f.required for f in msgspec.structs.fields(request))
+def naming_field(exc: Exception) -> str:
+    """msgspec's message, led by the field it is about where the message leaves it out (an
+    unknown or missing field at the top level is named without its path)."""
+    text = str(exc)
+    field = codec.field_path(text)
+    return f"{field}: {text}" if field and f"`{field}`" not in text else text
 
 
 def decode_request(request: RequestType, body: bytes, encoding: Any) -> Any:
-    """A verb's request from its body: None for a verb without one (its body is ignored), the
-    type's defaults for an empty body when every field has one, else the decoded body."""
-    if request is None:
+    """A verb's request from its body (empty: `{}`), with its version checked; None for a verb
+    without one."""
+    try:
+        if not body:
+            decoded = msgspec.convert({}, request or NoBody)
+        else:
+            decoded = decoder(request or NoBody).decode(body, encoding)
+    except msgspec.ValidationError:
+        _check_version(_salvaged_version(body, encoding))
+        raise
+    _check_version(getattr(decoded, "v", None))
+    return None if request is None else decoded
+
+
+def _salvaged_version(body: bytes, encoding: Any) -> Any:
+    """`v` of a request that failed to decode: a newer version's fields are not this one's errors."""
+    try:
+        return codec.envelope_decoder.decode(body, encoding).v
+    except Exception:
         return None
-    if not body and _defaults_only(request):
-        return request()
-    return decoder(request).decode(body, encoding)
+
+
+def _check_version(version: Any) -> None:
+    if version is not None and version not in SUPPORTED_VERSIONS:
+        raise ControlError(
+            f"$.v: schema version {version!r} is not supported (this worker speaks "
+            f"{sorted(SUPPORTED_VERSIONS)}); use a jetllm of the same version",
+            code=ErrorCode.UNSUPPORTED_VERSION,
+        )
 
 
 class ControlServer:
@@ -118,7 +152,7 @@ class ControlServer:
             reply = ControlFailed(instance=self.instance, code=exc.code, message=exc.message)
         except (msgspec.ValidationError, msgspec.DecodeError, codec.UnknownContentType) as exc:
             reply = ControlFailed(
-                instance=self.instance, code=ErrorCode.INVALID_REQUEST, message=f"{verb}: {exc}"
+                instance=self.instance, code=ErrorCode.INVALID_REQUEST, message=f"{verb}: {naming_field(exc)}"
             )
         except Exception as exc:
             log.exception("control verb %s failed", verb)

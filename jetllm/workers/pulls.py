@@ -60,7 +60,8 @@ class Pulls:
         return sum(p.outstanding for p in self._pullers.values())
 
     def start(self, consumer: str) -> Puller | None:
-        """Pull from `consumer` until stopped; None (nothing started) once the worker stops."""
+        """Pull from `consumer` until stopped; None (nothing started) once the worker stops or
+        when `consumer` is pulled already."""
         if not self.accepting:
             return None
         puller = Puller(
@@ -94,7 +95,6 @@ class Pulls:
                 waiting.empty()
                 self.wake()
 
-        self._directed = (consumer, waiting)
         puller = Puller(
             self._nc,
             self._stream,
@@ -105,9 +105,17 @@ class Pulls:
             on_job=delivered,
             expires=min(DIRECTED_EXPIRES, self._expires),
         )
-        return self._run(consumer, puller)
+        started = self._run(consumer, puller)
+        if started is not None:
+            self._directed = (consumer, waiting)
+        return started
 
-    def _run(self, consumer: str, puller: Puller) -> Puller:
+    def _run(self, consumer: str, puller: Puller) -> Puller | None:
+        """Only a tracked puller is stopped with the worker: a second one for the same consumer
+        would keep taking jobs through a drain, so it is never started."""
+        if consumer in self._pullers:
+            log.warning("consumer %s is pulled already: no second puller started", consumer)
+            return None
         self._pullers[consumer] = puller
         self._tasks.start_soon(puller.run)
         return puller

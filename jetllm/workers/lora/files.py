@@ -16,6 +16,7 @@ import uuid
 from pathlib import Path
 
 import anyio
+import msgspec
 import nats.js.errors
 from nats.js import JetStreamContext
 
@@ -84,7 +85,13 @@ class AdapterFiles:
             raise AdapterFileError(
                 f"adapter path {ref!r} must be absolute", code=ErrorCode.ADAPTER_NOT_ALLOWED
             )
-        if not inside(path, self.allowed):
+        try:
+            allowed = inside(path, self.allowed)
+        except ValueError as exc:  # a NUL byte; AdapterSpec refuses control characters already
+            raise AdapterFileError(
+                f"adapter path {ref!r} is not a usable path ({exc})", code=ErrorCode.ADAPTER_NOT_ALLOWED
+            ) from None
+        if not allowed:
             raise AdapterFileError(
                 f"adapter path {ref!r} is outside this worker's --lora-dir directories",
                 code=ErrorCode.ADAPTER_NOT_ALLOWED,
@@ -143,6 +150,12 @@ class AdapterFiles:
                 found = await store.get(self.names.adapter_manifest(spec.ref))
                 # nats-py types ObjectResult.data Optional; a found object has it
                 sha = _manifest.decode(found.data).sha256  # type: ignore[arg-type]
+        except msgspec.DecodeError as exc:
+            raise AdapterFileError(
+                f"adapter {spec.ref!r}: its manifest in the adapters object store cannot be read "
+                f"({exc}); push it again (jetllm lora push)",
+                code=ErrorCode.ADAPTER_INVALID,
+            ) from None
         except (
             nats.js.errors.NotFoundError,
             nats.js.errors.ObjectNotFoundError,

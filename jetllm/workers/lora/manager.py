@@ -43,7 +43,7 @@ from ...subjects import codec
 from ...subjects.kvsnapshot import SnapshotEnd
 from ...subjects.setup import ensure_lora_bucket
 from ...tinymodel import default_cache_dir
-from ..control import ControlError
+from ..control import ControlError, naming_field
 from ..engine import Engine, EngineAdapter
 from .cache import Held, hold, prune
 from .files import AdapterFiles
@@ -176,16 +176,31 @@ class LoraManager:
             log.exception("adapter %r: desired-state entry (revision %s) ignored", name, entry.revision)
 
     def _apply(self, name: str, revision: int, value: bytes | None) -> bool:
-        if revision <= self._desired.get(name, (0, None))[0]:
+        last, previous = self._desired.get(name, (0, None))
+        if revision <= last:
             return False
         spec = None
         if value is not None:
             try:
                 spec = _spec.decode(value)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                log.warning("adapter %r: unreadable desired state ignored: %s", name, exc)
+            except msgspec.DecodeError as exc:  # a ValidationError is one too
+                self._unreadable(name, revision, exc)
+                spec = previous
         self._desired[name] = (revision, spec)
         return True
+
+    def _unreadable(self, name: str, revision: int, exc: msgspec.DecodeError) -> None:
+        """A value this worker cannot read (a field of a newer jetllm, a hand-edited key) says
+        nothing about what is wanted: the adapter stays as it is, and this revision fails, so the
+        verb, `lora-list` and jobs naming it say why instead of the adapter being unloaded."""
+        code = ErrorCode.INVALID_REQUEST if isinstance(exc, msgspec.ValidationError) else ErrorCode.MALFORMED
+        message = (
+            f"adapter {name!r}: its desired state (revision {revision}) cannot be read: "
+            f"{naming_field(exc)}; it stays as it was until the key holds a spec this version reads "
+            "(or is deleted: jetllm lora unload)"
+        )
+        log.warning("%s", message)
+        self._failed[name] = (revision, code, message)
 
     async def _refresh(self, name: str) -> None:
         """Read the adapter's key now: a verb must not act on a watch that lags behind its caller."""
@@ -222,27 +237,56 @@ class LoraManager:
 
     async def _reconcile(self, name: str) -> AdapterReply:
         revision, spec = self._desired.get(name, (0, None))
-        cur = self._loaded.get(name)
-        if spec is None:
-            self._failed.pop(name, None)
-            if cur is None:
-                return self._reply(name, "unloaded" if self._unloaded.get(name) == revision else "absent")
-            self._unloaded[name] = revision
-            self._loaded.pop(name)
-            self._published()
-            await self._retire(cur)
-            log.info("adapter %r unloaded", name)
-            return self._reply(name, "unloaded", cur.info)
-        if cur is not None and cur.revision == revision:
-            return self._reply(name, cur.action, cur.info)
         failed = self._failed.get(name)
         if failed is not None and failed[0] == revision:
             raise ControlError(failed[2], code=failed[1])
+        cur = self._loaded.get(name)
+        if spec is None:
+            return await self._unload(name, revision, cur)
+        if cur is not None and cur.revision == revision:
+            return self._reply(name, cur.action, cur.info)
         try:
+            await self._refuse_model_name(name)
             return await self._load(name, revision, spec, cur)
         except ControlError as exc:
             self._failed[name] = (revision, exc.code, exc.message)
             raise
+        except Exception as exc:  # remembered too: jobs naming it fail now, not after load_wait
+            log.exception("adapter %r: load failed", name)
+            message = f"adapter {name!r}: load failed: {type(exc).__name__}: {exc}"
+            self._failed[name] = (revision, ErrorCode.INTERNAL, message)
+            raise ControlError(message, code=ErrorCode.INTERNAL) from exc
+
+    async def _unload(self, name: str, revision: int, cur: _Loaded | None) -> AdapterReply:
+        self._failed.pop(name, None)
+        if cur is None:
+            return self._reply(name, "unloaded" if self._unloaded.get(name) == revision else "absent")
+        self._unloaded[name] = revision
+        self._loaded.pop(name)
+        self._published()
+        await self._retire(cur)
+        log.info("adapter %r unloaded", name)
+        return self._reply(name, "unloaded", cur.info)
+
+    async def _refuse_model_name(self, name: str) -> None:
+        """Jobs naming an adapter as their model go to the queue `jobs.<role>.<adapter>`, which is
+        also the queue of a model by that name: this worker would take that model's jobs and run
+        them with the adapter. Models are those with a card in the registry now; one started
+        later under an adapter's name is not caught (docs/decisions.md)."""
+        if name == self._ctx.model or await self._model_card_exists(name):
+            raise ControlError(
+                f"$.name: adapter {name!r} has the name of a model this fleet serves, so it would "
+                "take that model's jobs; load it under another name",
+                code=ErrorCode.INVALID_REQUEST,
+            )
+
+    async def _model_card_exists(self, model: str) -> bool:
+        try:
+            kv = await self._ctx.js.key_value(self._ctx.names.registry_bucket)
+            entry = await kv.get(self._ctx.names.model_card_key(model))
+        except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError):
+            return False  # KeyNotFoundError and KeyDeletedError are NotFoundErrors
+        return bool(entry.value)
 
     async def _load(self, name: str, revision: int, spec: AdapterSpec, cur: _Loaded | None) -> AdapterReply:
         assert self.facts is not None
@@ -304,7 +348,14 @@ class LoraManager:
                 raise ControlError(f"adapter {name!r}: {exc.message}", code=exc.code) from None
             except OSError as exc:
                 raise ControlError(f"adapter {name!r}: {exc}", code=ErrorCode.ADAPTER_NOT_FOUND) from None
-            held = await anyio.to_thread.run_sync(hold, path)
+            try:
+                held = await anyio.to_thread.run_sync(hold, path)
+            except OSError as exc:
+                raise ControlError(
+                    f"adapter {name!r}: its cached copy cannot be locked ({exc}); this worker must "
+                    "be able to write its adapter cache directory (--lora-cache-dir)",
+                    code=ErrorCode.ADAPTER_NOT_FOUND,
+                ) from None
             if held is not None:
                 return path, sha, held
         raise ControlError(
@@ -413,6 +464,14 @@ class LoraManager:
             await self._synced.wait()
             while True:
                 revision, spec = self._desired.get(name, (0, None))
+                failed = self._failed.get(name)
+                if failed is not None and failed[0] == revision:
+                    raise RequestRejected(
+                        ErrorCode.ADAPTER_NOT_LOADED,
+                        f"adapter {name!r} failed to load on {self._ctx.instance}: "
+                        f"{failed[1].value}: {failed[2]}",
+                        field="$.adapter",
+                    )
                 if spec is None:
                     raise RequestRejected(
                         ErrorCode.UNKNOWN_ADAPTER,
@@ -422,14 +481,6 @@ class LoraManager:
                 cur = self._loaded.get(name)
                 if cur is not None and cur.revision >= revision:
                     return cur.engine
-                failed = self._failed.get(name)
-                if failed is not None and failed[0] == revision:
-                    raise RequestRejected(
-                        ErrorCode.ADAPTER_NOT_LOADED,
-                        f"adapter {name!r} failed to load on {self._ctx.instance}: "
-                        f"{failed[1].value}: {failed[2]}",
-                        field="$.adapter",
-                    )
                 await self._changed.wait()
         assert scope.cancelled_caught
         raise RequestRejected(

@@ -17,6 +17,7 @@ from ...adapterfiles import (
     check_present,
     read_config,
     read_safetensors_header,
+    short,
 )
 from ...schemas import ErrorCode
 from ..engine import LoraFacts
@@ -24,6 +25,8 @@ from ..engine import LoraFacts
 _KEY = re.compile(
     r"^base_model\.model\.(?:model\.)?layers\.(\d+)\.(?:[A-Za-z_]+\.)*?([A-Za-z_]+)\.lora_([AB])\.weight$"
 )
+_MAX_LAYER_DIGITS = 9
+"""A layer index longer than this is out of range for any model (and int() refuses 4300+ digits)."""
 
 
 def _invalid(message: str) -> AdapterFileError:
@@ -78,20 +81,28 @@ def check_weights(
         m = _KEY.match(key)
         if m is None:
             raise _invalid(
-                f"{WEIGHTS}: unexpected tensor {key!r} (only lora_A/lora_B weights of the target "
+                f"{WEIGHTS}: unexpected tensor {short(key)} (only lora_A/lora_B weights of the target "
                 "modules are allowed)"
             )
-        layer, module, which = int(m.group(1)), m.group(2), m.group(3)
+        digits, module, which = m.group(1), m.group(2), m.group(3)
         if module not in targets:
-            raise _invalid(f"{WEIGHTS}: tensor {key!r} adapts {module!r}, which is not in target_modules")
+            raise _invalid(
+                f"{WEIGHTS}: tensor {short(key)} adapts {module!r}, which is not in target_modules"
+            )
+        if len(digits) > _MAX_LAYER_DIGITS:
+            raise _invalid(
+                f"{WEIGHTS}: tensor {short(key)} has a layer index of {len(digits)} digits; "
+                f"the model has {facts.num_layers} layers"
+            )
+        layer = int(digits)
         if layer >= facts.num_layers:
             raise _invalid(
-                f"{WEIGHTS}: tensor {key!r} is for layer {layer}; the model has {facts.num_layers}"
+                f"{WEIGHTS}: tensor {short(key)} is for layer {layer}; the model has {facts.num_layers}"
             )
         fan_in, fan_out = facts.modules[module]
         want = [rank, fan_in] if which == "A" else [fan_out, rank]
         if shape != want:
-            raise _invalid(f"{WEIGHTS}: tensor {key!r} has shape {shape}, this model needs {want}")
+            raise _invalid(f"{WEIGHTS}: tensor {short(key)} has shape {shape}, this model needs {want}")
         pairs.setdefault((layer, module), set()).add(which)
     half = sorted(f"layer {layer} {module}" for (layer, module), got in pairs.items() if got != {"A", "B"})
     if half:
