@@ -14,19 +14,27 @@ from pathlib import Path
 
 import anyio
 import httpx
+import msgspec
 import openai
 import pytest
 from starlette.applications import Starlette
 
+from jetllm.batches import held, plan
 from jetllm.batches import lines as lines_module
-from jetllm.batches import plan
 from jetllm.batches import service as service_module
 from jetllm.batches.lines import BadInput, line_request_id, parse_input
 from jetllm.batches.runner import BatchRunner
 from jetllm.batches.service import BatchService, TooLarge
 from jetllm.gateway import batches_api, files_api
+from jetllm.gateway.capacity import resolve
 from jetllm.openai.endpoints import CHAT, COMPLETIONS, prepare
+from jetllm.openai.errors import OpenAIError
+from jetllm.openai.translate import Route
 from jetllm.producer import Client
+from jetllm.schemas import InstanceRecord
+from jetllm.subjects import codec
+from jetllm.subjects.policy import QueuePolicy
+from jetllm.subjects.setup import ensure_registry, ensure_streams
 
 from .conftest import inproc_worker
 from .fake_engine import FakeEngine
@@ -40,6 +48,10 @@ pytestmark = pytest.mark.anyio
 def chat_line(i: int, model: str = "fake", **extra) -> dict:
     body = {"model": model, "messages": [{"role": "user", "content": f"line {i}"}], "max_tokens": 6, **extra}
     return {"custom_id": f"req-{i}", "method": "POST", "url": CHAT, "body": body}
+
+
+DEEP = b"[" * 5000 + b"]" * 5000
+"""JSON nested deeper than any decoder's recursion limit."""
 
 
 def jsonl(lines: list[dict]) -> bytes:
@@ -216,6 +228,10 @@ def test_line_request_ids_are_fixed_per_line_and_valid_request_ids():
         (jsonl([chat_line(1), {k: v for k, v in chat_line(2).items() if k != "custom_id"}]), 2, "custom_id"),
         (jsonl([chat_line(1), chat_line(2, temperature=5)]), 2, "body.temperature"),
         (jsonl([chat_line(1)]) + b"\n" + jsonl([chat_line(3, model="")]), 3, "body.model"),
+        (jsonl([chat_line(1)]) + jsonl([chat_line(2)]).replace(b"line 2", b"line \xff"), 2, None),
+        (jsonl([chat_line(1, chat_template_kwargs={"a": "DEEP"})]).replace(b'"DEEP"', DEEP), 1, None),
+        (jsonl([chat_line(1), chat_line(2, seed=2**70)]), 2, "body.seed"),
+        (jsonl([chat_line(1, chat_template_kwargs={"a": 2**70})]), 1, "body.chat_template_kwargs"),
     ],
 )
 def test_a_bad_input_file_names_its_first_bad_line(content, line, param):
@@ -618,7 +634,7 @@ async def test_checking_an_input_file_does_not_stop_the_gateways_event_loop(api,
 
 async def test_an_input_object_larger_than_an_upload_may_be_is_not_read(api):
     """Objects can reach the files store other than through the upload (any identity that may
-    write it): the gateway and the runner read an input file only after checking its size."""
+    write it): the gateway reads an input file only after checking its size."""
     _, _, service = api
     data = jsonl([chat_line(i) for i in range(2)]) * 1
     data += b" " * (service.max_file_bytes + 1 - len(data))
@@ -732,3 +748,286 @@ async def test_batch_metadata_past_openais_limits_is_a_400_naming_it(api, metada
         )
     assert answer.status_code == 400, answer.text[:300]
     assert answer.json()["error"]["param"] == "metadata" and "16" in answer.json()["error"]["message"]
+
+
+# found in review (2026-11-30)
+
+
+async def _in_progress_with_every_line_queued(client: Client, service: BatchService, data: bytes) -> str:
+    """A batch an earlier runner started and submitted every line of, then died: what a runner
+    taking it over finds."""
+    f = await service.upload(data, "in.jsonl", "batch")
+    state = await service.create(f.id, CHAT)
+    now = int(time.time())
+    await service.update(
+        state.id, lambda s: msgspec.structs.replace(s, status="in_progress", in_progress_at=now)
+    )
+    for line in parse_input(data, CHAT):
+        await client.submit(prepare(CHAT, line.body, line_request_id(state.id, line.line)).job.request)
+    return state.id
+
+
+async def _results(client: Client, batch_id: str, n: int) -> dict[int, object]:
+    """Every line's result in the request log, once each has one."""
+    with anyio.fail_after(60):
+        while True:
+            found = {i: await client.result(line_request_id(batch_id, i)) for i in range(1, n + 1)}
+            if all(r is not None for r in found.values()):
+                return found
+            await anyio.sleep(0.1)
+
+
+async def test_cancelling_a_batch_taken_over_stops_the_earlier_runners_jobs(api, nats_url, namespace):
+    """The lines the earlier runner queued are cancelled too, not only those this runner
+    resubmitted: the batch's output is what the fleet ran, nothing runs for it afterwards."""
+    sdk, client, service = api
+    n = 12
+    batch_id = await _in_progress_with_every_line_queued(
+        client, service, jsonl([chat_line(i) for i in range(n)])
+    )
+    engine = counting_engine(step_delay=0.2)
+    async with inproc_worker(nats_url, engine, namespace=namespace, slots=2), anyio.create_task_group() as tg:
+        tg.start_soon(BatchRunner(client, service, window=1, refill=0).serve)
+        with anyio.fail_after(30):
+            while (await service.get(batch_id)).runner is None:
+                await anyio.sleep(0.05)
+        await sdk.batches.cancel(batch_id)
+        done = await wait_status(sdk, batch_id, {"cancelled"})
+        results = await _results(client, batch_id, n)
+        tg.cancel_scope.cancel()
+    ran = {i for i, r in results.items() if r.final is not None}  # type: ignore[attr-defined]
+    out = (
+        [json.loads(x) for x in (await sdk.files.content(done.output_file_id)).content.splitlines()]
+        if done.output_file_id
+        else []
+    )
+    assert {int(x["custom_id"].removeprefix("req-")) + 1 for x in out} == ran
+    assert done.request_counts.completed == len(ran) < n
+
+
+async def test_only_a_runners_ack_wait_sets_the_runners_consumer(nats_url, namespace):
+    """`jetllm batch --detach` and a producer open the batch service without an ack_wait: the
+    consumer keeps what the runners were given."""
+    async with Client(nats_url, namespace=namespace) as client:
+        names = client.names
+
+        async def ack_wait() -> float:
+            return (
+                await client.js.consumer_info(names.batch_queue_stream, names.BATCH_RUNNERS)
+            ).config.ack_wait
+
+        await BatchService.open(client.js, names)
+        assert await ack_wait() == plan.DEFAULT_ACK_WAIT  # a new namespace
+        await BatchService.open(client.js, names, ack_wait=120)  # a runner with --batch-ack-wait 120
+        await BatchService.open(client.js, names)  # a detach
+        assert await ack_wait() == 120
+
+
+async def test_a_runner_extends_its_batch_by_the_consumers_ack_wait_not_its_own(
+    api, nats_url, namespace, monkeypatch
+):
+    """A runner given a longer ack_wait than the consumer has (set by the last runner given one)
+    keeps its batch: no second runner takes it while it runs."""
+    sdk, client, service = api
+    takes = []
+    run = held.HeldBatch.run
+
+    async def counted(self):
+        takes.append(self.runner)
+        await run(self)
+
+    monkeypatch.setattr(held.HeldBatch, "run", counted)
+    other = await BatchService.open(client.js, client.names, ack_wait=3.0)  # the later runner's flag
+    f = await sdk.files.create(file=("in.jsonl", jsonl([chat_line(i) for i in range(10)])), purpose="batch")
+    batch = await sdk.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+    engine = counting_engine(step_delay=0.1)
+    async with inproc_worker(nats_url, engine, namespace=namespace, slots=1), anyio.create_task_group() as tg:
+        tg.start_soon(BatchRunner(client, service, window=1, ack_wait=30.0, instance="A").serve)
+        with anyio.fail_after(30):
+            while not takes:
+                await anyio.sleep(0.05)
+        tg.start_soon(BatchRunner(client, other, window=1, ack_wait=3.0, instance="B").serve)
+        done = await wait_status(sdk, batch.id, {"completed", "failed"})
+        tg.cancel_scope.cancel()
+    assert (done.status, done.request_counts.completed) == ("completed", 10)
+    assert takes == ["A"]
+
+
+async def test_a_file_a_batch_that_has_not_ended_reads_cannot_be_deleted(api):
+    sdk, _, _ = api
+    f = await sdk.files.create(file=("in.jsonl", jsonl([chat_line(i) for i in range(2)])), purpose="batch")
+    batch = await sdk.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+    await sdk.batches.cancel(batch.id)  # cancelling: its runner still writes the output
+    with pytest.raises(openai.ConflictError) as info:
+        await sdk.files.delete(f.id)
+    assert info.value.status_code == 409 and info.value.body["param"] == "file_id"
+    assert batch.id in info.value.message and "cancelling" in info.value.message
+    assert (await sdk.files.retrieve(f.id)).id == f.id
+
+
+async def test_a_resumed_batch_whose_input_is_gone_fails_saying_so_and_cancels_its_queued_lines(
+    api, nats_url, namespace
+):
+    """Deleted by other means than the API: no output can be written, so the batch fails naming
+    the file and how many lines had completed, and the lines still queued do not run."""
+    sdk, client, service = api
+    n = 6
+    data = jsonl([chat_line(i) for i in range(n)])
+    batch_id = await _in_progress_with_every_line_queued(client, service, data)
+    file_id = (await service.get(batch_id)).input_file_id
+    await service.files.delete(file_id)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(BatchRunner(client, service).serve)
+        done = await wait_status(sdk, batch_id, {"completed", "failed"})
+        tg.cancel_scope.cancel()
+    assert done.status == "failed" and done.errors is not None
+    message = done.errors.data[0].message
+    assert file_id in message and "deleted" in message and f"0 of {n} lines had completed" in message
+    async with inproc_worker(nats_url, FakeEngine(), namespace=namespace, slots=4):
+        results = await _results(client, batch_id, n)
+    assert {r.error.code for r in results.values()} == {"cancelled"}  # type: ignore[attr-defined]
+
+
+async def test_a_batch_created_under_a_larger_upload_limit_runs_on_a_runner_with_a_smaller_one(
+    api, nats_url, namespace
+):
+    """A standalone runner has no --max-file-bytes: the gateway's, checked at create, is the limit."""
+    sdk, client, service = api
+    f = await sdk.files.create(file=("in.jsonl", jsonl([chat_line(i) for i in range(8)])), purpose="batch")
+    batch = await sdk.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+    runners = BatchService(client.js, client.names, service.files, service.states, max_file_bytes=100)
+    async with (
+        inproc_worker(nats_url, FakeEngine(), namespace=namespace, slots=4),
+        anyio.create_task_group() as tg,
+    ):
+        tg.start_soon(BatchRunner(client, runners).serve)
+        done = await wait_status(sdk, batch.id, {"completed", "failed"})
+        tg.cancel_scope.cancel()
+    assert (done.status, done.request_counts.completed) == ("completed", 8), done.errors
+
+
+async def test_a_completion_window_longer_than_the_namespace_keeps_results_is_refused(api):
+    sdk, client, _ = api
+    f = await sdk.files.create(file=("in.jsonl", jsonl([chat_line(1)])), purpose="batch")
+    with pytest.raises(openai.BadRequestError) as info:
+        await sdk.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="25h")  # type: ignore[arg-type]
+    assert info.value.body["param"] == "completion_window"
+    assert "24h" in info.value.message and "--max-age" in info.value.message
+    await ensure_streams(client.js, client.names, QueuePolicy(max_age=48 * 3600, results_max_age=48 * 3600))
+    longer = await sdk.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="48h")  # type: ignore[arg-type]
+    assert longer.expires_at == longer.created_at + 48 * 3600
+
+
+async def test_a_list_limit_of_other_digits_than_ascii_is_a_400(api):
+    _, _, service = api
+    async with raw_http(service) as http:
+        answer = await http.get("/v1/batches", params={"limit": "²"})
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "limit"
+
+
+def _failing_queue(client: Client, fails: int):
+    """`js.publish` that fails the first `fails` publishes of a batch's queue message."""
+    publish = client.js.publish
+    seen = []
+
+    async def flaky(subject, *args, **kwargs):
+        if subject.startswith(client.names.batch_queue_all.removesuffix("*")) and len(seen) < fails:
+            seen.append(subject)
+            raise TimeoutError("no answer from the stream")
+        return await publish(subject, *args, **kwargs)
+
+    return flaky
+
+
+async def test_a_batch_whose_queue_message_is_not_stored_at_first_is_queued_again(api, monkeypatch):
+    sdk, client, _ = api
+    monkeypatch.setattr(service_module, "QUEUE_BACKOFF", 0.01)
+    monkeypatch.setattr(client.js, "publish", _failing_queue(client, 2))
+    f = await sdk.files.create(file=("in.jsonl", jsonl([chat_line(1)])), purpose="batch")
+    batch = await sdk.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+    assert batch.status == "validating"
+    queued = await client.js.stream_info(client.names.batch_queue_stream)
+    assert queued.state.messages == 1
+
+
+async def test_a_batch_that_cannot_be_queued_is_marked_failed_not_left_validating(api, monkeypatch):
+    sdk, client, _ = api
+    monkeypatch.setattr(service_module, "QUEUE_BACKOFF", 0.01)
+    monkeypatch.setattr(client.js, "publish", _failing_queue(client, 1000))
+    f = await sdk.files.create(file=("in.jsonl", jsonl([chat_line(1)])), purpose="batch")
+    with pytest.raises(openai.InternalServerError) as info:
+        await sdk.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+    assert info.value.status_code == 503 and "create it again" in info.value.message
+    (listed,) = (await sdk.batches.list()).data
+    assert listed.status == "failed" and listed.errors is not None
+    assert "could not be handed to the batch runners" in listed.errors.data[0].message
+
+
+def _record(
+    instance: str, model: str, adapters: list[str] | None = None, state: str = "serving"
+) -> InstanceRecord:
+    now = time.time()
+    return InstanceRecord(
+        instance=instance,
+        role="generate",
+        model=model,
+        state=state,  # type: ignore[arg-type]
+        ready=True,
+        adapters=adapters or [],
+        started_at=now,
+        heartbeat_at=now,
+        expires_after=0,
+    )
+
+
+@pytest.mark.parametrize(
+    "name, records",
+    [
+        ("base", [_record("a", "base", ["ad1"])]),
+        ("ad1", [_record("a", "base", ["ad1"])]),
+        ("ad1", [_record("a", "other"), _record("b", "base", ["ad1"])]),
+        ("ad1", [_record("a", "base", ["ad1"], state="draining"), _record("b", "base2", ["ad1"])]),
+        ("nobody", [_record("a", "base", ["ad1"])]),
+        ("ad1", [_record("a", "base", ["ad1"], state="draining")]),
+    ],
+)
+def test_a_batch_line_routes_its_model_as_the_gateway_routes_an_online_request(name, records):
+    """The runner's rule is the gateway's (`capacity.resolve`), but for a model nobody serves now,
+    which the gateway refuses and a batch line waits for in the queue."""
+    try:
+        online = resolve(name, records, [], 1)
+    except OpenAIError:
+        online = Route(name)
+    assert plan.route(name, records) == online
+
+
+async def test_a_batch_line_naming_an_adapter_runs_on_its_base_model(api, nats_url, namespace):
+    """As online requests do: the worker of "fake" takes the job (and, having no adapter ad1, answers
+    it with a typed error), where the adapter's own queue would leave it waiting."""
+    sdk, client, _ = api
+    registry_kv = await ensure_registry(client.js, client.names)
+    lines = [chat_line(0), chat_line(1, model="ad1")]
+    f = await sdk.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
+    batch = await sdk.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+    async with (
+        inproc_worker(nats_url, FakeEngine(), namespace=namespace, slots=4),
+        anyio.create_task_group() as tg,
+    ):
+        await registry_kv.put(
+            client.names.instance_key("adapters-1"), codec.encode(_record("adapters-1", "fake", ["ad1"]))
+        )
+        tg.start_soon(BatchRunner(client, service_of(api)).serve)
+        done = await wait_status(sdk, batch.id, {"completed", "failed"})
+        tg.cancel_scope.cancel()
+    assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 1, 1)
+    (error,) = [json.loads(x) for x in (await sdk.files.content(done.error_file_id)).content.splitlines()]
+    assert error["custom_id"] == "req-1"
+    assert error["response"]["body"]["error"]["code"] in (
+        "unknown_adapter",
+        "lora_disabled",
+        "adapter_not_loaded",
+    )
+
+
+def service_of(api) -> BatchService:
+    return api[2]

@@ -10,11 +10,16 @@ from dataclasses import dataclass
 
 import anyio
 import httpx
+import nats.errors
 import openai
 import pytest
+from starlette.applications import Starlette
+from starlette.testclient import TestClient
 
-from jetllm.gateway import GatewayConfig
-from jetllm.gateway.service import BatchSettings
+from jetllm.gateway import GatewayConfig, chat_api, completions_api, health_api, models_api
+from jetllm.gateway.capacity import FleetView
+from jetllm.gateway.service import BatchSettings, Gateway
+from jetllm.openai.translate import MAX_PROMPTS
 from jetllm.producer import Client
 from jetllm.producer.fleet import instance_status
 from jetllm.schemas import (
@@ -340,6 +345,136 @@ def test_bad_requests_are_400s_naming_the_parameter(env):
     with pytest.raises(openai.BadRequestError) as info:
         sdk.completions.create(model="fake", prompt=[[]], max_tokens=2)
     assert info.value.body["param"] == "prompt[0]"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param", "says"),
+    [
+        (
+            "/v1/chat/completions",
+            json.dumps({"model": "fake", "messages": USER, "seed": 2**70}),
+            "seed",
+            "<=",
+        ),
+        (
+            "/v1/chat/completions",
+            json.dumps({"model": "fake", "messages": USER, "chat_template_kwargs": {"a": 2**70}}),
+            "chat_template_kwargs",
+            "64-bit",
+        ),
+        (
+            "/v1/chat/completions",
+            '{"model":"fake","messages":[{"role":"user","content":"hi"}],"chat_template_kwargs":{"a":'
+            + "[" * 3000
+            + "]" * 3000
+            + "}}",
+            None,
+            "nested too deeply",
+        ),
+        (
+            "/v1/chat/completions",
+            b'{"model":"fake","messages":[{"role":"user","content":"\xff"}]}',
+            None,
+            "UTF-8",
+        ),
+        ("/v1/completions", json.dumps({"model": "fake", "prompt": [5, 2**70]}), "prompt", "64-bit"),
+        (
+            "/v1/completions",
+            json.dumps({"model": "fake", "prompt": ["a"] * (MAX_PROMPTS + 1)}),
+            "prompt",
+            "256",
+        ),
+        (
+            "/v1/completions",  # more jobs than --max-queue lets one request queue: retrying cannot help
+            json.dumps({"model": "fake", "prompt": ["a"] * (MAX_QUEUE + 2), "max_tokens": 1}),
+            "prompt",
+            "--max-queue",
+        ),
+    ],
+)
+def test_json_a_job_cannot_carry_is_a_400_in_openais_shape(env, path, body, param, says):
+    """Big integers, deep nesting, invalid UTF-8, too many prompts: a 400 naming what to change."""
+    with httpx.Client(base_url=env.gateway.root, timeout=30) as http:
+        r = http.post(path, content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.headers["content-type"] == "application/json", r.text
+    error = r.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", param), error
+    assert says in error["message"], error
+
+
+def test_as_many_prompts_as_max_queue_admits_run(env):
+    several = env.sdk().completions.create(
+        model="fake", prompt=["a"] * (MAX_QUEUE + 1), max_tokens=2, extra_body=EXTRA
+    )
+    assert len(several.choices) == MAX_QUEUE + 1
+
+
+class _NatsOutOfReach:
+    """A JetStream context whose every request times out, as while NATS is unreachable."""
+
+    def __getattr__(self, name: str):
+        async def timed_out(*args, **kwargs):
+            raise nats.errors.TimeoutError
+
+        return timed_out
+
+
+def _offline_app() -> Starlette:
+    """The gateway's generation, models and metrics endpoints on a NATS that never answers."""
+    config = GatewayConfig(namespace="offline", max_queue=MAX_QUEUE, retry_after=RETRY_AFTER)
+    app = Starlette(
+        routes=[*models_api.routes, *chat_api.routes, *completions_api.routes, *health_api.routes]
+    )
+    app.state.gateway = Gateway(config, None, FleetView(_NatsOutOfReach(), Names("offline")))
+    return app
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("GET", "/v1/models", None),
+        ("POST", "/v1/chat/completions", {"model": "fake", "messages": USER}),
+        ("POST", "/v1/completions", {"model": "fake", "prompt": "x"}),
+    ],
+)
+def test_nats_out_of_reach_is_a_503_with_retry_after(method, path, body):
+    with TestClient(_offline_app()) as http:
+        r = http.request(method, path, json=body)
+    assert r.status_code == 503 and r.headers["retry-after"] == str(RETRY_AFTER), r.text
+    error = r.json()["error"]
+    assert (error["type"], error["code"]) == ("server_error", "no_capacity") and "NATS" in error["message"]
+
+
+def test_a_client_gone_while_sending_its_body_is_counted_as_499():
+    app = _offline_app()
+    arriving = iter(
+        [{"type": "http.request", "body": b'{"model": ', "more_body": True}, {"type": "http.disconnect"}]
+    )
+
+    async def receive():
+        return next(arriving)
+
+    async def send(message):
+        pass
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", b"1000")],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8000),
+    }
+    anyio.run(app, scope, receive, send)
+    with TestClient(app) as http:
+        metrics = http.get("/metrics").text
+    assert 'jetllm_gateway_requests_total{endpoint="chat",status="499"} 1.0' in metrics
 
 
 def test_unknown_fields_are_ignored_as_openai_does(env):

@@ -11,7 +11,7 @@ import pytest
 
 from jetllm.gateway import capacity
 from jetllm.openai import endpoints, stored, tools, translate
-from jetllm.openai.bodies import ChatRequest, CompletionRequest
+from jetllm.openai.bodies import ChatRequest, CompletionRequest, Message
 from jetllm.openai.endpoints import CHAT, COMPLETIONS
 from jetllm.openai.errors import STATUS, OpenAIError, from_code
 from jetllm.openai.responses import Collected
@@ -151,6 +151,99 @@ def test_bad_chat_bodies_name_the_parameter(body, param):
     assert err.body()["error"]["type"] == "invalid_request_error"
 
 
+BIG = 2**70
+"""An integer JSON allows and msgpack (the wire) cannot carry."""
+DEEP = "[" * 5000 + "]" * 5000
+"""JSON nested deeper than any decoder's recursion limit."""
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+def _raw(**fields) -> bytes:
+    return json.dumps({"model": "m", **fields}).encode()
+
+
+@pytest.mark.parametrize(
+    ("kind", "raw", "param", "says"),
+    [
+        (ChatRequest, _raw(messages=USER, seed=BIG), "seed", "<= 9223372036854775807"),
+        (ChatRequest, _raw(messages=USER, n=BIG), "n", "<= 9223372036854775807"),
+        (ChatRequest, _raw(messages=USER, max_tokens=BIG), "max_tokens", "<= 9223372036854775807"),
+        (ChatRequest, _raw(messages=USER, top_k=-BIG), "top_k", ">= -9223372036854775808"),
+        (ChatRequest, _raw(messages=USER, stop_token_ids=[1, BIG]), "stop_token_ids[1]", "<="),
+        (
+            ChatRequest,
+            _raw(messages=USER, chat_template_kwargs={"a": [BIG]}),
+            "chat_template_kwargs",
+            "64-bit",
+        ),
+        (
+            ChatRequest,
+            _raw(messages=USER, tools=[{**TOOL, "function": {"name": "f", "parameters": {"maximum": BIG}}}]),
+            "tools",
+            "64-bit",
+        ),
+        (
+            ChatRequest,
+            _raw(
+                messages=USER, response_format={"type": "json_schema", "json_schema": {"schema": {"x": BIG}}}
+            ),
+            "response_format",
+            "64-bit",
+        ),
+        (ChatRequest, _raw(messages=USER, guided_json=json.dumps({"maximum": BIG})), "guided_json", "64-bit"),
+        (ChatRequest, _raw(messages=USER, guided_json=DEEP), "guided_json", "nests too deeply"),
+        (
+            ChatRequest,
+            _raw(messages=USER, structured_outputs={"json": DEEP}),
+            "structured_outputs.json",
+            "deep",
+        ),
+        (
+            ChatRequest,
+            _raw(messages=USER, chat_template_kwargs={"a": "DEEP"}).replace(b'"DEEP"', DEEP.encode()),
+            None,
+            "deep",
+        ),
+        (
+            ChatRequest,
+            _raw(messages=[{"role": "user", "content": "DATA"}]).replace(b"DATA", b"\xff"),
+            None,
+            "UTF-8",
+        ),
+        (CompletionRequest, _raw(prompt=[1, BIG]), "prompt", "64-bit"),
+        (CompletionRequest, _raw(prompt=[[1], [BIG]]), "prompt", "64-bit"),
+        (CompletionRequest, _raw(prompt="x", seed=BIG), "seed", "<= 9223372036854775807"),
+        (CompletionRequest, _raw(prompt="x", logprobs=BIG), "logprobs", "<= 9223372036854775807"),
+        (CompletionRequest, _raw(prompt=["a"] * (translate.MAX_PROMPTS + 1)), "prompt", "at most 256"),
+    ],
+)
+def test_what_json_allows_and_a_job_cannot_carry_is_a_400_naming_it(kind, raw, param, says):
+    """Big integers, deep nesting and invalid UTF-8: 400s in OpenAI's shape, never a crash."""
+    with pytest.raises(OpenAIError) as info:
+        body = translate.decode(raw, kind)
+        if kind is ChatRequest:
+            translate.chat_job(body, ROUTE, "r1")
+        else:
+            translate.completion_jobs(body, ROUTE, "r1")
+    err = info.value
+    assert (err.status, err.param, err.body()["error"]["type"]) == (400, param, "invalid_request_error")
+    assert says in err.message and (param is None or err.message.startswith(param)), err.message
+
+
+def test_free_form_json_nested_too_deeply_for_the_wire_is_a_400_naming_it():
+    """Nesting the body's decoder took but encoding the job cannot (a deeper stack than decoding)."""
+    deep: list = []
+    for _ in range(100_000):
+        deep = [deep]
+    body = ChatRequest(
+        model="m", messages=[Message(role="user", content="hi")], chat_template_kwargs={"a": deep}
+    )
+    with pytest.raises(OpenAIError) as info:
+        translate.chat_job(body, ROUTE, "r1")
+    assert (info.value.status, info.value.param) == (400, "chat_template_kwargs"), info.value.message
+    assert "nests too deeply" in info.value.message
+
+
 @pytest.mark.parametrize(
     ("prompt", "expected"),
     [
@@ -158,10 +251,19 @@ def test_bad_chat_bodies_name_the_parameter(body, param):
         ([1, 2], [TokensPrompt(token_ids=[1, 2])]),
         (["a", "b"], [TextPrompt(text="a"), TextPrompt(text="b")]),
         ([[1], [2, 3]], [TokensPrompt(token_ids=[1]), TokensPrompt(token_ids=[2, 3])]),
+        (["a"] * translate.MAX_PROMPTS, [TextPrompt(text="a")] * translate.MAX_PROMPTS),
+        ([7] * (translate.MAX_PROMPTS + 1), [TokensPrompt(token_ids=[7] * (translate.MAX_PROMPTS + 1))]),
     ],
 )
 def test_completion_prompts(prompt, expected):
     assert translate.completion_prompts(prompt) == expected
+
+
+def test_a_request_holds_at_most_max_prompts_prompts():
+    with pytest.raises(OpenAIError) as info:
+        translate.completion_prompts([[1]] * (translate.MAX_PROMPTS + 1))
+    assert (info.value.status, info.value.param) == (400, "prompt")
+    assert f"at most {translate.MAX_PROMPTS}" in info.value.message
 
 
 def test_completion_jobs_one_per_prompt_with_their_own_ids():
@@ -281,16 +383,30 @@ def test_which_model_a_name_routes_to(name, live, known, outcome):
 
 
 @pytest.mark.parametrize(
-    ("depth", "limit", "refused"),
-    [(0, None, False), (99, None, False), (3, 3, False), (4, 3, True), (1, 0, True)],
+    ("depth", "limit", "jobs", "refused"),
+    [
+        (0, None, 1, None),
+        (99, None, 500, None),
+        (3, 3, 1, None),
+        (4, 3, 1, 429),
+        (1, 0, 1, 429),
+        (1, 3, 3, None),  # its other two jobs count as waiting: 1 + 2 is not more than 3
+        (2, 3, 3, 429),
+        (0, 3, 4, None),
+        (0, 3, 5, 400),  # could never fit: retrying would not help
+    ],
 )
-def test_a_deep_queue_is_a_429(depth, limit, refused):
+def test_a_deep_queue_is_a_429(depth, limit, jobs, refused):
     if refused:
         with pytest.raises(OpenAIError) as info:
-            capacity.admit("m", depth, limit, retry_after=1)
-        assert info.value.status == 429 and info.value.headers() == {"Retry-After": "1"}
+            capacity.admit("m", depth, limit, retry_after=1, jobs=jobs)
+        assert info.value.status == refused
+        if refused == 429:
+            assert info.value.headers() == {"Retry-After": "1"} and info.value.code == "queue_full"
+        else:
+            assert info.value.param == "prompt" and info.value.headers() == {}
     else:
-        capacity.admit("m", depth, limit, retry_after=1)
+        capacity.admit("m", depth, limit, retry_after=1, jobs=jobs)
 
 
 def test_models_list_adapters_under_their_base():
@@ -368,6 +484,42 @@ def test_a_named_tool_streams_its_arguments():
     assert calls[0]["function"]["name"] == "f"
     assert "".join(c["function"]["arguments"] for c in calls) == '{"a": 1}'
     assert all(c["usage"] is None for c in chunks)
+
+
+@pytest.mark.parametrize(
+    ("plan", "text", "reason", "expected"),
+    [
+        (tools.ToolPlan("named", named="f"), '{"a": 1}', "stop", "stop"),
+        (tools.ToolPlan("named", named="f"), '{"a": "cut sh', "length", "length"),
+        (
+            tools.ToolPlan("auto"),
+            '<tool_call>{"name": "f", "arguments": {}}</tool_call>',
+            "stop",
+            "tool_calls",
+        ),
+        (
+            tools.ToolPlan("auto"),
+            '<tool_call>{"name": "f", "arguments": {}}</tool_call> and',
+            "length",
+            "length",
+        ),
+        (tools.ToolPlan("auto"), "no call", "stop", "stop"),
+        (tools.ToolPlan("required"), '[{"name": "f", "parameters": {}}]', "stop", "tool_calls"),
+    ],
+)
+def test_a_tool_call_answer_keeps_the_engines_finish_reason(plan, text, reason, expected):
+    """A named function or a cut-off output is not the model choosing to call: whole or streamed,
+    only a model that stopped by itself after its calls says "tool_calls"."""
+    frame = TokensFrame(seq=1, token_ids=[1], text=text)
+    whole = Collected(1, logprobs=False)
+    whole.tokens(frame)
+    whole.final(_final(reason))
+    stream = ChatStream("id", 1, "m", 1, plan, include_usage=False)
+    chunks = stream.tokens(frame) + stream.final(_final(reason))
+    assert whole.chat("id", 1, "m", plan)["choices"][0]["finish_reason"] == expected
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"][0]["finish_reason"]] == [
+        expected
+    ]
 
 
 def test_tool_messages_reach_the_template_with_arguments_as_a_mapping():

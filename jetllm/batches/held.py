@@ -16,6 +16,7 @@ from nats.aio.msg import Msg
 from ..errors import JetllmError
 from ..openai.endpoints import prepare
 from ..openai.errors import OpenAIError
+from ..openai.translate import Route
 from ..producer import Client, registry
 from ..schemas import (
     BatchIssue,
@@ -23,6 +24,7 @@ from ..schemas import (
     Claim,
     ErrorCode,
     ErrorFrame,
+    GenerateRequest,
     Record,
     RequestCounts,
     Result,
@@ -31,7 +33,7 @@ from ..subjects import codec
 from . import plan
 from .lines import BadInput, InputLine, line_request_id
 from .output import output_files, output_lines
-from .service import ApiError, BatchService
+from .service import ApiError, BatchService, NotFound
 
 log = logging.getLogger(__name__)
 _record_decoder = codec.KindDecoder(Record)
@@ -71,6 +73,11 @@ class HeldBatch:
         """When a slot was seen free that no job of the batch was submitted for yet: a line a worker
         had claimed ended, or the registry said so as the batch started (REFILL_SECONDS)."""
         self.changed = anyio.Event()
+        self.resumed = False
+        """The batch was in progress when taken: an earlier runner may have left jobs queued or
+        running that this one never submitted."""
+        self.routes: dict[str, Route] = {}
+        """Where each model a line names runs (`plan.route`), read from the registry at the start."""
 
     async def run(self) -> None:
         try:
@@ -82,12 +89,16 @@ class HeldBatch:
         if action == "skip":
             return
         taken = time.monotonic()
+        self.resumed = state.in_progress_at is not None  # no line is submitted before in progress
         try:
-            lines = await self.service.input_lines(state.input_file_id, state.endpoint)
+            lines = await self.service.input_lines(state.input_file_id, state.endpoint, bounded=False)
+        except NotFound as exc:
+            await (self._input_gone(state) if self.resumed else self._fail(exc.message, None, exc.param))
+            return
         except (BadInput, ApiError) as exc:
             await self._fail(exc.message, getattr(exc, "line", None), exc.param)
             return
-        if state.in_progress_at is not None:  # no line is submitted before the batch is in progress
+        if self.resumed:
             await self._read_finished(lines)
         read = time.monotonic()
         stop: plan.Stop
@@ -96,9 +107,7 @@ class HeldBatch:
             stop = await self._run_lines(lines, state.endpoint)
         else:
             stop = action
-            if state.in_progress_at is not None:  # an earlier runner may have left lines queued
-                self.in_flight = {line.line for line in lines if line.line not in self.outcomes}
-                await self._stop_in_flight(wait=False)
+            await self._stop_in_flight(lines, wait=False)
         ran = time.monotonic()
         await self._finalize(lines, state, stop)
         log.info(
@@ -126,14 +135,16 @@ class HeldBatch:
 
         return change
 
-    async def _read_finished(self, lines: list[InputLine]) -> None:
-        """Results of lines an earlier runner saw finish: read, never run again."""
+    async def _read_finished(self, lines: list[InputLine], *, ended_only: bool = False) -> None:
+        """Results of lines an earlier runner saw finish: read, never run again. `ended_only`:
+        only those that completed (a line cancelled as the batch stops is the batch's, not its own
+        failure)."""
         todo = iter(lines)
 
         async def reader() -> None:  # a few readers share the lines: no task per line
             for line in todo:
                 found = await self.client.result(line_request_id(self.id, line.line))
-                if found is not None:
+                if found is not None and (found.final is not None or not ended_only):
                     self.outcomes[line.line] = found
 
         async with anyio.create_task_group() as tg:
@@ -156,7 +167,7 @@ class HeldBatch:
                     state = await self.service.get(self.id)
                     stop = plan.stop_reason(state.status, time.time(), state.expires_at)
                     if stop is not None:
-                        await self._stop_in_flight()
+                        await self._stop_in_flight(lines)
                         tg.cancel_scope.cancel()
                         return stop
                     now_counts = counts(len(lines), self.outcomes)
@@ -183,16 +194,25 @@ class HeldBatch:
 
     async def _fleet_free(self, lines: list[InputLine]) -> int:
         """The fleet's free slots for the batch's models, by the registry: the first round fills
-        them at once rather than `window` jobs per claim, and what it leaves unused lapses."""
-        if self.pacing.refill <= 0:
-            return 0
+        them at once rather than `window` jobs per claim, and what it leaves unused lapses. The
+        same read routes the models (`plan.route`): an adapter's lines go to its base model."""
         models = {str(line.body.get("model")) for line in lines}
         try:
             records = await registry.instances(self.client.js, self.service.names)
         except Exception as exc:  # the window alone then paces the first round
             log.info("batch %s: the registry did not say which slots are free (%s)", self.id, exc)
             return 0
-        return plan.free_slots(records, models)
+        self.routes = {m: plan.route(m, records) for m in models}
+        return plan.free_slots(records, models) if self.pacing.refill > 0 else 0
+
+    def _job(self, endpoint: str, line: InputLine, rid: str) -> GenerateRequest:
+        """The line's job, on its model's route: `prepare` translates as the gateway does, and
+        names the body's `model` as it is (an adapter's name included)."""
+        request = prepare(endpoint, line.body, rid).job.request
+        route = self.routes.get(request.model)
+        if route is None or route.adapter is None:
+            return request
+        return msgspec.structs.replace(request, model=route.model, adapter=route.adapter)
 
     async def _run_line(self, line: InputLine, endpoint: str) -> None:
         """Submit the line's job and wait until its result is in its request log: seen live on
@@ -216,7 +236,7 @@ class HeldBatch:
                         )
                     if not submitted:
                         try:
-                            ack = await self.client.submit(prepare(endpoint, line.body, rid).job.request)
+                            ack = await self.client.submit(self._job(endpoint, line, rid))
                         except (JetllmError, OpenAIError) as exc:
                             found.append(_failed(rid, exc))  # this line cannot be a job: it fails alone
                             break
@@ -277,26 +297,64 @@ class HeldBatch:
         self.queued.discard(line)
         self.changed.set()
 
-    async def _stop_in_flight(self, wait: bool = True) -> None:
-        """Cancel the lines queued or running; wait a little for their ends to be recorded."""
-        for line in list(self.in_flight):
-            try:
-                await self.client.cancel(line_request_id(self.id, line), reason="batch stopped")
-            except Exception as exc:
-                log.warning("batch %s: could not cancel line %d: %s", self.id, line, exc)
+    async def _stop_in_flight(self, lines: list[InputLine], wait: bool = True) -> None:
+        """Cancel the lines queued or running; wait a little for their ends to be recorded. In a
+        resumed batch, every line without an outcome: an earlier runner's jobs are not this
+        one's to follow, and those that finished meanwhile are read, not written off."""
+        earlier = []
+        if self.resumed:
+            earlier = [x for x in lines if x.line not in self.outcomes and x.line not in self.in_flight]
+        for line in [*self.in_flight, *(x.line for x in earlier)]:
+            await self._cancel(line)
+        if earlier:
+            await self._read_finished(earlier, ended_only=True)
         with anyio.move_on_after(CANCEL_WAIT if wait else 0):
             while self.in_flight:
                 self.changed = anyio.Event()
                 await self.changed.wait()
 
-    async def _fail(self, message: str, line: int | None, param: str | None) -> None:
+    async def _cancel(self, line: int) -> None:
+        try:
+            await self.client.cancel(line_request_id(self.id, line), reason="batch stopped")
+        except Exception as exc:
+            log.warning("batch %s: could not cancel line %d: %s", self.id, line, exc)
+
+    async def _input_gone(self, state: BatchState) -> None:
+        """A resumed batch whose input file is gone (deleted by other means than the API, which
+        refuses it): without the custom ids no output file can be written. Its queued lines are
+        cancelled rather than left to run for nobody; the lines that finished are counted and
+        their results stay in the request log, by request id (`results_max_age`)."""
+        total = state.request_counts.total
+        numbers = range(1, total + 1)
+        for n in numbers:
+            await self._cancel(n)
+        await self._read_finished(
+            [InputLine(line=n, custom_id="", body={}) for n in numbers], ended_only=True
+        )
+        done = len(self.outcomes)
+        message = (
+            f"input file {state.input_file_id} was deleted while the batch ran, so no output file can be "
+            f"written: {done} of {total} lines had completed (their results stay readable by request id "
+            f"batch-<id>-<line> for the namespace's results_max_age), the rest were cancelled. Upload the "
+            "file again and create a new batch"
+        )
+        await self._fail(
+            message, None, "input_file_id", RequestCounts(total=total, completed=done, failed=total - done)
+        )
+
+    async def _fail(
+        self, message: str, line: int | None, param: str | None, final: RequestCounts | None = None
+    ) -> None:
         now = int(time.time())
         issue = BatchIssue(code="invalid_input", message=message, param=param, line=line)
 
         def change(state: BatchState) -> BatchState | None:
             if state.status in plan.TERMINAL_STATUSES:
                 return None
-            return msgspec.structs.replace(state, status="failed", failed_at=now, errors=[issue])
+            kept = final or state.request_counts
+            return msgspec.structs.replace(
+                state, status="failed", failed_at=now, errors=[issue], request_counts=kept
+            )
 
         await self.service.update(self.id, change)
 

@@ -9,8 +9,10 @@ import msgspec
 
 from ..openai.endpoints import prepare
 from ..openai.errors import OpenAIError
+from ..subjects import codec
 
-_json = msgspec.json.Decoder()
+_json = codec.Decoder(Any)
+"""Invalid UTF-8 and too deep nesting are a DecodeError like any other bad JSON."""
 
 MAX_LINES = 50_000
 """Requests in one batch, OpenAI's limit: a runner holds every line and its result until the
@@ -59,7 +61,7 @@ def parse_input(data: bytes, endpoint: str) -> list[InputLine]:
                 line=n,
             )
         try:
-            obj = _json.decode(raw)
+            obj = _json.decode(raw, "json")
         except msgspec.DecodeError as exc:
             raise BadInput(f"{where} is not valid JSON: {exc}", line=n) from None
         if not isinstance(obj, dict):
@@ -86,11 +88,19 @@ def parse_input(data: bytes, endpoint: str) -> list[InputLine]:
         unknown = set(obj) - {"custom_id", "method", "url", "body"}
         if unknown:
             raise BadInput(f"{where}: unknown field {sorted(unknown)[0]!r}", line=n, param=sorted(unknown)[0])
-        try:
-            prepare(endpoint, obj.get("body"), line_request_id("batch_0", n))
-        except OpenAIError as exc:
-            raise BadInput(f"{where}, body: {exc.message}", line=n, param=in_body(exc.param)) from None
+        _check_body(endpoint, obj.get("body"), n)
         lines.append(InputLine(n, custom_id, obj["body"]))
     if not lines:
         raise BadInput("the input file has no requests")
     return lines
+
+
+def _check_body(endpoint: str, body: Any, n: int) -> None:
+    """The line's body translated as the runner will translate it, so it fails now if ever."""
+    where = f"line {n}"
+    try:
+        prepare(endpoint, body, line_request_id("batch_0", n))
+    except OpenAIError as exc:
+        raise BadInput(f"{where}, body: {exc.message}", line=n, param=in_body(exc.param)) from None
+    except RecursionError:  # decoded at the edge of the limit, re-encoded a little deeper
+        raise BadInput(f"{where}, body: nests too deeply; flatten it", line=n, param="body") from None

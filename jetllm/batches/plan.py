@@ -7,7 +7,9 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
+from ..openai.translate import Route, served_route
 from ..schemas import TERMINAL_STATUSES, InstanceRecord
+from ..subjects.setup import DEFAULT_BATCH_ACK_WAIT
 
 T = TypeVar("T")
 
@@ -24,8 +26,9 @@ MAX_IN_FLIGHT = 4096
 """Lines of one batch a runner follows at once (a subscription each), queued or running, unless
 told fewer (`--batch-max-lines`): more than most fleets have slots for, so the fleet, not the
 runner, bounds what runs. Fewer leaves the rest of the fleet to online traffic."""
-DEFAULT_ACK_WAIT = 30.0
-"""Seconds a batch stays with a runner that gave no sign of life before another runner takes it."""
+DEFAULT_ACK_WAIT = DEFAULT_BATCH_ACK_WAIT
+"""Seconds a batch stays with a runner that gave no sign of life before another runner takes it,
+in a namespace whose runners' consumer was made without `--batch-ack-wait`."""
 MAX_WINDOW_SECONDS = 7 * 24 * 3600
 RESULT_RECHECK = 60.0
 """Seconds between direct reads of a running line's result while nothing says its live record was
@@ -99,6 +102,12 @@ def free_slots(records: Iterable[InstanceRecord], models: set[str]) -> int:
         and r.role != "prefill"
         and (r.model in models or models & set(r.adapters))
     )
+
+
+def route(name: str, records: Iterable[InstanceRecord]) -> Route:
+    """Where a line's `model` runs, as the gateway routes an online request; a name nobody serves
+    now stays as it is: its job waits in the queue for a worker (no 404 or 503 here)."""
+    return served_route(name, records) or Route(name)
 
 
 def widened_by(queued: int, submitted: int, window: int) -> int:

@@ -43,7 +43,7 @@ class RunnerSettings(Protocol):
     @property
     def batches(self) -> int: ...
     @property
-    def ack_wait(self) -> float: ...
+    def ack_wait(self) -> float | None: ...
 
 
 class BatchRunner:
@@ -68,14 +68,15 @@ class BatchRunner:
         most: int = plan.MAX_IN_FLIGHT,
         refill: float = plan.REFILL_SECONDS,
         batches: int = 2,
-        ack_wait: float = plan.DEFAULT_ACK_WAIT,
+        ack_wait: float | None = None,
         instance: str | None = None,
     ) -> None:
         self.client = client
         self.service = service
         self.pacing = plan.Pacing(window=max(1, window), most=max(1, most), refill=max(0.0, refill))
         self.batches = max(1, batches)
-        self.ack_wait = ack_wait
+        self.ack_wait = ack_wait or plan.DEFAULT_ACK_WAIT
+        """The consumer's ack_wait as last read (`_consumer_ack_wait`); this until it is read."""
         self.instance = instance or f"runner-{uuid.uuid4().hex[:12]}"
 
     async def serve(self) -> None:
@@ -132,9 +133,26 @@ class BatchRunner:
             free.release()
 
     async def _keep_alive(self, msg: Msg) -> None:
+        """Every third of the consumer's ack_wait, read again each time: the consumer's, not this
+        runner's flag, says when the batch goes to another runner, and a runner started later with
+        another --batch-ack-wait changes it for all."""
         while True:
-            await anyio.sleep(self.ack_wait / 3)
+            await anyio.sleep(await self._consumer_ack_wait() / 3)
             try:
                 await msg.in_progress()
             except Exception as exc:  # the next one may pass; after ack_wait the batch moves on
                 log.warning("could not extend the batch message: %s", exc)
+
+    async def _consumer_ack_wait(self) -> float:
+        names = self.service.names
+        try:
+            info = await self.client.js.consumer_info(names.batch_queue_stream, names.BATCH_RUNNERS)
+            if info.config.ack_wait:
+                self.ack_wait = float(info.config.ack_wait)
+        except Exception as exc:  # the last one read (or the flag's) until it can be read again
+            log.info(
+                "could not read the batch consumer's ack_wait (%s); extending every %.1fs",
+                exc,
+                self.ack_wait / 3,
+            )
+        return self.ack_wait

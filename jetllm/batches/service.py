@@ -22,10 +22,11 @@ from nats.js.object_store import ObjectStore
 
 from ..errors import JetllmError
 from ..openai.endpoints import ENDPOINTS
-from ..schemas import TERMINAL_STATUSES, BatchRun, BatchState, ErrorCode, FileMeta
+from ..schemas import TERMINAL_STATUSES, BatchIssue, BatchRun, BatchState, ErrorCode, FileMeta
 from ..subjects import codec
 from ..subjects.kvsnapshot import entries_matching
 from ..subjects.names import Names
+from ..subjects.policy import DEFAULTS
 from ..subjects.setup import ensure_batch_plane
 from . import plan
 from .lines import BadInput, InputLine, parse_input
@@ -59,6 +60,18 @@ class Conflict(ApiError):
 
 class TooLarge(ApiError):
     status = 413
+
+
+class Unavailable(ApiError):
+    code = ErrorCode.INTERNAL
+    status = 503
+    kind = "server_error"
+
+
+QUEUE_ATTEMPTS = 5
+"""Publishes of a new batch's queue message before the batch is marked failed."""
+QUEUE_BACKOFF = 0.2
+"""Seconds before the second publish; each later one waits that much longer."""
 
 
 _ID = re.compile(r"^[A-Za-z0-9_-]{1,128}$")
@@ -126,10 +139,12 @@ class BatchService:
         js: JetStreamContext,
         names: Names,
         *,
-        ack_wait: float = plan.DEFAULT_ACK_WAIT,
+        ack_wait: float | None = None,
         max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
         replicas: int | None = None,
     ) -> BatchService:
+        """`ack_wait`: the runners' (`--batch-ack-wait`), set on their consumer when given; None
+        leaves an existing consumer's as it is (a producer, `jetllm batch --detach`)."""
         files, states = await ensure_batch_plane(js, names, ack_wait=ack_wait, replicas=replicas)
         return cls(js, names, files, states, max_file_bytes=max_file_bytes)
 
@@ -177,12 +192,14 @@ class BatchService:
             raise NotFound(f"no file with id {file_id!r}", param="file_id") from None
         return bytes(got.data or b"")
 
-    async def input_lines(self, file_id: str, endpoint: str) -> list[InputLine]:
+    async def input_lines(self, file_id: str, endpoint: str, *, bounded: bool = True) -> list[InputLine]:
         """A batch's input, checked (raises BadInput naming the line): its size before it is read,
         as the files store may hold objects that did not come through `upload`, and its lines in
-        a thread, as checking 100 MiB of JSON takes seconds."""
+        a thread, as checking 100 MiB of JSON takes seconds. `bounded=False`: the input of a batch
+        that was created, checked then against the creating side's --max-file-bytes (a runner
+        has no such flag of its own to disagree with the gateway's)."""
         info = await self.file(file_id, param="input_file_id")
-        if info.meta.bytes > self.max_file_bytes:
+        if bounded and info.meta.bytes > self.max_file_bytes:
             raise TooLarge(
                 f"input file {file_id} is {info.meta.bytes} bytes; a batch input is at most "
                 f"{self.max_file_bytes} (--max-file-bytes): split it into several files",
@@ -202,8 +219,24 @@ class BatchService:
         return sorted(out, key=lambda f: (f.meta.created_at, f.id), reverse=True)
 
     async def delete_file(self, file_id: str) -> None:
+        """Refused (409) while a batch that has not ended reads the file: its runner, or the one
+        taking it over, needs the input to write the output. A batch created between the check
+        and the delete finds the file gone and fails saying so (held.py)."""
         await self.file(file_id)
+        user = await self._batch_reading(file_id)
+        if user is not None:
+            raise Conflict(
+                f"file {file_id} is the input of batch {user.id}, which is {user.status}: delete the file "
+                f"once the batch has ended, or cancel it first (POST /v1/batches/{user.id}/cancel)",
+                param="file_id",
+            )
         await self.files.delete(file_id)
+
+    async def _batch_reading(self, file_id: str) -> BatchState | None:
+        for state in await self._states():
+            if state.input_file_id == file_id and state.status not in TERMINAL_STATUSES:
+                return state
+        return None
 
     # batches
 
@@ -225,6 +258,7 @@ class BatchService:
             window = plan.parse_window(completion_window)
         except ValueError as exc:
             raise ApiError(str(exc), param="completion_window") from None
+        _check_window_kept(completion_window, window, await self.kept_for())
         _check_metadata(metadata)
         f = await self.file(input_file_id, param="input_file_id")
         if f.meta.purpose != "batch":
@@ -250,12 +284,51 @@ class BatchService:
         )
         state.request_counts.total = len(lines)
         await self.states.create(self.names.batch_key(state.id), msgspec.json.encode(state))
-        await self.js.publish(
-            self.names.batch_queue(state.id),
-            codec.encode(BatchRun(batch_id=state.id)),
-            headers={"Nats-Msg-Id": state.id},
-        )
+        await self._queue(state.id)
         return state
+
+    async def _queue(self, batch_id: str) -> None:
+        """Hand the batch to the runners, retried (Nats-Msg-Id drops a copy that did arrive). A
+        batch that cannot be queued is marked failed: left `validating`, no runner would ever
+        take it."""
+        for attempt in range(QUEUE_ATTEMPTS):
+            try:
+                await self.js.publish(
+                    self.names.batch_queue(batch_id),
+                    codec.encode(BatchRun(batch_id=batch_id)),
+                    headers={"Nats-Msg-Id": batch_id},
+                )
+                return
+            except Exception as exc:  # NATS away for now, a stream leader moving: try again
+                error = exc
+                await anyio.sleep(QUEUE_BACKOFF * (attempt + 1))
+        message = (
+            f"batch {batch_id} could not be handed to the batch runners ({type(error).__name__}: {error}); "
+            "it is marked failed: create it again"
+        )
+        now = int(time.time())
+        issue = BatchIssue(code="queue_unavailable", message=message)
+        await self.update(
+            batch_id, lambda s: msgspec.structs.replace(s, status="failed", failed_at=now, errors=[issue])
+        )
+        raise Unavailable(message)
+
+    async def kept_for(self) -> float:
+        """Seconds this namespace keeps a queued job and a result, the shorter: a batch running
+        longer would find lines it ran rerun (their results gone) and jobs it queued dropped.
+        As the streams have it; the defaults for a namespace whose streams no worker made yet."""
+        kept = []
+        for stream, setting in (
+            (self.names.jobs_stream, "max_age"),
+            (self.names.requests_stream, "results_max_age"),
+        ):
+            try:
+                info = await self.js.stream_info(stream)
+                age = info.config.max_age
+            except Exception:  # not made yet, or not ours to read: what a new namespace gets
+                age = None
+            kept.append(float(age) if age else float(DEFAULTS[setting]))
+        return min(kept)
 
     async def get(self, batch_id: str) -> BatchState:
         return (await self._entry(batch_id))[0]
@@ -271,14 +344,18 @@ class BatchService:
         except msgspec.DecodeError as exc:  # written by something else: nothing to run or show
             raise NotFound(f"batch {batch_id!r} has an unreadable state ({exc})", param="batch_id") from None
 
-    async def list(self, after: str | None = None, limit: int = 20) -> tuple[list[BatchState], bool]:
-        """A page of batches, newest first, starting after the batch `after`; and whether more follow."""
+    async def _states(self) -> list[BatchState]:
         states = []
         for entry in await entries_matching(self.states, ">"):
             try:
                 states.append(_state_decoder.decode(entry.value or b""))
             except msgspec.DecodeError:
                 continue
+        return states
+
+    async def list(self, after: str | None = None, limit: int = 20) -> tuple[list[BatchState], bool]:
+        """A page of batches, newest first, starting after the batch `after`; and whether more follow."""
+        states = await self._states()
         states.sort(key=lambda s: (s.created_at, s.id), reverse=True)
         return plan.page(states, after, limit, key=lambda s: s.id)
 
@@ -340,6 +417,17 @@ def _check_metadata(metadata: object) -> None:
             f"metadata takes at most {pairs} pairs, keys of at most {key_chars} characters and values of "
             f"at most {value_chars}",
             param="metadata",
+        )
+
+
+def _check_window_kept(text: str, window: int, kept: float) -> None:
+    if window > kept:
+        hours = f"{kept / 3600:g}h"
+        raise ApiError(
+            f"completion_window {text} is longer than this namespace keeps queued jobs and results "
+            f"({hours}): a batch running longer would rerun lines whose results expired. Give at most "
+            f"{hours}, or start the workers with a larger --max-age (seconds)",
+            param="completion_window",
         )
 
 

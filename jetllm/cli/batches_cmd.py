@@ -31,7 +31,7 @@ async def _service(args: argparse.Namespace, name: str) -> AsyncIterator[tuple[C
         service = await BatchService.open(
             client.js,
             client.names,
-            ack_wait=getattr(args, "ack_wait", plan.DEFAULT_ACK_WAIT),
+            ack_wait=getattr(args, "ack_wait", None),  # only a runner's flag sets the consumer's
             max_file_bytes=getattr(args, "max_file_bytes", DEFAULT_MAX_FILE_BYTES),
         )
         yield client, service
@@ -176,9 +176,11 @@ def add_runner_flags(p: argparse._ActionsContainer) -> None:
         "--batch-ack-wait",
         dest="ack_wait",
         type=float,
-        default=plan.DEFAULT_ACK_WAIT,
-        help="seconds after which a batch whose runner went silent goes to another runner "
-        f"(default: {plan.DEFAULT_ACK_WAIT:.0f})",
+        default=None,
+        help="seconds after which a batch whose runner went silent goes to another runner: set on the "
+        "runners' shared consumer, so the last runner given it decides for all (default: as the consumer "
+        f"has it, {plan.DEFAULT_ACK_WAIT:.0f} in a new namespace; without the flag nothing existing is "
+        "changed)",
     )
 
 

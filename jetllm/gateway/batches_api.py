@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 
 from starlette.requests import Request
@@ -16,6 +17,11 @@ from .bodies import limited
 MAX_BODY_BYTES = 1 << 20
 """Largest JSON body of a batches request: a create names a file and takes small metadata, so a
 body past this is refused while it arrives, never read whole."""
+
+
+_LIMIT = re.compile(r"[0-9]{1,3}")
+"""ASCII digits only: str.isdigit also takes superscripts and other scripts' digits, which int()
+then refuses."""
 
 
 async def _body(request: Request) -> bytes:
@@ -60,7 +66,7 @@ def routes(service: Callable[[], BatchService]) -> list[Route]:
     @answers_errors
     async def list_batches(request: Request) -> Response:
         limit_text = request.query_params.get("limit", "20")
-        if not limit_text.isdigit() or not 1 <= int(limit_text) <= 100:
+        if not _LIMIT.fullmatch(limit_text) or not 1 <= int(limit_text) <= 100:
             raise ApiError("limit must be an integer from 1 to 100", param="limit")
         states, more = await service().list(request.query_params.get("after"), int(limit_text))
         data = [batch_object(s) for s in states]

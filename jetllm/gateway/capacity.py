@@ -13,11 +13,12 @@ from collections.abc import Iterable
 from contextlib import aclosing
 
 import anyio
+import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
 
-from ..openai.errors import OpenAIError
-from ..openai.translate import Route
+from ..openai.errors import OpenAIError, invalid
+from ..openai.translate import Route, served_route
 from ..producer import registry
 from ..schemas import InstanceRecord
 from ..subjects.names import Names
@@ -39,12 +40,9 @@ def resolve(name: str, live: Iterable[InstanceRecord], known: Iterable[str], ret
     adapter loaded on one, is served; a model that has workers, none of them taking jobs now, or
     whose card says it was served, is 503 (it may be back soon); anything else is 404."""
     live = list(live)
-    for r in live:
-        if r.model == name and serving(r):
-            return Route(name)
-    for r in live:
-        if name in r.adapters and serving(r):
-            return Route(r.model, name)
+    route = served_route(name, live)
+    if route is not None:
+        return route
     if any(r.model == name or name in r.adapters for r in live) or name in set(known):
         raise OpenAIError(
             503,
@@ -61,17 +59,38 @@ def resolve(name: str, live: Iterable[InstanceRecord], known: Iterable[str], ret
     )
 
 
-def admit(model: str, depth: int, max_queue: int | None, retry_after: int) -> None:
+def admit(model: str, depth: int, max_queue: int | None, retry_after: int, jobs: int = 1) -> None:
     """Refuse a request while its model's queue already holds more than `max_queue` jobs no worker
-    has taken: waiting behind them would exceed any client's patience."""
-    if max_queue is not None and depth > max_queue:
+    has taken: waiting behind them would exceed any client's patience. A request of several jobs
+    (prompts) counts all but its last as waiting already; one that could never fit is a 400."""
+    if max_queue is None:
+        return
+    if jobs - 1 > max_queue:
+        raise invalid(
+            f"prompt holds {jobs} prompts; with --max-queue {max_queue} this gateway takes at most "
+            f"{max_queue + 1} in one request: split it into several requests",
+            "prompt",
+        )
+    if depth + jobs - 1 > max_queue:
+        adds = f" and this request adds {jobs}" if jobs > 1 else ""
         raise OpenAIError(
             429,
-            f"{depth} requests for {model!r} are waiting for a worker (the limit is --max-queue "
+            f"{depth} requests for {model!r} are waiting for a worker{adds} (the limit is --max-queue "
             f"{max_queue}); retry later",
             code="queue_full",
             retry_after=retry_after,
         )
+
+
+def unreachable(exc: Exception, retry_after: int) -> OpenAIError:
+    """NATS or JetStream unreachable (or a stream leader moving): the fleet may be fine, this
+    gateway cannot tell, so the client retries rather than treats it as its own fault."""
+    return OpenAIError(
+        503,
+        f"the gateway cannot reach NATS ({type(exc).__name__}); retry later",
+        code="no_capacity",
+        retry_after=retry_after,
+    )
 
 
 def models(live: Iterable[InstanceRecord]) -> list[dict[str, object]]:
@@ -142,13 +161,20 @@ class FleetView:
                 log.warning("registry watch failed (%s); watching again in 1s", exc)
                 await anyio.sleep(1.0)
 
+    async def reread(self, retry_after: int) -> None:
+        """`refresh` for a request waiting on it: NATS out of reach is a 503 with Retry-After."""
+        try:
+            await self.refresh()
+        except nats.errors.Error as exc:
+            raise unreachable(exc, retry_after) from None
+
     async def route(self, name: str, retry_after: int) -> Route:
         try:
             return resolve(name, self.live(), self.known, retry_after)
         except OpenAIError:
             if time.monotonic() - self._refreshed < MISS_REFRESH:
                 raise
-        await self.refresh()  # a worker that came up a moment ago, or a gateway just started
+        await self.reread(retry_after)  # a worker that came up a moment ago, or a gateway just started
         return resolve(name, self.live(), self.known, retry_after)
 
     async def depth(self, model: str) -> int:

@@ -30,6 +30,7 @@ async def chat_completions(request: Request) -> Response | EventStream:
         body: ChatRequest = await gw.parse(request, ChatRequest)
         route = await gw.route(body.model)
         job = chat_job(body, route, response_id(CHAT, uuid.uuid4().hex))
+        await gw.admit(route)
     except OpenAIError as err:
         return refused(gw, ENDPOINT, err)
     rid, when, n = job.request.request_id, created(), job.request.sampling.n

@@ -31,6 +31,7 @@ async def completions(request: Request) -> Response | EventStream:
         route = await gw.route(body.model)
         rid = response_id(COMPLETIONS, uuid.uuid4().hex)
         jobs = completion_jobs(body, route, rid)
+        await gw.admit(route, len(jobs))
     except OpenAIError as err:
         return refused(gw, ENDPOINT, err)
     when, n = created(), body.n

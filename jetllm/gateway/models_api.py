@@ -14,7 +14,10 @@ from .service import Gateway, error_response, json_response
 async def list_models(request: Request) -> Response:
     gw: Gateway = request.app.state.gateway
     if not gw.fleet.live():
-        await gw.fleet.refresh()
+        try:
+            await gw.fleet.reread(gw.config.retry_after)
+        except OpenAIError as err:
+            return error_response(err)
     return json_response({"object": "list", "data": models(gw.fleet.live())})
 
 

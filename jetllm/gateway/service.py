@@ -12,7 +12,7 @@ from typing import Any
 import anyio
 import msgspec
 import nats.errors
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from ..batches.plan import MAX_IN_FLIGHT, REFILL_SECONDS
@@ -20,8 +20,8 @@ from ..errors import JetllmError
 from ..openai.errors import OpenAIError, from_code, from_exception, too_large
 from ..openai.translate import Job, Route, decode, param_of
 from ..producer import Client
-from ..schemas import ErrorFrame, FinalFrame, TokensFrame
-from .capacity import FleetView, admit
+from ..schemas import ErrorCode, ErrorFrame, FinalFrame, TokensFrame
+from .capacity import FleetView, admit, unreachable
 from .metrics import GatewayMetrics
 from .sse import Emit, EventStream, Gone, unexpected, until_disconnect
 
@@ -53,8 +53,9 @@ class BatchSettings:
     """Jobs of one batch waiting in the queue at once (running ones do not count)."""
     batches: int
     """Batches this gateway's runner runs at once."""
-    ack_wait: float
-    """Seconds after which a batch whose runner went silent goes to another runner."""
+    ack_wait: float | None
+    """Seconds after which a batch whose runner went silent goes to another runner; None: the
+    runners' consumer keeps what it has."""
     max_file_bytes: int
     """The largest upload; more is a 413."""
     most: int = MAX_IN_FLIGHT
@@ -78,22 +79,29 @@ class Gateway:
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise too_large(f"the request body is {declared} bytes; the gateway takes at most {limit}")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large(f"the request body exceeds {limit} bytes, the most the gateway takes")
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large(f"the request body exceeds {limit} bytes, the most the gateway takes")
+                chunks.append(chunk)
+        except ClientDisconnect:  # counted as any client that hangs up; nobody reads the answer
+            raise OpenAIError(
+                499, "the client hung up while sending the body", code=ErrorCode.CANCELLED.value
+            ) from None
         return b"".join(chunks)
 
     async def parse(self, request: Request, kind: type[Any]) -> Any:
         return decode(await self.body(request), kind)
 
     async def route(self, model: str) -> Route:
-        route = await self.fleet.route(model, self.config.retry_after)
+        return await self.fleet.route(model, self.config.retry_after)
+
+    async def admit(self, route: Route, jobs: int = 1) -> None:
+        """Refuse (429) a request whose `jobs` would wait behind too many (`--max-queue`)."""
         if self.config.max_queue is not None:
             depth = await self.fleet.depth(route.model)
-            admit(route.model, depth, self.config.max_queue, self.config.retry_after)
-        return route
+            admit(route.model, depth, self.config.max_queue, self.config.retry_after, jobs)
 
     async def run(self, jobs: Sequence[Job], on_frame: OnFrame) -> None:
         """Run the jobs at once, handing their token and final frames on (with the job's index);
@@ -127,13 +135,8 @@ class Gateway:
                         await on_frame(i, frame)
         except JetllmError as exc:
             raise from_exception(exc, retry_after=self.config.retry_after) from None
-        except nats.errors.Error as exc:  # NATS or JetStream unreachable, or a stream leader moving
-            raise OpenAIError(
-                503,
-                f"the gateway cannot reach NATS ({type(exc).__name__}); retry later",
-                code="no_capacity",
-                retry_after=self.config.retry_after,
-            ) from None
+        except nats.errors.Error as exc:
+            raise unreachable(exc, self.config.retry_after) from None
 
 
 def _first(group: BaseExceptionGroup) -> OpenAIError | None:

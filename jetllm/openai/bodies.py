@@ -7,9 +7,13 @@ what is generated are here, plus those that must be refused rather than silently
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
+
+Int = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]
+"""An integer field: JSON has no bound, the wire (msgpack) and vLLM's `seed` are 64-bit, so a
+bigger one is a 400 naming its field rather than a failure to encode the job."""
 
 
 class _Body(msgspec.Struct, kw_only=True):
@@ -90,23 +94,23 @@ class _Generation(_Body, kw_only=True):
     model: str
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
-    max_tokens: int | None = None
+    n: Int = 1
+    max_tokens: Int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: Int | None = None
     min_p: float | None = None
-    seed: int | None = None
+    seed: Int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    min_tokens: int = 0
+    stop_token_ids: list[Int] | None = None
+    min_tokens: Int = 0
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    best_of: int | None = None
+    best_of: Int | None = None
     logit_bias: dict[str, float] | None = None
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -118,9 +122,9 @@ class _Generation(_Body, kw_only=True):
 
 class ChatRequest(_Generation, kw_only=True):
     messages: list[Message]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: Int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -131,7 +135,7 @@ class ChatRequest(_Generation, kw_only=True):
 class CompletionRequest(_Generation, kw_only=True):
     prompt: str | list[Any]
     """Text, token ids, or a list of either (several prompts); translate.py tells them apart."""
-    logprobs: int | None = None
+    logprobs: Int | None = None
     echo: bool = False
     suffix: str | None = None
     return_token_ids: bool = False

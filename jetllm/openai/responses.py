@@ -19,6 +19,15 @@ def finish_reason(reason: str) -> str:
     return _FINISH.get(reason, reason)
 
 
+def tool_finish(mode: str, reason: str) -> str:
+    """A choice's finish reason once its tool calls were read: "tool_calls" where the model chose
+    to call ("auto", "required") and stopped by itself; a named function was not the model's
+    choice, and a cut-off ("length") stays visible either way."""
+    if mode in ("auto", "required") and reason == "stop":
+        return "tool_calls"
+    return reason
+
+
 def token_name(token: int) -> str:
     return f"token_id:{token}"
 
@@ -131,7 +140,7 @@ class Collected:
             finish = c.finish or "stop"
             if calls:
                 message["tool_calls"] = tools.openai_calls(calls)
-                finish = "stop" if tool_plan.mode == "named" else "tool_calls"
+                finish = tool_finish(tool_plan.mode, finish)
             choices.append(
                 {
                     "index": i,

@@ -7,7 +7,7 @@ from typing import Any
 
 from ..schemas import FinalFrame, TokensFrame, Usage
 from . import tools
-from .responses import CompletionLogprobs, chat_logprobs, finish_reason, usage
+from .responses import CompletionLogprobs, chat_logprobs, finish_reason, tool_finish, usage
 
 
 def _held_back(text: str) -> int:
@@ -143,7 +143,7 @@ class ChatStream(_Chunks):
                     delta["tool_calls"] = [
                         dict(call, index=k) for k, call in enumerate(tools.openai_calls(calls))
                     ]
-                    finish = "tool_calls"
+                    finish = tool_finish(self.tool_plan.mode, finish)
                 out.append(self._chunk([self._delta(i, delta)]))
             out.append(self._chunk([self._delta(i, {}, finish=finish)]))
         return out

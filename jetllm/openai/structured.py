@@ -23,6 +23,8 @@ def _schema(value: dict[str, Any] | str, param: str) -> JsonSchemaOutput:
             value = json.loads(value)
         except ValueError as exc:
             raise invalid(f"{param} is not valid JSON: {exc}", param) from None
+        except RecursionError:
+            raise invalid(f"{param} nests too deeply; flatten it", param) from None
     if not isinstance(value, dict):
         raise invalid(f"{param} must be a JSON schema (an object)", param)
     return JsonSchemaOutput(json_schema=value)

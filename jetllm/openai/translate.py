@@ -6,6 +6,7 @@ Pure functions: the endpoints call them, the tests table them.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,7 @@ from ..schemas import (
     ChatMessage,
     ChatPrompt,
     GenerateRequest,
+    InstanceRecord,
     OutputOptions,
     Prompt,
     SamplingOptions,
@@ -25,9 +27,14 @@ from ..schemas import (
     ToolCall,
     ToolCallFunction,
 )
+from ..subjects import codec
 from . import structured, tools
 from .bodies import ChatRequest, CompletionRequest, Message, _Generation
 from .errors import invalid
+
+MAX_PROMPTS = 256
+"""Prompts in one completions request: each is a job queued at once and followed by a task of the
+gateway, and the request is admitted against `--max-queue` as a whole. More belong in a batch."""
 
 UNSTREAMED_INTERVAL = 64
 """Tokens per frame for a request answered in one piece (`stream` false): nobody reads the
@@ -56,6 +63,16 @@ class Route:
     adapter: str | None = None
 
 
+def served_route(name: str, records: Iterable[InstanceRecord]) -> Route | None:
+    """Where a request's `model` runs now, for the gateway and the batch runner alike: a model a
+    serving worker has is its own; an adapter loaded on one runs on that base model. None when no
+    serving worker has it."""
+    live = [r for r in records if r.state == "serving" and r.ready]
+    if any(r.model == name for r in live):
+        return Route(name)
+    return next((Route(r.model, name) for r in live if name in r.adapters), None)
+
+
 @dataclass
 class Job:
     """A translated request: the job, how its parameters are named in the request, how tool
@@ -82,10 +99,17 @@ def param_of(path: str | None, params: dict[str, str]) -> str | None:
     return path.removeprefix("$.")
 
 
+_DECODERS: dict[Any, codec.Decoder] = {}
+_WIRE = codec.Decoder(GenerateRequest)
+_ANY = codec.Decoder(Any)
+
+
 def decode(body: bytes, kind: type[Any]) -> Any:
-    """The body as `kind`; a body that is not JSON, or a field of the wrong type, is a 400 naming it."""
+    """The body as `kind`; a body that is not JSON (invalid UTF-8 and too deep nesting included), or
+    a field of the wrong type, is a 400 naming it."""
+    decoder = _DECODERS.get(kind) or _DECODERS.setdefault(kind, codec.Decoder(kind))
     try:
-        return msgspec.json.decode(body, type=kind)
+        return decoder.decode(body, "json")
     except msgspec.ValidationError as exc:
         message = str(exc)
         m = _AT.match(message)
@@ -103,7 +127,7 @@ def validated(job: Job) -> GenerateRequest:
     """The job as a worker would decode it: every range and pattern checked here, so a bad value
     is a 400 naming the request's parameter before anything is queued."""
     try:
-        return msgspec.msgpack.decode(msgspec.msgpack.encode(job.request), type=GenerateRequest)
+        return _WIRE.decode(msgspec.msgpack.encode(job.request))
     except msgspec.ValidationError as exc:
         message = str(exc)
         m = _AT.match(message)
@@ -111,6 +135,30 @@ def validated(job: Job) -> GenerateRequest:
             raise invalid(message, None) from None
         param = param_of(m.group(2), job.params)
         raise invalid(f"{param}: {m.group(1)}", param) from None
+    except (OverflowError, RecursionError, msgspec.DecodeError):
+        path, why = _uncarried(job.request)
+        param = param_of(path, job.params)
+        raise invalid(f"{param or 'the request'} {why}", param) from None
+
+
+def _uncarried(request: GenerateRequest) -> tuple[str | None, str]:
+    """Which free-form part of the job (JSON the body structs do not type) the wire cannot carry,
+    and why: typed fields are bounded when the body is decoded, these only here."""
+    prompt = request.prompt
+    parts = {
+        "$.prompt.token_ids": getattr(prompt, "token_ids", None),
+        "$.prompt.template_kwargs": getattr(prompt, "template_kwargs", None),
+        "$.prompt.tools": getattr(prompt, "tools", None),
+        "$.structured": request.structured,
+    }
+    for path, value in parts.items():
+        try:
+            _ANY.decode(msgspec.msgpack.encode(value))
+        except OverflowError:
+            return path, "holds an integer outside the 64-bit range; send a smaller one"
+        except (RecursionError, msgspec.DecodeError):
+            return path, "nests too deeply; flatten it"
+    return None, "cannot be encoded as a job (an integer outside 64 bits, or too deep nesting)"
 
 
 def _sampling(body: _Generation) -> SamplingOptions:
@@ -227,6 +275,12 @@ def completion_prompts(prompt: str | list[Any]) -> list[Prompt]:
         raise invalid("prompt must not be empty", "prompt")
     if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         return [TokensPrompt(token_ids=list(prompt))]
+    if len(prompt) > MAX_PROMPTS:
+        raise invalid(
+            f"prompt holds {len(prompt)} prompts; a request takes at most {MAX_PROMPTS}: "
+            "split it into several requests, or send them as a batch",
+            "prompt",
+        )
     out: list[Prompt] = []
     for i, p in enumerate(prompt):
         if isinstance(p, str):

@@ -234,26 +234,44 @@ async def ensure_batch_plane(
     js: JetStreamContext,
     names: Names,
     *,
-    ack_wait: float,
+    ack_wait: float | None = None,
     replicas: int | None = None,
     memory: bool = False,
 ) -> tuple[ObjectStore, KeyValue]:
     """The OpenAI files and batches of a namespace: the files store, the bucket of batch states,
     and the work-queue stream of batches to run with its one consumer, shared by every runner.
-    Batches are re-delivered after `ack_wait` seconds without a sign of life from their runner,
-    for as long as it takes (a batch fails on its own terms, never by running out of deliveries)."""
+    Batches are re-delivered after the consumer's ack_wait without a sign of life from their
+    runner, for as long as it takes (a batch fails on its own terms, never by running out of
+    deliveries). `ack_wait` is set only when given (`--batch-ack-wait`); None leaves an existing
+    consumer's as it is and gives a new one DEFAULT_BATCH_ACK_WAIT."""
     replicas = replicas or await namespace_replicas(js, names)
     files = await ensure_bucket(js, streams.files_store(names, memory, replicas))
     state = await ensure_bucket(js, streams.batches_bucket(names, memory, replicas))
     await _ensure_stream(js, streams.batch_queue_stream(names, memory, replicas), rescale=False)
-    config = streams.batch_runners(names, ack_wait)
+    await _ensure_batch_consumer(js, names, ack_wait)
+    return files, state
+
+
+DEFAULT_BATCH_ACK_WAIT = 30.0
+"""A new batch consumer's ack_wait when the side creating it was given none."""
+
+
+async def _ensure_batch_consumer(js: JetStreamContext, names: Names, ack_wait: float | None) -> None:
+    try:
+        info = await js.consumer_info(names.batch_queue_stream, names.BATCH_RUNNERS)
+    except nats.js.errors.NotFoundError:
+        info = None
+    if info is not None and (ack_wait is None or info.config.ack_wait == ack_wait):
+        return
+    config = streams.batch_runners(names, DEFAULT_BATCH_ACK_WAIT if ack_wait is None else ack_wait)
     try:
         await api_call(
             lambda: js.add_consumer(names.batch_queue_stream, config), "creating the batch consumer"
         )
-    except nats.js.errors.APIError:  # it exists with other settings (another ack_wait): use it as it is
-        await js.consumer_info(names.batch_queue_stream, names.BATCH_RUNNERS)
-    return files, state
+    except nats.js.errors.APIError as exc:  # a server that takes no update: it stays as it is
+        if info is None:
+            raise
+        log.warning("could not set the batch consumer's ack_wait to %ss (%s)", ack_wait, exc)
 
 
 async def ensure_routing_stream(js: JetStreamContext, names: Names, policy: QueuePolicy) -> None:
