@@ -1,11 +1,12 @@
 """Running jetllm's async entry points (anyio on asyncio, with uvloop when it is installed),
-keeping a background task's failure its own, and retrying a call that fails for a while."""
+keeping a background task's failure its own, retrying a call that fails for a while, and calling
+one function on many items a few at a time."""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import anyio
@@ -52,6 +53,20 @@ async def contained(what: str, fn: Callable[..., Awaitable[Any]], *args: Any) ->
         await fn(*args)
     except Exception:
         log.exception("%s failed", what)
+
+
+async def each(items: Iterable[T], fn: Callable[[T], Awaitable[Any]], at_once: int = 32) -> None:
+    """`fn` on every item, `at_once` calls in flight: round trips overlap without a task per item
+    (a batch may have 50,000 lines)."""
+    todo = iter(items)
+
+    async def worker() -> None:
+        for item in todo:
+            await fn(item)
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(max(1, at_once)):
+            tg.start_soon(worker)
 
 
 def describe(exc: BaseException) -> str:

@@ -26,15 +26,10 @@ from jetllm.batches.lines import BadInput, line_request_id, parse_input
 from jetllm.batches.runner import BatchRunner
 from jetllm.batches.service import BatchService, TooLarge
 from jetllm.gateway import batches_api, files_api
-from jetllm.gateway.capacity import resolve
 from jetllm.openai.endpoints import CHAT, COMPLETIONS, prepare
-from jetllm.openai.errors import OpenAIError
-from jetllm.openai.translate import Route
 from jetllm.producer import Client
-from jetllm.schemas import InstanceRecord
-from jetllm.subjects import codec
 from jetllm.subjects.policy import QueuePolicy
-from jetllm.subjects.setup import ensure_registry, ensure_streams
+from jetllm.subjects.setup import ensure_streams
 
 from .conftest import inproc_worker
 from .fake_engine import FakeEngine
@@ -865,6 +860,31 @@ async def test_a_file_a_batch_that_has_not_ended_reads_cannot_be_deleted(api):
     assert (await sdk.files.retrieve(f.id)).id == f.id
 
 
+async def test_cancelling_a_batch_whose_queue_message_was_lost_ends_it_and_frees_its_file(api):
+    """A batch left validating with no queue message (its gateway died between the two writes)
+    would never end, and its input could never be deleted: a cancel queues it again, so a runner
+    takes it and ends it."""
+    sdk, client, service = api
+    f = await sdk.files.create(file=("in.jsonl", jsonl([chat_line(i) for i in range(2)])), purpose="batch")
+
+    async def died_first(batch_id: str) -> None:  # the gateway died after storing the batch
+        pass
+
+    queue, service._queue = service._queue, died_first  # type: ignore[method-assign]
+    try:
+        batch = await sdk.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+    finally:
+        service._queue = queue  # type: ignore[method-assign]
+    assert (await client.js.stream_info(client.names.batch_queue_stream)).state.messages == 0
+    await sdk.batches.cancel(batch.id)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(BatchRunner(client, service).serve)
+        done = await wait_status(sdk, batch.id, {"cancelled"})
+        tg.cancel_scope.cancel()
+    assert done.request_counts.completed == 0
+    await sdk.files.delete(f.id)
+
+
 async def test_a_resumed_batch_whose_input_is_gone_fails_saying_so_and_cancels_its_queued_lines(
     api, nats_url, namespace
 ):
@@ -916,6 +936,10 @@ async def test_a_completion_window_longer_than_the_namespace_keeps_results_is_re
     await ensure_streams(client.js, client.names, QueuePolicy(max_age=48 * 3600, results_max_age=48 * 3600))
     longer = await sdk.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="48h")  # type: ignore[arg-type]
     assert longer.expires_at == longer.created_at + 48 * 3600
+    await ensure_streams(client.js, client.names, QueuePolicy(max_age=5400, results_max_age=5400))
+    with pytest.raises(openai.BadRequestError) as info:
+        await sdk.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="2h")  # type: ignore[arg-type]
+    assert "Give at most 90m" in info.value.message  # a window the API takes (not "1.5h")
 
 
 async def test_a_list_limit_of_other_digits_than_ascii_is_a_400(api):
@@ -961,72 +985,6 @@ async def test_a_batch_that_cannot_be_queued_is_marked_failed_not_left_validatin
     (listed,) = (await sdk.batches.list()).data
     assert listed.status == "failed" and listed.errors is not None
     assert "could not be handed to the batch runners" in listed.errors.data[0].message
-
-
-def _record(
-    instance: str, model: str, adapters: list[str] | None = None, state: str = "serving"
-) -> InstanceRecord:
-    now = time.time()
-    return InstanceRecord(
-        instance=instance,
-        role="generate",
-        model=model,
-        state=state,  # type: ignore[arg-type]
-        ready=True,
-        adapters=adapters or [],
-        started_at=now,
-        heartbeat_at=now,
-        expires_after=0,
-    )
-
-
-@pytest.mark.parametrize(
-    "name, records",
-    [
-        ("base", [_record("a", "base", ["ad1"])]),
-        ("ad1", [_record("a", "base", ["ad1"])]),
-        ("ad1", [_record("a", "other"), _record("b", "base", ["ad1"])]),
-        ("ad1", [_record("a", "base", ["ad1"], state="draining"), _record("b", "base2", ["ad1"])]),
-        ("nobody", [_record("a", "base", ["ad1"])]),
-        ("ad1", [_record("a", "base", ["ad1"], state="draining")]),
-    ],
-)
-def test_a_batch_line_routes_its_model_as_the_gateway_routes_an_online_request(name, records):
-    """The runner's rule is the gateway's (`capacity.resolve`), but for a model nobody serves now,
-    which the gateway refuses and a batch line waits for in the queue."""
-    try:
-        online = resolve(name, records, [], 1)
-    except OpenAIError:
-        online = Route(name)
-    assert plan.route(name, records) == online
-
-
-async def test_a_batch_line_naming_an_adapter_runs_on_its_base_model(api, nats_url, namespace):
-    """As online requests do: the worker of "fake" takes the job (and, having no adapter ad1, answers
-    it with a typed error), where the adapter's own queue would leave it waiting."""
-    sdk, client, _ = api
-    registry_kv = await ensure_registry(client.js, client.names)
-    lines = [chat_line(0), chat_line(1, model="ad1")]
-    f = await sdk.files.create(file=("in.jsonl", jsonl(lines)), purpose="batch")
-    batch = await sdk.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
-    async with (
-        inproc_worker(nats_url, FakeEngine(), namespace=namespace, slots=4),
-        anyio.create_task_group() as tg,
-    ):
-        await registry_kv.put(
-            client.names.instance_key("adapters-1"), codec.encode(_record("adapters-1", "fake", ["ad1"]))
-        )
-        tg.start_soon(BatchRunner(client, service_of(api)).serve)
-        done = await wait_status(sdk, batch.id, {"completed", "failed"})
-        tg.cancel_scope.cancel()
-    assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 1, 1)
-    (error,) = [json.loads(x) for x in (await sdk.files.content(done.error_file_id)).content.splitlines()]
-    assert error["custom_id"] == "req-1"
-    assert error["response"]["body"]["error"]["code"] in (
-        "unknown_adapter",
-        "lora_disabled",
-        "adapter_not_loaded",
-    )
 
 
 def service_of(api) -> BatchService:

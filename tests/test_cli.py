@@ -93,6 +93,13 @@ def test_generate_refuses_an_invalid_request_before_sending(nats_url):
     assert r.returncode == 2 and "max_tokens" in r.stderr
 
 
+@pytest.mark.parametrize("value", ["900", "0", "nan"])
+def test_health_refuses_a_stall_timeout_workers_would_refuse(nats_url, value):
+    """Else a liveness probe given one would report every worker as failing."""
+    r = jetllm("health", "--nats", nats_url, "--stall-timeout", value)
+    assert r.returncode == 2 and "--stall-timeout" in r.stderr and "$.stall_timeout" in r.stderr
+
+
 @pytest.mark.vllm
 def test_batch_writes_one_result_per_line_in_input_order(shared_vllm, nats_url, tmp_path):
     lines = [

@@ -44,6 +44,11 @@ def adapter_a(tmp_path: Path, load_wait: float) -> LoraSettings:
     return LoraSettings(dirs=[str(allowed)], cache_dir=str(tmp_path / "cache"), load_wait=load_wait)
 
 
+def path_spec(tmp_path: Path, **fields) -> dict:
+    """Adapter `a`'s desired state as `jetllm lora load --path` writes it, with `fields` over it."""
+    return {"v": 1, "name": "a", "source": "path", "ref": str(tmp_path / "allowed" / "a"), **fields}
+
+
 def test_validation_names_what_is_wrong(tmp_path: Path):
     good = tinymodel.build_lora(tmp_path / "good")
     assert validate(good, TINY_FACTS) == 8
@@ -233,13 +238,7 @@ async def test_garbage_in_the_lora_bucket_does_not_stop_the_watch(nats_url, name
                 ("junk", b"\xc1"),
             ]:
                 await c.nc.publish(f"$KV.{c.names.lora_bucket}.fake.{token}", value)
-            spec = {
-                "v": 1,
-                "name": "a",
-                "source": "path",
-                "ref": str(tmp_path / "allowed" / "a"),
-                "version": 1,
-            }
+            spec = path_spec(tmp_path, version=1)
             await kv.put(c.names.lora_key("fake", "a"), msgspec.msgpack.encode(spec))
             with anyio.fail_after(10):
                 while "a" not in w.reports.adapters:
@@ -384,7 +383,7 @@ async def test_a_bad_adapter_fails_its_load_typed_and_lora_list_and_jobs_say_why
 
 async def test_an_unreadable_desired_state_keeps_the_loaded_adapter(nats_url, namespace, tmp_path):
     """A key written by a newer jetllm (a field this worker does not know) is refused, naming the
-    field; the adapter is not unloaded as if its key had been deleted."""
+    field; the adapter is not unloaded as if its key had been deleted, and goes on serving."""
     from jetllm.producer import Client
     from jetllm.subjects.setup import ensure_lora_bucket
 
@@ -400,14 +399,7 @@ async def test_an_unreadable_desired_state_keeps_the_loaded_adapter(nats_url, na
             await _lora_worker_ready(admin)
             await admin.load("fake", "a", source="path", ref=str(tmp_path / "allowed" / "a"))
             loaded = dict(engine.adapters)
-            spec = {
-                "v": 1,
-                "name": "a",
-                "source": "path",
-                "ref": str(tmp_path / "allowed" / "a"),
-                "version": 2,
-                "priority": 1,
-            }
+            spec = path_spec(tmp_path, version=2, priority=1)
             await kv.put(c.names.lora_key("fake", "a"), msgspec.msgpack.encode(spec))
             reply = await _lora_load(c, w.instance, "a")
             assert isinstance(reply, ControlFailed) and reply.code == ErrorCode.INVALID_REQUEST, reply
@@ -415,6 +407,9 @@ async def test_an_unreadable_desired_state_keeps_the_loaded_adapter(nats_url, na
             assert engine.adapters == loaded and w.reports.adapters == ["a"]
             (listed,) = (await admin.list("fake")).replies
             assert [a.name for a in listed.adapters] == ["a"] and "$.priority" in listed.failed["a"]
+            # its jobs still run here (in a rolling upgrade, newer workers serve the new spec)
+            with anyio.fail_after(10):
+                await c.complete(req("fake", adapter="a"))
             del spec["priority"]
             await kv.put(c.names.lora_key("fake", "a"), msgspec.msgpack.encode({**spec, "version": 3}))
             reply = await _lora_load(c, w.instance, "a")  # readable again, and the same weights

@@ -121,6 +121,7 @@ async def test_a_client_router_addresses_jobs_to_the_holder_of_their_prefix_and_
             assert exported["jetllm_router_hit_rate"].samples[0].value == pytest.approx(16 / 36)
             reasons = {x.labels["reason"]: x.value for x in exported["jetllm_router_decisions"].samples}
             assert reasons == {"cached prefix": 1, "prompt's home": 1}
+            assert exported["jetllm_router_kv_events_skipped"].samples[0].value == 0
         assert not router.started  # the client started it, the client stopped it
 
         (rec,) = await trace_records(js, names, hot.request_id)

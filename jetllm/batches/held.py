@@ -13,10 +13,10 @@ import anyio
 import msgspec
 from nats.aio.msg import Msg
 
+from .. import aio
 from ..errors import JetllmError
 from ..openai.endpoints import prepare
 from ..openai.errors import OpenAIError
-from ..openai.translate import Route
 from ..producer import Client, registry
 from ..schemas import (
     BatchIssue,
@@ -24,7 +24,6 @@ from ..schemas import (
     Claim,
     ErrorCode,
     ErrorFrame,
-    GenerateRequest,
     Record,
     RequestCounts,
     Result,
@@ -76,8 +75,6 @@ class HeldBatch:
         self.resumed = False
         """The batch was in progress when taken: an earlier runner may have left jobs queued or
         running that this one never submitted."""
-        self.routes: dict[str, Route] = {}
-        """Where each model a line names runs (`plan.route`), read from the registry at the start."""
 
     async def run(self) -> None:
         try:
@@ -139,17 +136,13 @@ class HeldBatch:
         """Results of lines an earlier runner saw finish: read, never run again. `ended_only`:
         only those that completed (a line cancelled as the batch stops is the batch's, not its own
         failure)."""
-        todo = iter(lines)
 
-        async def reader() -> None:  # a few readers share the lines: no task per line
-            for line in todo:
-                found = await self.client.result(line_request_id(self.id, line.line))
-                if found is not None and (found.final is not None or not ended_only):
-                    self.outcomes[line.line] = found
+        async def read(line: InputLine) -> None:
+            found = await self.client.result(line_request_id(self.id, line.line))
+            if found is not None and (found.final is not None or not ended_only):
+                self.outcomes[line.line] = found
 
-        async with anyio.create_task_group() as tg:
-            for _ in range(min(32, len(lines))):
-                tg.start_soon(reader)
+        await aio.each(lines, read)
         if self.outcomes:
             log.info("batch %s: %d of %d lines had finished already", self.id, len(self.outcomes), len(lines))
 
@@ -194,25 +187,16 @@ class HeldBatch:
 
     async def _fleet_free(self, lines: list[InputLine]) -> int:
         """The fleet's free slots for the batch's models, by the registry: the first round fills
-        them at once rather than `window` jobs per claim, and what it leaves unused lapses. The
-        same read routes the models (`plan.route`): an adapter's lines go to its base model."""
+        them at once rather than `window` jobs per claim, and what it leaves unused lapses."""
+        if self.pacing.refill <= 0:
+            return 0
         models = {str(line.body.get("model")) for line in lines}
         try:
             records = await registry.instances(self.client.js, self.service.names)
         except Exception as exc:  # the window alone then paces the first round
             log.info("batch %s: the registry did not say which slots are free (%s)", self.id, exc)
             return 0
-        self.routes = {m: plan.route(m, records) for m in models}
-        return plan.free_slots(records, models) if self.pacing.refill > 0 else 0
-
-    def _job(self, endpoint: str, line: InputLine, rid: str) -> GenerateRequest:
-        """The line's job, on its model's route: `prepare` translates as the gateway does, and
-        names the body's `model` as it is (an adapter's name included)."""
-        request = prepare(endpoint, line.body, rid).job.request
-        route = self.routes.get(request.model)
-        if route is None or route.adapter is None:
-            return request
-        return msgspec.structs.replace(request, model=route.model, adapter=route.adapter)
+        return plan.free_slots(records, models)
 
     async def _run_line(self, line: InputLine, endpoint: str) -> None:
         """Submit the line's job and wait until its result is in its request log: seen live on
@@ -236,7 +220,7 @@ class HeldBatch:
                         )
                     if not submitted:
                         try:
-                            ack = await self.client.submit(self._job(endpoint, line, rid))
+                            ack = await self.client.submit(prepare(endpoint, line.body, rid).job.request)
                         except (JetllmError, OpenAIError) as exc:
                             found.append(_failed(rid, exc))  # this line cannot be a job: it fails alone
                             break
@@ -304,8 +288,7 @@ class HeldBatch:
         earlier = []
         if self.resumed:
             earlier = [x for x in lines if x.line not in self.outcomes and x.line not in self.in_flight]
-        for line in [*self.in_flight, *(x.line for x in earlier)]:
-            await self._cancel(line)
+        await aio.each([*self.in_flight, *(x.line for x in earlier)], self._cancel)
         if earlier:
             await self._read_finished(earlier, ended_only=True)
         with anyio.move_on_after(CANCEL_WAIT if wait else 0):
@@ -326,8 +309,7 @@ class HeldBatch:
         their results stay in the request log, by request id (`results_max_age`)."""
         total = state.request_counts.total
         numbers = range(1, total + 1)
-        for n in numbers:
-            await self._cancel(n)
+        await aio.each(numbers, self._cancel)
         await self._read_finished(
             [InputLine(line=n, custom_id="", body={}) for n in numbers], ended_only=True
         )

@@ -7,7 +7,6 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
-from ..openai.translate import Route, served_route
 from ..schemas import TERMINAL_STATUSES, InstanceRecord
 from ..subjects.setup import DEFAULT_BATCH_ACK_WAIT
 
@@ -102,12 +101,6 @@ def free_slots(records: Iterable[InstanceRecord], models: set[str]) -> int:
         and r.role != "prefill"
         and (r.model in models or models & set(r.adapters))
     )
-
-
-def route(name: str, records: Iterable[InstanceRecord]) -> Route:
-    """Where a line's `model` runs, as the gateway routes an online request; a name nobody serves
-    now stays as it is: its job waits in the queue for a worker (no 404 or 503 here)."""
-    return served_route(name, records) or Route(name)
 
 
 def widened_by(queued: int, submitted: int, window: int) -> int:

@@ -18,8 +18,10 @@ import uuid
 from typing import Protocol
 
 import anyio
+import nats.errors
 from nats.aio.msg import Msg
 
+from .. import aio
 from ..producer import Client
 from ..schemas import BatchRun
 from ..subjects import codec
@@ -92,8 +94,13 @@ class BatchRunner:
                     await free.acquire()
                     try:
                         msgs = await sub.fetch(1, timeout=2.0)
-                    except Exception:  # nothing queued (a timeout), or the server is away for now
+                    except (nats.errors.TimeoutError, TimeoutError):  # nothing queued
                         free.release()
+                        continue
+                    except Exception as exc:  # the server is away for now: no busy loop meanwhile
+                        free.release()
+                        log.info("batch queue: %s; trying again in 1 s", aio.describe(exc))
+                        await anyio.sleep(1.0)
                         continue
                     tg.start_soon(self._hold, msgs[0], free)
         finally:

@@ -7,6 +7,7 @@ entry of `<NS>_BATCHES`, a batch to run a message on the batch queue. Any gatewa
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 import uuid
@@ -30,6 +31,8 @@ from ..subjects.policy import DEFAULTS
 from ..subjects.setup import ensure_batch_plane
 from . import plan
 from .lines import BadInput, InputLine, parse_input
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MAX_FILE_BYTES = 100 << 20
 """Largest upload, 100 MiB: a batch input is read whole by the runner that takes it."""
@@ -293,11 +296,7 @@ class BatchService:
         take it."""
         for attempt in range(QUEUE_ATTEMPTS):
             try:
-                await self.js.publish(
-                    self.names.batch_queue(batch_id),
-                    codec.encode(BatchRun(batch_id=batch_id)),
-                    headers={"Nats-Msg-Id": batch_id},
-                )
+                await self._publish_run(batch_id)
                 return
             except Exception as exc:  # NATS away for now, a stream leader moving: try again
                 error = exc
@@ -313,6 +312,13 @@ class BatchService:
         )
         raise Unavailable(message)
 
+    async def _publish_run(self, batch_id: str) -> None:
+        await self.js.publish(
+            self.names.batch_queue(batch_id),
+            codec.encode(BatchRun(batch_id=batch_id)),
+            headers={"Nats-Msg-Id": batch_id},
+        )
+
     async def kept_for(self) -> float:
         """Seconds this namespace keeps a queued job and a result, the shorter: a batch running
         longer would find lines it ran rerun (their results gone) and jobs it queued dropped.
@@ -324,10 +330,10 @@ class BatchService:
         ):
             try:
                 info = await self.js.stream_info(stream)
-                age = info.config.max_age
+                age = float(info.config.max_age or 0) or float("inf")  # 0: kept for ever
             except Exception:  # not made yet, or not ours to read: what a new namespace gets
-                age = None
-            kept.append(float(age) if age else float(DEFAULTS[setting]))
+                age = float(DEFAULTS[setting])
+            kept.append(age)
         return min(kept)
 
     async def get(self, batch_id: str) -> BatchState:
@@ -389,9 +395,19 @@ class BatchService:
                     "cancelled",
                     param="batch_id",
                 )
+            was.append(state.status)
             return msgspec.structs.replace(state, status="cancelling", cancelling_at=now)
 
-        return await self.update(batch_id, change)
+        was: list[str] = []
+        cancelling = await self.update(batch_id, change)
+        if was and was[-1] == "validating":
+            # Perhaps never queued (its gateway died before): a runner must take it to end it. The
+            # Nats-Msg-Id drops this copy when the first is still queued.
+            try:
+                await self._publish_run(batch_id)
+            except Exception as exc:  # the first copy may be queued anyway
+                log.warning("batch %s: could not queue it again to be cancelled: %s", batch_id, exc)
+        return cancelling
 
 
 MAX_METADATA = (16, 64, 512)
@@ -422,7 +438,8 @@ def _check_metadata(metadata: object) -> None:
 
 def _check_window_kept(text: str, window: int, kept: float) -> None:
     if window > kept:
-        hours = f"{kept / 3600:g}h"
+        whole = int(kept)
+        hours = next(f"{whole // n}{u}" for n, u in ((3600, "h"), (60, "m"), (1, "s")) if whole % n == 0)
         raise ApiError(
             f"completion_window {text} is longer than this namespace keeps queued jobs and results "
             f"({hours}): a batch running longer would rerun lines whose results expired. Give at most "

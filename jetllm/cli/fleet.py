@@ -262,7 +262,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--no-canary", action="store_true", help="engine liveness only")
     p.add_argument(
-        "--stall-timeout", type=float, default=5.0, help="fail the canary after this long without a token"
+        "--stall-timeout",
+        type=_stall_timeout,
+        default=5.0,
+        help="fail the canary after this long without a token (seconds, at most 600)",
     )
     p.add_argument("--timeout", type=float, default=30.0, help="seconds each instance gets to answer")
     p.add_argument("--json", action="store_true")
@@ -294,3 +297,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--timeout", type=float, default=60.0)
     p.set_defaults(func=lambda a: run(_ctl, a))
+
+
+def _stall_timeout(text: str) -> float:
+    """Checked against HealthCheck's own bounds: a probe must not ask what every worker refuses
+    (a liveness probe would then fail them all)."""
+    try:
+        return msgspec.convert({"stall_timeout": float(text)}, HealthCheck).stall_timeout
+    except (ValueError, msgspec.ValidationError) as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: {exc}") from None

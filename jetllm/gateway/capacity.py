@@ -17,7 +17,7 @@ import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
 
-from ..openai.errors import OpenAIError, invalid
+from ..openai.errors import OpenAIError
 from ..openai.translate import Route, served_route
 from ..producer import registry
 from ..schemas import InstanceRecord
@@ -62,15 +62,10 @@ def resolve(name: str, live: Iterable[InstanceRecord], known: Iterable[str], ret
 def admit(model: str, depth: int, max_queue: int | None, retry_after: int, jobs: int = 1) -> None:
     """Refuse a request while its model's queue already holds more than `max_queue` jobs no worker
     has taken: waiting behind them would exceed any client's patience. A request of several jobs
-    (prompts) counts all but its last as waiting already; one that could never fit is a 400."""
-    if max_queue is None:
+    (prompts) counts all but its last as waiting already, except on an empty queue, which takes any
+    request (else one of more prompts than the limit could never run)."""
+    if max_queue is None or depth == 0:
         return
-    if jobs - 1 > max_queue:
-        raise invalid(
-            f"prompt holds {jobs} prompts; with --max-queue {max_queue} this gateway takes at most "
-            f"{max_queue + 1} in one request: split it into several requests",
-            "prompt",
-        )
     if depth + jobs - 1 > max_queue:
         adds = f" and this request adds {jobs}" if jobs > 1 else ""
         raise OpenAIError(

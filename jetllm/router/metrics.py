@@ -60,3 +60,10 @@ class RouterCollector(Collector):
                 c = CounterMetricFamily(f"jetllm_router_kv_{name}", f"KV-event feed: {name}", labels=labels)
                 c.add_metric(key, value)
                 yield c
+        skipped = CounterMetricFamily(
+            "jetllm_router_kv_events_skipped",
+            "KV events the index could not apply (malformed)",
+            labels=labels,
+        )
+        skipped.add_metric(key, r.index.bad_events)
+        yield skipped

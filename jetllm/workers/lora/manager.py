@@ -112,6 +112,8 @@ class LoraManager:
         self._desired: dict[str, tuple[int, AdapterSpec | None]] = {}
         self._loaded: dict[str, _Loaded] = {}
         self._failed: dict[str, tuple[int, ErrorCode, str]] = {}
+        self._kept: set[str] = set()
+        """Adapters whose newest desired state could not be read: the loaded one goes on serving."""
         self._unloaded: dict[str, int] = {}
         self._locks: dict[str, anyio.Lock] = {}
         self._slots = anyio.Lock()
@@ -180,19 +182,22 @@ class LoraManager:
         if revision <= last:
             return False
         spec = None
+        self._kept.discard(name)
         if value is not None:
             try:
                 spec = _spec.decode(value)
             except msgspec.DecodeError as exc:  # a ValidationError is one too
                 self._unreadable(name, revision, exc)
+                self._kept.add(name)
                 spec = previous
         self._desired[name] = (revision, spec)
         return True
 
     def _unreadable(self, name: str, revision: int, exc: msgspec.DecodeError) -> None:
         """A value this worker cannot read (a field of a newer jetllm, a hand-edited key) says
-        nothing about what is wanted: the adapter stays as it is, and this revision fails, so the
-        verb, `lora-list` and jobs naming it say why instead of the adapter being unloaded."""
+        nothing about what is wanted: the adapter stays as it is and goes on serving its jobs (in
+        a rolling upgrade the newer workers serve the new spec), and this revision fails, so the
+        verb and `lora-list` say why instead of the adapter being unloaded."""
         code = ErrorCode.INVALID_REQUEST if isinstance(exc, msgspec.ValidationError) else ErrorCode.MALFORMED
         message = (
             f"adapter {name!r}: its desired state (revision {revision}) cannot be read: "
@@ -253,7 +258,10 @@ class LoraManager:
             raise
         except Exception as exc:  # remembered too: jobs naming it fail now, not after load_wait
             log.exception("adapter %r: load failed", name)
-            message = f"adapter {name!r}: load failed: {type(exc).__name__}: {exc}"
+            message = (
+                f"adapter {name!r}: load failed: {type(exc).__name__}: {exc}; "
+                "run `jetllm lora load` again to retry"
+            )
             self._failed[name] = (revision, ErrorCode.INTERNAL, message)
             raise ControlError(message, code=ErrorCode.INTERNAL) from exc
 
@@ -286,6 +294,9 @@ class LoraManager:
             entry = await kv.get(self._ctx.names.model_card_key(model))
         except (nats.js.errors.BucketNotFoundError, nats.js.errors.NotFoundError):
             return False  # KeyNotFoundError and KeyDeletedError are NotFoundErrors
+        except nats.errors.Error as exc:  # a registry out of reach must not fail the load for good
+            log.warning("adapter %r: the registry's model cards could not be read (%s)", model, exc)
+            return False
         return bool(entry.value)
 
     async def _load(self, name: str, revision: int, spec: AdapterSpec, cur: _Loaded | None) -> AdapterReply:
@@ -464,6 +475,9 @@ class LoraManager:
             await self._synced.wait()
             while True:
                 revision, spec = self._desired.get(name, (0, None))
+                kept = self._loaded.get(name) if name in self._kept else None
+                if kept is not None:
+                    return kept.engine
                 failed = self._failed.get(name)
                 if failed is not None and failed[0] == revision:
                     raise RequestRejected(
