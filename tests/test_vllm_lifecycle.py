@@ -47,14 +47,16 @@ async def queued_jobs_wait_for_a_worker_and_sigterm_drains_without_losing_any(
 ) -> WorkerProcess:
     """Jobs published before any worker exists are served once one starts; SIGTERM with 8 requests
     in flight lets them finish, the job it had not started goes to a second worker, exit code 0.
-    Returns the second worker, started as the next phase needs it."""
+    Which job waits is not fixed: a job the worker puts back for a moment (its request log slow to
+    answer on a loaded box) lets the next one in first. Returns the second worker, started as the
+    next phase needs it."""
     results: dict[int, Completion] = {}
     streaming: set[int] = set()
     all_streaming = anyio.Event()
 
     async def watched(i: int, frames: AsyncIterator[Frame]) -> AsyncIterator[Frame]:
         async for frame in frames:
-            if isinstance(frame, TokensFrame) and i < 8 and i not in streaming:
+            if isinstance(frame, TokensFrame) and i not in streaming and not all_streaming.is_set():
                 streaming.add(i)
                 if len(streaming) == 8:
                     all_streaming.set()
@@ -82,7 +84,7 @@ async def queued_jobs_wait_for_a_worker_and_sigterm_drains_without_losing_any(
         assert results == {}  # nobody serves them yet; they wait in JetStream
 
         first = start_worker(namespace, "--slots", "8", "--grace-period", "120")
-        # Tokens streaming for all 8 is the moment to stop it (the worker may finish them
+        # Tokens streaming for 8 of them is the moment to stop it (the worker may finish them
         # before a status poll would even see it serving).
         try:
             with anyio.fail_after(240):
@@ -90,16 +92,18 @@ async def queued_jobs_wait_for_a_worker_and_sigterm_drains_without_losing_any(
         except TimeoutError:
             pytest.fail(f"8 requests never streamed: {sorted(streaming)}\n{first.log_tail()}")
         first.signal(signal.SIGTERM)
+        (waiting,) = set(range(9)) - streaming
         # the next phase kills this one's engine: it checks health often, and jobs redeliver late
         second = start_worker(namespace, "--slots", "8", "--health-interval", "0.5", "--ack-wait", "3600")
         await second.wait_ready(nats_url)
         code = await anyio.to_thread.run_sync(first.wait, 180)
     assert code == 0, first.log_tail()
     assert sorted(results) == list(range(9))
-    assert [len(results[i].token_ids) for i in range(8)] == [LONG] * 8
-    assert len({results[i].worker for i in range(8)}) == 1  # the first worker finished them
-    assert results[0].worker != second.instance
-    assert results[8].worker == second.instance and len(results[8].token_ids) == 20
+    assert [len(results[i].token_ids) for i in range(9)] == [LONG] * 8 + [20]
+    # the first worker finished the 8 it had started, and the second ran the one it had not
+    (ran_first,) = {results[i].worker for i in streaming}
+    assert ran_first != second.instance
+    assert results[waiting].worker == second.instance, first.log_tail(200)
     return second
 
 
