@@ -24,6 +24,21 @@ from .running import Running, RunningRequests
 
 log = logging.getLogger(__name__)
 
+PASSES = (0.0, 2.0, 5.0)
+"""Seconds after a reconnect or an election is noticed at which every running request's log is checked.
+One pass is not enough: the advisory can come before the new leader takes publishes (its interest
+reaches the other servers after it), and records dropped in that gap are only seen by a later pass."""
+
+
+def due_passes(now: float, changed: bool, due: list[float]) -> tuple[bool, list[float]]:
+    """Whether a pass runs now, and the passes still due after it; a change schedules `PASSES`
+    afresh (the passes of an earlier change are covered by them)."""
+    if changed:
+        due = [now + d for d in PASSES]
+    if due and due[0] <= now:
+        return True, [t for t in due if t > now]
+    return False, due
+
 
 async def resync_after_reconnects(
     nc: NATS, request_log: RequestLog, instance: str, running: RunningRequests
@@ -31,6 +46,7 @@ async def resync_after_reconnects(
     seen = nc.stats["reconnects"]
     elections = 0
     handled = 0
+    due: list[float] = []
 
     async def on_election(msg: Msg) -> None:
         nonlocal elections
@@ -40,9 +56,13 @@ async def resync_after_reconnects(
     try:
         while True:
             await anyio.sleep(0.5)
-            if not nc.is_connected or (nc.stats["reconnects"] == seen and elections == handled):
+            if not nc.is_connected:
                 continue
+            changed = nc.stats["reconnects"] != seen or elections != handled
             seen, handled = nc.stats["reconnects"], elections
+            run_now, due = due_passes(time.monotonic(), changed, due)
+            if not run_now:
+                continue
             for rid, run in list(running.items()):
                 await _resync_retried(request_log, instance, rid, run)
     finally:
