@@ -63,8 +63,8 @@ from jetllm.schemas import (
 from jetllm.subjects import codec
 from jetllm.workers import control, requestlog
 from jetllm.workers.jobs import RejectedJob, decode_request
+from jetllm.workers.lora import desired as lora_desired
 from jetllm.workers.lora import files as lora_files
-from jetllm.workers.lora import manager as lora_manager
 
 from .helpers.wire import wire_structs
 from .jobs import req
@@ -405,7 +405,7 @@ COMMANDS: list[tuple[Any, msgspec.Struct]] = [
     (control.decoder(SleepRequest), SleepRequest(level=2)),
     (control.decoder(LoraLoad), LoraLoad(name="a1", version=2)),
     (control.decoder(LoraUnload), LoraUnload(name="a1")),
-    (lora_manager._spec, AdapterSpec(name="a1", source="path", ref="/adapters/a1")),
+    (lora_desired._spec, AdapterSpec(name="a1", source="path", ref="/adapters/a1")),
     (lora_files._manifest, AdapterManifest(name="a1", sha256="0" * 64, files={"x": "1" * 64}, size=3)),
 ]
 

@@ -19,7 +19,7 @@ from jetllm.producer.registry import model_cards
 from jetllm.schemas import AdapterReply, ControlFailed, ErrorCode, LoraLoad
 from jetllm.subjects import codec
 from jetllm.workers.engine import LoraFacts
-from jetllm.workers.lora import LoraSettings, manager
+from jetllm.workers.lora import LoraSettings, copies
 from jetllm.workers.lora.files import AdapterFiles
 from jetllm.workers.lora.validate import validate
 
@@ -346,7 +346,7 @@ async def test_a_bad_adapter_fails_its_load_typed_and_lora_list_and_jobs_say_why
     def path(name: str, **extra) -> dict:
         return {"v": 1, "name": name, "source": "path", "ref": str(allowed / name), **extra}
 
-    cases = [  # name, spec, patched (manager attribute, replacement), code, message
+    cases = [  # name, spec, patched (copies attribute, replacement), code, message
         ("nul", {**path("nul"), "ref": f"{allowed}/x\x00y"}, None, ErrorCode.INVALID_REQUEST, "`$.ref`"),
         ("newer", path("newer", priority=1), None, ErrorCode.INVALID_REQUEST, "$.priority: Object contains unknown"),
         ("big", path("big"), None, ErrorCode.ADAPTER_INVALID, "adapter_config.json is not usable JSON"),
@@ -367,7 +367,7 @@ async def test_a_bad_adapter_fails_its_load_typed_and_lora_list_and_jobs_say_why
             for name, spec, patched, code, message in cases:
                 with pytest.MonkeyPatch.context() as mp:
                     if patched:
-                        mp.setattr(manager, *patched)
+                        mp.setattr(copies, *patched)
                     await kv.put(c.names.lora_key("fake", name), msgspec.msgpack.encode(spec))
                     reply = await _lora_load(c, w.instance, name)
                 assert isinstance(reply, ControlFailed), (name, reply)
