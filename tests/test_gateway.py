@@ -4,6 +4,7 @@ against a gateway in front of light-engine workers (processes, so they can be ki
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from dataclasses import dataclass
@@ -16,7 +17,17 @@ import pytest
 from starlette.applications import Starlette
 from starlette.testclient import TestClient
 
-from jetllm.gateway import GatewayConfig, chat_api, completions_api, health_api, models_api
+from jetllm.batches import service as batch_service_module
+from jetllm.batches.service import BatchService
+from jetllm.gateway import (
+    GatewayConfig,
+    batches_api,
+    chat_api,
+    completions_api,
+    files_api,
+    health_api,
+    models_api,
+)
 from jetllm.gateway.capacity import FleetView
 from jetllm.gateway.service import BatchSettings, Gateway
 from jetllm.openai.translate import MAX_PROMPTS
@@ -415,12 +426,21 @@ class _NatsOutOfReach:
 
 
 def _offline_app() -> Starlette:
-    """The gateway's generation, models and metrics endpoints on a NATS that never answers."""
+    """The gateway's endpoints (files and batches too) on a NATS that never answers."""
     config = GatewayConfig(namespace="offline", max_queue=MAX_QUEUE, retry_after=RETRY_AFTER)
+    offline = _NatsOutOfReach()
+    service = BatchService(offline, Names("offline"), offline, offline, max_file_bytes=1 << 20)
     app = Starlette(
-        routes=[*models_api.routes, *chat_api.routes, *completions_api.routes, *health_api.routes]
+        routes=[
+            *models_api.routes,
+            *chat_api.routes,
+            *completions_api.routes,
+            *health_api.routes,
+            *files_api.routes(lambda: service),
+            *batches_api.routes(lambda: service),
+        ]
     )
-    app.state.gateway = Gateway(config, None, FleetView(_NatsOutOfReach(), Names("offline")))
+    app.state.gateway = Gateway(config, None, FleetView(offline, Names("offline")))
     return app
 
 
@@ -430,6 +450,9 @@ def _offline_app() -> Starlette:
         ("GET", "/v1/models", None),
         ("POST", "/v1/chat/completions", {"model": "fake", "messages": USER}),
         ("POST", "/v1/completions", {"model": "fake", "prompt": "x"}),
+        ("POST", "/v1/batches", {"input_file_id": "file-abc", "endpoint": "/v1/chat/completions"}),
+        ("GET", "/v1/batches/batch_abc", None),
+        ("GET", "/v1/files", None),
     ],
 )
 def test_nats_out_of_reach_is_a_503_with_retry_after(method, path, body):
@@ -440,17 +463,19 @@ def test_nats_out_of_reach_is_a_503_with_retry_after(method, path, body):
     assert (error["type"], error["code"]) == ("server_error", "no_capacity") and "NATS" in error["message"]
 
 
-def test_a_client_gone_while_sending_its_body_is_counted_as_499():
-    app = _offline_app()
+def _hung_up(app: Starlette, path: str, content_type: bytes, sent_part: bytes) -> list[dict]:
+    """POST `path` to `app` as a client that sends `sent_part` of its body and hangs up: what the
+    app sent back."""
     arriving = iter(
-        [{"type": "http.request", "body": b'{"model": ', "more_body": True}, {"type": "http.disconnect"}]
+        [{"type": "http.request", "body": sent_part, "more_body": True}, {"type": "http.disconnect"}]
     )
+    sent: list[dict] = []
 
     async def receive():
         return next(arriving)
 
     async def send(message):
-        pass
+        sent.append(message)
 
     scope = {
         "type": "http",
@@ -458,18 +483,71 @@ def test_a_client_gone_while_sending_its_body_is_counted_as_499():
         "http_version": "1.1",
         "method": "POST",
         "scheme": "http",
-        "path": "/v1/chat/completions",
-        "raw_path": b"/v1/chat/completions",
+        "path": path,
+        "raw_path": path.encode(),
         "query_string": b"",
         "root_path": "",
-        "headers": [(b"content-type", b"application/json"), (b"content-length", b"1000")],
+        "headers": [(b"content-type", content_type), (b"content-length", b"1000")],
         "client": ("127.0.0.1", 50000),
         "server": ("127.0.0.1", 8000),
     }
     anyio.run(app, scope, receive, send)
+    return sent
+
+
+def test_a_client_gone_while_sending_its_body_is_counted_as_499():
+    app = _offline_app()
+    _hung_up(app, "/v1/chat/completions", b"application/json", b'{"model": ')
     with TestClient(app) as http:
         metrics = http.get("/metrics").text
     assert 'jetllm_gateway_requests_total{endpoint="chat",status="499"} 1.0' in metrics
+
+
+def test_a_client_gone_in_the_middle_of_an_upload_is_a_499_not_a_traceback(caplog):
+    """As for a generation request: counted as 499, nothing logged as a failure of the gateway."""
+    app = _offline_app()
+    part = b'--b0\r\nContent-Disposition: form-data; name="file"; filename="in.jsonl"\r\n\r\n{"custom_id": '
+    sent = _hung_up(app, "/v1/files", b"multipart/form-data; boundary=b0", part)
+    assert sent[0]["status"] == 499
+    assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
+    with TestClient(app) as http:
+        metrics = http.get("/metrics").text
+    assert 'jetllm_gateway_requests_total{endpoint="files",status="499"} 1.0' in metrics
+
+
+@pytest.mark.anyio
+async def test_a_batch_that_cannot_be_queued_is_a_503_with_retry_after(nats_url, monkeypatch):
+    """Every 503 of the gateway tells the client when to come back, a batch's too."""
+    monkeypatch.setattr(batch_service_module, "QUEUE_BACKOFF", 0.01)
+    async with Client(nats_url, namespace=f"t{uuid.uuid4().hex[:10]}") as client:
+        service = await BatchService.open(client.js, client.names, max_file_bytes=1 << 20)
+        line = {
+            "custom_id": "a",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": "m", "messages": USER},
+        }
+        f = await service.upload(json.dumps(line).encode() + b"\n", "in.jsonl", "batch")
+        publish, queue = client.js.publish, client.names.batch_queue_all.removesuffix("*")
+
+        async def refused(subject, *args, **kwargs):
+            if subject.startswith(queue):
+                raise nats.errors.TimeoutError
+            return await publish(subject, *args, **kwargs)
+
+        monkeypatch.setattr(client.js, "publish", refused)
+        app = Starlette(routes=batches_api.routes(lambda: service))
+        config = GatewayConfig(namespace=client.names.namespace, retry_after=RETRY_AFTER)
+        app.state.gateway = gw = Gateway(config, client, FleetView(client.js, client.names))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as http:
+            r = await http.post(
+                "/v1/batches", json={"input_file_id": f.id, "endpoint": "/v1/chat/completions"}
+            )
+    assert r.status_code == 503 and r.headers.get("retry-after") == str(RETRY_AFTER), r.text
+    assert "create it again" in r.json()["error"]["message"]
+    assert (
+        'jetllm_gateway_requests_total{endpoint="batches",status="503"} 1.0' in gw.metrics.render().decode()
+    )
 
 
 def test_unknown_fields_are_ignored_as_openai_does(env):

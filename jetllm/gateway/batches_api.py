@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..batches.service import ApiError, BatchService, TooLarge, batch_object
-from .api_errors import answers_errors
+from .api_errors import answers_errors, counted
 from .bodies import limited
 
 MAX_BODY_BYTES = 1 << 20
@@ -45,6 +45,7 @@ async def _json(request: Request) -> dict:
 
 
 def routes(service: Callable[[], BatchService]) -> list[Route]:
+    @counted("batches")
     @answers_errors
     async def create(request: Request) -> Response:
         body = await _json(request)

@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..batches.service import ApiError, BatchService, TooLarge, file_object
-from .api_errors import answers_errors
+from .api_errors import answers_errors, counted
 from .bodies import limited
 
 
@@ -41,6 +41,7 @@ async def _form(request: Request, max_file_bytes: int) -> FormData:
 
 
 def routes(service: Callable[[], BatchService]) -> list[Route]:
+    @counted("files")
     @answers_errors
     async def upload(request: Request) -> Response:
         form = await _form(request, service().max_file_bytes)

@@ -3,6 +3,7 @@ body, routing a model, and running jobs with their failures turned into HTTP err
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import aclosing
@@ -16,14 +17,17 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from ..batches.plan import MAX_IN_FLIGHT, REFILL_SECONDS
-from ..errors import JetllmError
+from ..errors import JetllmError, RequestFailed
 from ..openai.errors import OpenAIError, from_code, from_exception, too_large
 from ..openai.translate import Job, Route, decode, param_of
 from ..producer import Client
-from ..schemas import ErrorCode, ErrorFrame, FinalFrame, TokensFrame
+from ..producer.completion import _check_index
+from ..schemas import ErrorCode, ErrorFrame, FinalFrame, GenerateRequest, TokensFrame
 from .capacity import FleetView, admit, unreachable
 from .metrics import GatewayMetrics
 from .sse import Emit, EventStream, Gone, unexpected, until_disconnect
+
+log = logging.getLogger(__name__)
 
 OnFrame = Callable[[int, TokensFrame | FinalFrame], Awaitable[None]]
 
@@ -132,11 +136,43 @@ class Gateway:
                             retry_after=self.config.retry_after,
                         )
                     if isinstance(frame, (TokensFrame, FinalFrame)):
+                        check_choices(job.request, frame)
                         await on_frame(i, frame)
         except JetllmError as exc:
             raise from_exception(exc, retry_after=self.config.retry_after) from None
         except nats.errors.Error as exc:
             raise unreachable(exc, self.config.retry_after) from None
+
+
+def check_choices(req: GenerateRequest, frame: TokensFrame | FinalFrame) -> None:
+    """Frames come from outside the gateway (whoever may publish to the job's inbox): a choice a
+    frame names must be one the request has, and its final frame must name each choice once.
+    Else the request fails as a producer's does (`completion._check_index`): a 500 `internal`
+    naming the choice, not an IndexError of the gateway's, nor another prompt's choice filled."""
+    n = req.sampling.n
+    try:
+        if isinstance(frame, TokensFrame):
+            _check_index(req, frame.index, n)
+            return
+        for c in frame.choices:
+            _check_index(req, c.index, n)
+    except RequestFailed as exc:
+        raise _malformed(exc.remote_message) from None
+    named = [c.index for c in frame.choices]
+    missing = [i for i in range(n) if i not in named]
+    if missing:
+        lacks = ", ".join(map(str, missing))
+        raise _malformed(
+            f"{req.request_id}: its final frame lacks choice {lacks}; the request has {n} (0..{n - 1})"
+        )
+    if len(named) != n:
+        twice = ", ".join(str(i) for i in sorted(set(named)) if named.count(i) > 1)
+        raise _malformed(f"{req.request_id}: its final frame names choice {twice} more than once")
+
+
+def _malformed(message: str) -> OpenAIError:
+    log.warning("a reply frame does not fit its request: %s", message)
+    return from_code(ErrorCode.INTERNAL, message)
 
 
 def _first(group: BaseExceptionGroup) -> OpenAIError | None:
