@@ -23,6 +23,7 @@ from jetllm.schemas import (
     KvEventBatch,
     KvResync,
     KvStored,
+    LoadReport,
 )
 from jetllm.subjects import codec
 from jetllm.subjects.names import Names
@@ -169,6 +170,55 @@ async def test_a_router_starts_warm_from_the_stream_and_resyncs_an_instance_afte
             await kv.delete(names.instance_key("w1"))
             await eventually(lambda: router.overlaps(A) == {})
             assert router.index.blocks == 0
+
+
+def load_report(inst: str, running: int = 1) -> bytes:
+    report = LoadReport(
+        instance=inst, model=MODEL, at=time.time(), running=running, waiting=0, in_flight=0, slots=8
+    )
+    return codec.encode(report)
+
+
+async def test_a_router_keeps_nothing_of_instances_the_registry_does_not_show(nats_url, namespace):
+    """KV events and load reports naming instances the registry does not show leave no state
+    behind; a real instance's count; a worker whose first events beat its registry record (its
+    relay starts before it registers) has them applied once it registers, without a snapshot asked."""
+    async with Client(nats_url, namespace=namespace) as c:
+        names, js, nc = c.names, c.js, c.nc
+        await register(js, names, "w1")
+        await ensure_kv_events_stream(js, names, QueuePolicy())
+        asked: list[str] = []
+
+        async def resync(msg) -> None:
+            asked.append(msg.subject)
+
+        for inst in ("w1", "w3"):
+            await nc.subscribe(names.instance_control(inst, "kv-resync"), cb=resync)
+        router = Router(MODEL)
+        async with router.running(nc, names):
+            for i in range(200):
+                await kv_batch(js, names, f"forged-{i}", 1, [stored(A)])
+                await nc.publish(names.load(MODEL, f"forged-{i}"), load_report(f"forged-{i}"))
+            await kv_batch(js, names, "w1", 1, [stored(A)])
+            await nc.publish(names.load(MODEL, "w1"), load_report("w1", running=3))
+            await eventually(lambda: router.overlaps(A) == {"w1": 16} and bool(router.loads.of("w1")))
+            assert router.index.instances() == {"w1"} and set(router.feed.last) == {"w1"}
+            assert set(router.loads.reports) == {"w1"}
+            assert router.loads.counters["dropped_unregistered"] == 200
+            assert router.feed.counters["held_unregistered"] == 200
+            assert [c.running for c in router.candidates()] == [3]
+
+            start = KvResync(reason="start", part=1, parts=1)
+            await kv_batch(js, names, "w3", 1, [KvCleared(), stored(COLD)], start)
+            await eventually(lambda: router.feed.counters["held_unregistered"] == 201)
+            assert router.overlaps(COLD) == {}
+            await register(js, names, "w3")
+            await eventually(lambda: router.overlaps(COLD) == {"w3": 16})
+            assert router.feed.counters["applied_late"] == 1 and router.index.instances() == {"w1", "w3"}
+            exported = {m.name: m.samples[0].value for m in RouterCollector(router).collect() if m.samples}
+            assert exported["jetllm_router_kv_held_unregistered"] == 201
+            assert exported["jetllm_router_load_dropped_unregistered"] == 200
+        assert asked == []
 
 
 async def test_several_routers_place_every_job_of_the_routing_queue_exactly_once(nats_url, namespace):

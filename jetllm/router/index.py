@@ -49,7 +49,8 @@ class BlockIndex:
     def __init__(self) -> None:
         self._holders: dict[int, int] = {}
         self._slots: list[_SlotState | None] = []
-        self._by_key: dict[Slot, int] = {}
+        self._by_instance: dict[str, dict[int, int]] = {}
+        """Instance -> rank -> slot number (an instance's slots without scanning every slot)."""
         self._free: list[int] = []
         self._ints: list[int] = []
         """One int object per slot number, shared by every single-holder entry."""
@@ -59,8 +60,10 @@ class BlockIndex:
     # bookkeeping
 
     def slot(self, instance: str, rank: int = 0) -> int:
-        key = (instance, rank)
-        n = self._by_key.get(key)
+        """The slot of (instance, rank), made on first use: the caller decides which are real
+        (the router only asks for ranks of instances the registry shows)."""
+        ranks = self._by_instance.get(instance)
+        n = ranks.get(rank) if ranks is not None else None
         if n is None:
             if self._free:
                 n = self._free.pop()
@@ -68,12 +71,17 @@ class BlockIndex:
                 n = len(self._slots)
                 self._slots.append(None)
                 self._ints.append(n)
-            self._slots[n] = _SlotState(key)
-            self._by_key[key] = n
+            self._slots[n] = _SlotState((instance, rank))
+            self._by_instance.setdefault(instance, {})[rank] = n
         return n
 
     def slots_of(self, instance: str) -> list[int]:
-        return [n for (inst, _), n in self._by_key.items() if inst == instance]
+        return list(self._by_instance.get(instance, {}).values())
+
+    @property
+    def slots(self) -> int:
+        """Slots in use: (instance, rank) pairs the index keeps."""
+        return len(self._slots) - len(self._free)
 
     def instance_of(self, slot: int) -> str:
         state = self._slots[slot]
@@ -89,7 +97,7 @@ class BlockIndex:
         return len(self._holders)
 
     def instances(self) -> set[str]:
-        return {inst for inst, _ in self._by_key}
+        return set(self._by_instance)
 
     def is_foreign(self, instance: str) -> bool:
         return any(self._state(n).foreign for n in self.slots_of(instance))
@@ -219,9 +227,8 @@ class BlockIndex:
 
     def drop(self, instance: str) -> None:
         """The instance is gone: forget its blocks and give its slots back."""
-        for n in self.slots_of(instance):
+        for n in self._by_instance.pop(instance, {}).values():
             self.clear(n)
-            del self._by_key[self._state(n).key]
             self._slots[n] = None
             self._free.append(n)
 

@@ -49,7 +49,14 @@ class RouterCollector(Collector):
                 s.percentile(0.99),
             ),
             ("jetllm_router_index_blocks", "Distinct blocks in the index", r.index.blocks),
+            ("jetllm_router_index_slots", "(instance, rank) pairs in the index", r.index.slots),
             ("jetllm_router_instances", "Live instances of the model", len(r.instances)),
+            ("jetllm_router_load_ranks", "Ranks with a load report kept", len(r.loads)),
+            (
+                "jetllm_router_kv_held_batches",
+                "KV-event batches held for an instance the registry does not show yet",
+                len(r.feed.early) if r.feed is not None else 0,
+            ),
         )
         for name, doc, level in gauges:
             g = GaugeMetricFamily(name, doc, labels=labels)
@@ -60,6 +67,10 @@ class RouterCollector(Collector):
                 c = CounterMetricFamily(f"jetllm_router_kv_{name}", f"KV-event feed: {name}", labels=labels)
                 c.add_metric(key, value)
                 yield c
+        for name, value in r.loads.counters.items():
+            c = CounterMetricFamily(f"jetllm_router_load_{name}", f"Load reports: {name}", labels=labels)
+            c.add_metric(key, value)
+            yield c
         skipped = CounterMetricFamily(
             "jetllm_router_kv_events_skipped",
             "KV events the index could not apply (malformed)",

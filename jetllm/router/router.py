@@ -50,10 +50,10 @@ SESSIONS = 100_000
 """Sessions remembered for affinity (least recently used forgotten first)."""
 RANK_EVERY = 0.1
 WARM_TIMEOUT = 60.0
+"""How long `start` waits for the stored KV events to be applied before it serves cold."""
 SNAPSHOT_GRACE = 10.0
 STOP_WAIT = 5.0
 """How long `close` lets the feeds finish their current NATS call before it cancels them."""
-"""How long `start` waits for the stored KV events to be applied before it serves cold."""
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,7 @@ class Router:
         self.index = BlockIndex()
         self.pending = PendingBlocks()
         self.recent = RecentJobs()
-        self.loads = LoadBook(load_max_age)
+        self.loads = LoadBook(load_max_age, registered=self._registered)
         self.instances: dict[str, InstanceRecord] = {}
         self.stats = RouterStats()
         self._block_size = block_size
@@ -170,7 +170,9 @@ class Router:
             self._on_instances({})
         except Exception as exc:
             log.warning("router: cannot read the registry yet (%s); following it", exc)
-        self.feed = KvFeed(nc, names, self.model, self.index, lambda: self._hasher)
+        self.feed = KvFeed(
+            nc, names, self.model, self.index, lambda: self._hasher, registered=self._registered
+        )
         self._sub = await nc.subscribe(names.load_of(self.model), cb=self._on_load)
         self._peers = await nc.subscribe(names.routed(self.role, self.model), cb=self._on_routed)
         # plain tasks, not a task group held open across calls: a router may be started and
@@ -261,14 +263,17 @@ class Router:
         at, snapshot = self._snapshot
         if time.monotonic() - at > SNAPSHOT_GRACE:
             snapshot = {}
+            self._snapshot = (at, {})
+            self._watched = set()  # needed only while the snapshot counts: it would grow for ever
+        else:
+            self._watched |= set(watched)
         current = {**{k: r for k, r in snapshot.items() if k not in self._watched}, **watched}
-        self._watched |= set(watched)
         for gone in set(self.instances) - set(current):
             self.index.drop(gone)
             self.loads.forget(gone)
             self.recent.forget(gone)
             if self.feed is not None:
-                self.feed.last.pop(gone, None)
+                self.feed.forget(gone)
         self.instances = current
         self._ranking = None
         if self._hasher is None:
@@ -276,6 +281,11 @@ class Router:
             if size:
                 self._block_size = size
                 self._hasher = BlockHasher(size, seed=self._seed, algo=self._algo)
+
+    def _registered(self, instance: str) -> InstanceRecord | None:
+        """The live record of `instance`, if the registry shows it: the router keeps load reports
+        and KV events of these only (and of the ranks they list)."""
+        return self.instances.get(instance)
 
     # deciding
 
