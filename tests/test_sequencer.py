@@ -8,7 +8,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from jetllm.producer.sequencer import Decision, Sequencer
+from jetllm.errors import RequestFailed
+from jetllm.producer.sequencer import Decision, Sequencer, rest_of
 from jetllm.schemas import (
     AcceptedFrame,
     Choice,
@@ -472,3 +473,113 @@ def test_an_unreadable_frame_is_dropped_and_the_stream_goes_on(data):
     assert dropped.drop is not None and dropped.drop.startswith("unreadable frame") and not dropped.emit
     after = seq.receive(codec.encode(tok(2)), 0.0)
     assert [f.seq for f in after.emit] == [2] and after.error is None
+
+
+def fin_of(seq: int, *indexes: int) -> FinalFrame:
+    choices = [Choice(index=i, finish_reason="length", completion_tokens=1) for i in indexes]
+    return FinalFrame(
+        seq=seq, request_id="r", choices=choices, usage=Usage(prompt_tokens=1, completion_tokens=len(indexes))
+    )
+
+
+FORGED_RESULTS = [
+    pytest.param(
+        Result(attempt=1, final=fin_of(3, 0, 1), token_ids=[[10], [20]], text=["a"]),
+        None,
+        "1 entries of text for 2 choices",
+        id="text shorter than token_ids",
+    ),
+    pytest.param(
+        Result(attempt=1, final=fin_of(3, 0), token_ids=[[10]], text=["a", "b"]),
+        None,
+        "2 entries of text for 1 choices",
+        id="text longer than token_ids",
+    ),
+    pytest.param(
+        Result(attempt=1, final=fin_of(3, 0, 1), token_ids=[[10], [20]], logprobs=[]),
+        None,
+        "0 entries of logprobs for 2 choices",
+        id="logprobs shorter than token_ids",
+    ),
+    pytest.param(
+        Result(attempt=1, final=fin_of(3, 0), token_ids=[[10], [20]], text=["a", "b"]),
+        None,
+        "its final frame lacks choice 1",
+        id="a final frame missing a choice the lists have",
+    ),
+    pytest.param(
+        Result(attempt=1, final=fin_of(3, 0, 0), token_ids=[[10]]),
+        None,
+        "names choice 0 more than once",
+        id="a final frame naming a choice twice",
+    ),
+    pytest.param(
+        Result(attempt=1, final=fin_of(3, 0, 1), token_ids=[[10]]),
+        None,
+        "names choice 1",
+        id="a final frame naming a choice the lists lack",
+    ),
+    pytest.param(
+        Result(attempt=1, final=fin_of(3), token_ids=[]),
+        None,
+        "output of no choice",
+        id="a final frame with nothing at all",
+    ),
+    pytest.param(
+        Result(attempt=1, final=fin_of(3, 0, 1), token_ids=[[10], [20]], text=["a", "b"]),
+        1,
+        "the output of 2 choices; the request has 1",
+        id="more choices than the request has",
+    ),
+    pytest.param(
+        Result(attempt=1, token_ids=[[10]], text=["a"]),
+        None,
+        "neither a final nor an error frame",
+        id="no end at all",
+    ),
+]
+
+
+@pytest.mark.parametrize(("result", "choices", "says"), FORGED_RESULTS)
+def test_a_result_in_the_log_that_does_not_fit_the_request_fails_it_with_a_typed_error(result, choices, says):
+    """Anyone who may publish to the request log can write a Result: one that does not fit fails
+    the request (RequestFailed, internal) where a fitting one would complete it, never IndexError."""
+    seq = Sequencer("r", 0.0, **({} if choices is None else {"choices": choices}))
+    seq.receive(codec.encode(acc()), 0.0)
+    seq.receive(codec.encode(tok(1)), 0.0)
+    d = seq.looked_up(result, 2.0)
+    assert isinstance(d.error, RequestFailed) and d.error.code == ErrorCode.INTERNAL, d
+    assert says in d.error.message and d.error.message.startswith("internal: r: "), d.error.message
+    assert not d.emit and not d.end and not seq.finished  # a forged result: its request is cancelled
+    with pytest.raises(RequestFailed, match=says):  # the log's other readers (results.py) likewise
+        rest_of(result, [], 0, **({} if choices is None else {"n": choices}))
+
+
+@pytest.mark.parametrize(
+    ("result", "choices"),
+    [
+        pytest.param(ended(2), 1, id="one choice"),
+        pytest.param(
+            Result(attempt=1, final=fin_of(3, 1, 0), token_ids=[[10], [20]], text=["a", "b"]),
+            2,
+            id="two choices",
+        ),
+        pytest.param(
+            Result(
+                attempt=1,
+                error=ErrorFrame(seq=2, request_id="r", code=ErrorCode.ENGINE_ERROR, message="x"),
+            ),
+            1,
+            id="an error without output",
+        ),
+    ],
+)
+def test_a_result_that_fits_still_completes_the_stream(result, choices):
+    for n in (choices, None):
+        seq = Sequencer("r", 0.0, choices=n)
+        seq.receive(codec.encode(acc()), 0.0)
+        seq.receive(codec.encode(tok(1)), 0.0)
+        d = seq.looked_up(result, 2.0)
+        assert (
+            d.error is None and d.end and seq.finished and isinstance(d.emit[-1], (FinalFrame, ErrorFrame))
+        ), d

@@ -21,8 +21,8 @@ from ..errors import JetllmError, RequestFailed
 from ..openai.errors import OpenAIError, from_code, from_exception, too_large
 from ..openai.translate import Job, Route, decode, param_of
 from ..producer import Client
-from ..producer.completion import _check_index
-from ..schemas import ErrorCode, ErrorFrame, FinalFrame, GenerateRequest, TokensFrame
+from ..producer.completion import check_choices
+from ..schemas import ErrorCode, ErrorFrame, FinalFrame, TokensFrame
 from .capacity import FleetView, admit, unreachable
 from .metrics import GatewayMetrics
 from .sse import Emit, EventStream, Gone, unexpected, until_disconnect
@@ -136,7 +136,7 @@ class Gateway:
                             retry_after=self.config.retry_after,
                         )
                     if isinstance(frame, (TokensFrame, FinalFrame)):
-                        check_choices(job.request, frame)
+                        _check_choices(job, frame)
                         await on_frame(i, frame)
         except JetllmError as exc:
             raise from_exception(exc, retry_after=self.config.retry_after) from None
@@ -144,30 +144,15 @@ class Gateway:
             raise unreachable(exc, self.config.retry_after) from None
 
 
-def check_choices(req: GenerateRequest, frame: TokensFrame | FinalFrame) -> None:
-    """Frames come from outside the gateway (whoever may publish to the job's inbox): a choice a
-    frame names must be one the request has, and its final frame must name each choice once.
-    Else the request fails as a producer's does (`completion._check_index`): a 500 `internal`
-    naming the choice, not an IndexError of the gateway's, nor another prompt's choice filled."""
-    n = req.sampling.n
+def _check_choices(job: Job, frame: TokensFrame | FinalFrame) -> None:
+    """Frames come from outside the gateway (whoever may publish to the job's inbox): one naming
+    a choice the request lacks, or a final frame that misses a choice or names one twice, fails
+    the request as a producer's does (`completion.check_choices`): a 500 `internal` naming the
+    choice, not an IndexError of the gateway's, nor another prompt's choice filled."""
     try:
-        if isinstance(frame, TokensFrame):
-            _check_index(req, frame.index, n)
-            return
-        for c in frame.choices:
-            _check_index(req, c.index, n)
+        check_choices(job.request, frame)
     except RequestFailed as exc:
         raise _malformed(exc.remote_message) from None
-    named = [c.index for c in frame.choices]
-    missing = [i for i in range(n) if i not in named]
-    if missing:
-        lacks = ", ".join(map(str, missing))
-        raise _malformed(
-            f"{req.request_id}: its final frame lacks choice {lacks}; the request has {n} (0..{n - 1})"
-        )
-    if len(named) != n:
-        twice = ", ".join(str(i) for i in sorted(set(named)) if named.count(i) > 1)
-        raise _malformed(f"{req.request_id}: its final frame names choice {twice} more than once")
 
 
 def _malformed(message: str) -> OpenAIError:

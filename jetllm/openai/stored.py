@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import RequestFailed
+from ..producer.completion import check_result
 from ..schemas import ChoiceLogprobs, ErrorCode, Result, TokensFrame
 from .endpoints import CHAT, Prepared, response_id
 from .errors import from_code
@@ -51,7 +53,10 @@ def _split(index: int, ids: list[int], text: str | None, kept: ChoiceLogprobs) -
 
 
 def response(prepared: Prepared, result: Result, created: int) -> tuple[int, dict[str, Any]]:
-    """(HTTP status, body) the gateway answers for the prepared request that ended with `result`."""
+    """(HTTP status, body) the gateway answers for the prepared request that ended with `result`;
+    a 500 `internal` saying what does not fit for a Result that does not fit the request (more
+    choices than it has, per-choice lists of unequal length, a choice its final frame misses or
+    names twice): the request log is outside input, so that is one line's error, not the batch's."""
     job = prepared.job
     if result.final is None:
         err = result.error
@@ -62,6 +67,11 @@ def response(prepared: Prepared, result: Result, created: int) -> tuple[int, dic
         )
         return failure.status, failure.body()
     req = job.request
+    try:  # the log is outside input: a Result that does not fit the request is its line's error
+        check_result(req.request_id, result, req.sampling.n)
+    except RequestFailed as exc:
+        failure = from_code(ErrorCode.INTERNAL, exc.remote_message)
+        return failure.status, failure.body()
     collected = Collected(req.sampling.n, req.output.logprobs is not None)
     for frame in frames(result):
         collected.tokens(frame)

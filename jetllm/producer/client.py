@@ -376,6 +376,7 @@ class Client:
                 heartbeat_timeout=self.heartbeat_timeout,
                 probe_after=self.probe_after,
                 reconnects=self.nc.stats.get("reconnects", 0),
+                choices=req.sampling.n,
             )
             while True:
                 inbox.deadline = seq.deadline
@@ -421,7 +422,12 @@ class Client:
         rid = seq.request_id
         while decision.asks:
             if decision.fill is not None:
-                filled = await results.fill_gap(self.js, self.names, rid, seq.seen, *decision.fill)
+                try:
+                    filled = await results.fill_gap(
+                        self.js, self.names, rid, seq.seen, *decision.fill, n=seq.choices
+                    )
+                except RequestFailed as exc:  # a forged result in the log: the request is failed
+                    return Decision(error=exc)
                 decision = seq.filled(filled, time.monotonic())
             elif decision.probe is not None:
                 decision = seq.probed(await self._gone(decision.probe), time.monotonic())

@@ -86,11 +86,19 @@ is 4-9 s), after which workers rewrite the records it dropped meanwhile."""
 
 
 async def fill_gap(
-    js: JetStreamContext, names: Names, request_id: str, seen: list[TokensFrame], after: int, before: int
+    js: JetStreamContext,
+    names: Names,
+    request_id: str,
+    seen: list[TokensFrame],
+    after: int,
+    before: int,
+    *,
+    n: int | None = None,
 ) -> list[Frame]:
     """Frames lost on the way (seq in (after, before)), recovered from the request log; if the
     request has ended, everything after `after` up to its final frame. Waits up to GAP_WAIT
-    for records a worker is still writing or rewriting (after a reconnect or a failover)."""
+    for records a worker is still writing or rewriting (after a reconnect or a failover).
+    Raises RequestFailed (internal) for a result that does not fit the request's `n` choices."""
     steps: dict[int, TokensFrame] = {}
     ended = await result_quietly(js, names, request_id)
     subject, cursor = names.request_log(request_id), 1
@@ -114,7 +122,7 @@ async def fill_gap(
             if ended is None and len(steps) < before - after - 1:
                 await anyio.sleep(0.2)
     if ended is not None:
-        found = rest_of(ended, seen, after)
+        found = rest_of(ended, seen, after, request_id=request_id, n=n)
     else:
         found = []
         for seq in range(after + 1, before):

@@ -11,6 +11,11 @@ the stream live here, so they can be tested row by row without NATS:
   also reveals a loss. A frame from an older attempt than the newest accepted comes from a worker
   that lost the job. A frame of a kind this version does not know is skipped like one that never
   came (docs/messages.md, "Versioning and compatibility").
+- A result read from the request log (to fill a gap, or after a silence) is outside input too:
+  anyone who may publish to the log can write one. One that does not fit the request (per-choice
+  lists of unequal length, more choices than it has, a final frame naming a choice twice or
+  none at all) fails the request with RequestFailed (`internal`), as `error`, the way a frame
+  naming a choice the request lacks fails it (completion.check_choices).
 - The request log holds token frames only up to its last checkpoint: a worker that takes the
   request over asks the producer for the newer ones (`resume`), and from then on the older
   attempts' frames are dropped, so the stream goes on from exactly what the producer has.
@@ -26,7 +31,7 @@ from __future__ import annotations
 
 import msgspec
 
-from ..errors import AcceptTimeout, FrameGap, JetllmError, WorkerSilent
+from ..errors import AcceptTimeout, FrameGap, JetllmError, RequestFailed, WorkerSilent
 from ..schemas import (
     AcceptedFrame,
     Delivered,
@@ -40,6 +45,7 @@ from ..schemas import (
     TokensFrame,
 )
 from ..subjects import codec
+from .completion import check_result
 
 
 class Decision(msgspec.Struct, frozen=True, kw_only=True):
@@ -87,8 +93,12 @@ class Sequencer:
         heartbeat_timeout: float = 2.0,
         probe_after: float = 0.25,
         reconnects: int = 0,
+        choices: int | None = None,
     ) -> None:
         self.request_id = request_id
+        self.choices = choices
+        """The request's choices (`sampling.n`), to check a result read from the log against;
+        None: unknown, a result is checked against itself (its `token_ids`)."""
         self.encoding = encoding
         self.migrate = migrate
         self.accept_timeout = accept_timeout
@@ -274,7 +284,10 @@ class Sequencer:
 
     def looked_up(self, ended: Result | None, now: float) -> Decision:
         if ended is not None:  # it finished while its last frames were lost (a reconnect)
-            frames = rest_of(ended, self.seen, self.last_seq)
+            try:
+                frames = rest_of(ended, self.seen, self.last_seq, request_id=self.request_id, n=self.choices)
+            except RequestFailed as exc:  # not finished: a forged result's request may still run
+                return Decision(error=exc)
             self._passed(frames)
             return Decision(emit=tuple(frames), end=True)
         if not self._suspect or not self.accepted:
@@ -288,8 +301,18 @@ class Sequencer:
         return None if self.accept_timeout is None else now + self.accept_timeout
 
 
-def rest_of(ended: Result, seen: list[TokensFrame], last_seq: int) -> list[Frame]:
-    """The part of a finished request's output that `seen` lacks, as frames after `last_seq`."""
+def rest_of(
+    ended: Result,
+    seen: list[TokensFrame],
+    last_seq: int,
+    *,
+    request_id: str | None = None,
+    n: int | None = None,
+) -> list[Frame]:
+    """The part of a finished request's output that `seen` lacks, as frames after `last_seq`.
+    Raises RequestFailed (internal) for a result that does not fit the request (`check_result`,
+    `n` its choices when known): the log is outside input."""
+    check_result(request_id or "the request", ended, n)
     frames: list[Frame] = []
     seq = last_seq
     for index, ids in enumerate(ended.token_ids):
@@ -304,6 +327,6 @@ def rest_of(ended: Result, seen: list[TokensFrame], last_seq: int) -> list[Frame
                 TokensFrame(seq=seq, attempt=ended.attempt, index=index, token_ids=ids[n_ids:], text=text)
             )
     end = ended.final or ended.error
-    if end is not None:
+    if end is not None:  # always (check_result)
         frames.append(msgspec.structs.replace(end, seq=seq + 1))
     return frames
