@@ -97,6 +97,7 @@ STRICT = {
     "AdapterManifest",
     "BatchLine",
     "PrefillRequest",
+    "ShardJob",
     "BatchRun",
     "ToolSpec",
     "ToolFunction",

@@ -4,14 +4,19 @@ state, the request log, the object store), so another runner can take over at an
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import anyio
 import msgspec
+from anyio.abc import TaskGroup
 from nats.aio.msg import Msg
+from nats.js.api import PubAck
 
 from .. import aio
 from ..errors import JetllmError
@@ -22,13 +27,18 @@ from ..schemas import (
     BatchIssue,
     BatchState,
     Claim,
+    EmbedsPrompt,
     ErrorCode,
     ErrorFrame,
+    GenerateRequest,
+    InstanceRecord,
     Record,
     RequestCounts,
     Result,
+    ShardJob,
 )
 from ..subjects import codec
+from ..subjects.codec import HEADER_MARGIN
 from . import plan
 from .lines import BadInput, InputLine, line_request_id
 from .output import output_files, output_lines
@@ -71,6 +81,8 @@ class HeldBatch:
         self.free_at: deque[float] = deque()
         """When a slot was seen free that no job of the batch was submitted for yet: a line a worker
         had claimed ended, or the registry said so as the batch started (REFILL_SECONDS)."""
+        self.shards: set[str] = set()
+        """Shards of this batch submitted and not yet ended: cancelled as wholes when the batch stops."""
         self.changed = anyio.Event()
         self.resumed = False
         """The batch was in progress when taken: an earlier runner may have left jobs queued or
@@ -148,8 +160,11 @@ class HeldBatch:
 
     async def _run_lines(self, lines: list[InputLine], endpoint: str) -> plan.Stop:
         pending = deque(line for line in lines if line.line not in self.outcomes)
+        records = await self._registry()
         # capped: a registry record is not trusted to state a sane number of slots
-        self.free_at.extend([time.monotonic()] * min(await self._fleet_free(lines), len(pending)))
+        free = 0 if self.pacing.refill <= 0 else plan.free_slots(records, {m for m in _models(lines)})
+        self.free_at.extend([time.monotonic()] * min(free, len(pending)))
+        sharded = plan.shard_sizes(records, self.pacing.shard)
         last_state = 0.0
         written = None
         async with anyio.create_task_group() as tg:
@@ -175,52 +190,116 @@ class HeldBatch:
                 )
                 for _ in range(plan.widened_by(len(self.queued), n, r.window)):
                     self.free_at.popleft()  # that slot is spoken for
-                for _ in range(n):
-                    line = pending.popleft()
+                taken = [pending.popleft() for _ in range(n)]
+                for line in taken:
                     self.in_flight.add(line.line)
                     self.queued.add(line.line)
-                    tg.start_soon(self._run_line, line, endpoint)
+                self._submit(tg, taken, endpoint, sharded)
                 self.changed = anyio.Event()
                 with anyio.move_on_after(STATE_EVERY):
                     await self.changed.wait()
         return "done"
 
-    async def _fleet_free(self, lines: list[InputLine]) -> int:
-        """The fleet's free slots for the batch's models, by the registry: the first round fills
-        them at once rather than `window` jobs per claim, and what it leaves unused lapses."""
-        if self.pacing.refill <= 0:
-            return 0
-        models = {str(line.body.get("model")) for line in lines}
+    async def _registry(self) -> list[InstanceRecord]:
+        """The live instances, by the registry: the first round fills their free slots at once
+        rather than `window` jobs per claim (what it leaves unused lapses), and the models whose
+        workers take shards get their lines as shards."""
         try:
-            records = await registry.instances(self.client.js, self.service.names)
-        except Exception as exc:  # the window alone then paces the first round
+            return await registry.instances(self.client.js, self.service.names)
+        except Exception as exc:  # the window alone then paces the first round, lines go one by one
             log.info("batch %s: the registry did not say which slots are free (%s)", self.id, exc)
-            return 0
-        return plan.free_slots(records, models)
+            return []
 
-    async def _run_line(self, line: InputLine, endpoint: str) -> None:
+    def _submit(self, tg: TaskGroup, taken: list[InputLine], endpoint: str, sharded: dict[str, int]) -> None:
+        """Start following the lines taken for submission: each a job of its own, or, for models
+        whose workers take shards, together as shards of up to `sharded[model]` lines."""
+        groups: dict[str, list[tuple[InputLine, GenerateRequest]]] = {}
+        for line in taken:
+            rid = line_request_id(self.id, line.line)
+            try:
+                req = prepare(endpoint, line.body, rid).job.request
+            except (JetllmError, OpenAIError) as exc:  # this line cannot be a job: it fails alone
+                self._ended(line.line, _failed(rid, exc), ran=False)
+                continue
+            if req.model in sharded and req.adapter is None and not isinstance(req.prompt, EmbedsPrompt):
+                groups.setdefault(req.model, []).append((line, req))
+            else:
+                tg.start_soon(self._run_lines_as, [line], functools.partial(self.client.submit, req))
+        limit = (self.client.nc.max_payload - HEADER_MARGIN) // 2
+        for model, members in groups.items():
+            for part in plan.shards(members, sharded[model], limit, lambda m: len(codec.encode(m[1]))):
+                shard = ShardJob(
+                    request_id=f"{self.id.replace('_', '-')}-shard-{uuid.uuid4().hex[:12]}",
+                    model=model,
+                    requests=[req for _, req in part],
+                    fresh=not self.resumed,
+                )
+                self.shards.add(shard.request_id)
+                submit = _Once(functools.partial(self.client.submit_shard, shard))
+                tg.start_soon(self._run_lines_as, [line for line, _ in part], submit, shard.request_id)
+
+    async def _run_lines_as(
+        self, lines: list[InputLine], submit: Callable[[], Awaitable[PubAck]], shard: str | None = None
+    ) -> None:
+        """Follow `lines`, submitted by one `submit` (a job, or the shard that carries them all),
+        each until its result is in its request log; their logs are subscribed to before it runs."""
+        subs: list[Any] = []
+        try:
+            waits = []
+            for line in lines:
+                rid = line_request_id(self.id, line.line)
+                found: list[Result] = []
+                ended = anyio.Event()
+                on_record = self._on_record(line.line, found, ended)
+                try:
+                    subs.append(
+                        await self.client.nc.subscribe(self.service.names.request_log(rid), cb=on_record)
+                    )
+                    subscribed = True
+                except Exception as exc:  # the server is away for now: the line subscribes again
+                    log.info("batch %s: subscribing to %s again after %s", self.id, rid, exc)
+                    subscribed = False
+                waits.append((line, rid, found, ended, subscribed))
+            async with anyio.create_task_group() as tg:
+                for line, rid, found, ended, subscribed in waits:
+                    tg.start_soon(self._run_line, line, rid, found, ended, subscribed, submit)
+        finally:
+            if shard is not None:
+                self.shards.discard(shard)
+            with anyio.CancelScope(shield=True):
+                for sub in subs:
+                    try:
+                        await sub.unsubscribe()
+                    except Exception:
+                        pass
+
+    async def _run_line(
+        self,
+        line: InputLine,
+        rid: str,
+        found: list[Result],
+        ended: anyio.Event,
+        subscribed: bool,
+        submit: Callable[[], Awaitable[PubAck]],
+    ) -> None:
         """Submit the line's job and wait until its result is in its request log: seen live on
         the log's subject, subscribed to before the job is submitted (no consumer on the server per
         line), and read directly only when it may have gone by unseen (`plan.read_result`: an earlier
         runner's job, a reconnect, and once a minute). Lines submit concurrently, so their publish
         acks overlap."""
-        rid = line_request_id(self.id, line.line)
-        found: list[Result] = []
-        ended = anyio.Event()
-        on_record = self._on_record(line.line, found, ended)
         sub = None
         submitted = duplicate = reconnected = False
         last_read, reconnects = time.monotonic(), self._reconnects()
         try:
             while not found:
                 try:
-                    if sub is None:
+                    if not subscribed and sub is None:
                         sub = await self.client.nc.subscribe(
-                            self.service.names.request_log(rid), cb=on_record
+                            self.service.names.request_log(rid), cb=self._on_record(line.line, found, ended)
                         )
                     if not submitted:
                         try:
-                            ack = await self.client.submit(prepare(endpoint, line.body, rid).job.request)
+                            ack = await submit()
                         except (JetllmError, OpenAIError) as exc:
                             found.append(_failed(rid, exc))  # this line cannot be a job: it fails alone
                             break
@@ -288,7 +367,8 @@ class HeldBatch:
         earlier = []
         if self.resumed:
             earlier = [x for x in lines if x.line not in self.outcomes and x.line not in self.in_flight]
-        await aio.each([*self.in_flight, *(x.line for x in earlier)], self._cancel)
+        stopped: list[int | str] = [*self.shards, *self.in_flight, *(x.line for x in earlier)]
+        await aio.each(stopped, self._cancel)
         if earlier:
             await self._read_finished(earlier, ended_only=True)
         with anyio.move_on_after(CANCEL_WAIT if wait else 0):
@@ -296,11 +376,13 @@ class HeldBatch:
                 self.changed = anyio.Event()
                 await self.changed.wait()
 
-    async def _cancel(self, line: int) -> None:
+    async def _cancel(self, line: int | str) -> None:
+        """Cancel a line, or a shard as a whole (its requests then read their own cancels)."""
+        rid = line if isinstance(line, str) else line_request_id(self.id, line)
         try:
-            await self.client.cancel(line_request_id(self.id, line), reason="batch stopped")
+            await self.client.cancel(rid, reason="batch stopped")
         except Exception as exc:
-            log.warning("batch %s: could not cancel line %d: %s", self.id, line, exc)
+            log.warning("batch %s: could not cancel %s: %s", self.id, rid, exc)
 
     async def _input_gone(self, state: BatchState) -> None:
         """A resumed batch whose input file is gone (deleted by other means than the API, which
@@ -388,6 +470,26 @@ def _with_counts(c: RequestCounts):  # noqa: ANN202
         return msgspec.structs.replace(state, request_counts=c)
 
     return change
+
+
+def _models(lines: list[InputLine]) -> set[str]:
+    return {str(line.body.get("model")) for line in lines}
+
+
+class _Once:
+    """One publish shared by every line it carries (a shard's): the first line to ask publishes,
+    the others get the same answer; a publish that failed is tried again by the next to ask."""
+
+    def __init__(self, publish: Callable[[], Awaitable[PubAck]]) -> None:
+        self._publish = publish
+        self._lock = anyio.Lock()
+        self._ack: PubAck | None = None
+
+    async def __call__(self) -> PubAck:
+        async with self._lock:
+            if self._ack is None:
+                self._ack = await self._publish()
+            return self._ack
 
 
 def _failed(rid: str, exc: JetllmError | OpenAIError) -> Result:

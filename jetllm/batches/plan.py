@@ -29,6 +29,10 @@ DEFAULT_ACK_WAIT = DEFAULT_BATCH_ACK_WAIT
 """Seconds a batch stays with a runner that gave no sign of life before another runner takes it,
 in a namespace whose runners' consumer was made without `--batch-ack-wait`."""
 MAX_WINDOW_SECONDS = 7 * 24 * 3600
+SHARD_LINES = 64
+"""Lines of one model that travel together as one shard job (schemas/shard.py), when the model's
+workers take shards: one message, one ack and no log reads for all of them, where a line as a job
+of its own costs about fifteen messages (docs/decisions.md, "A batch's lines travel in shards")."""
 RESULT_RECHECK = 60.0
 """Seconds between direct reads of a running line's result while nothing says its live record was
 missed: the safety net for a record the server dropped on a slow runner."""
@@ -42,6 +46,8 @@ class Pacing:
     window: int = DEFAULT_WINDOW
     most: int = MAX_IN_FLIGHT
     refill: float = REFILL_SECONDS
+    shard: int = SHARD_LINES
+    """At most this many lines to a shard; 1 (or 0): every line a job of its own."""
 
 
 _WINDOW = re.compile(r"^([1-9][0-9]{0,6})([hms])$")
@@ -101,6 +107,36 @@ def free_slots(records: Iterable[InstanceRecord], models: set[str]) -> int:
         and r.role != "prefill"
         and (r.model in models or models & set(r.adapters))
     )
+
+
+def shard_sizes(records: Iterable[InstanceRecord], most: int) -> dict[str, int]:
+    """For each base model whose live workers take shards, the most lines to put in one: `most`,
+    and no more than any of them asks (`InstanceRecord.shard_lines`, the free slots it waits for
+    before it takes one), so no worker takes more lines than it has slots for. A model with a
+    worker that takes none, or whose shards would hold one line, is left out: its lines go singly."""
+    sizes: dict[str, int] = {}
+    for r in records:
+        if r.state == "serving" and r.ready and r.role != "prefill":
+            sizes[r.model] = min(sizes.get(r.model, most), r.shard_lines)
+    return {model: size for model, size in sizes.items() if size > 1}
+
+
+def shards(members: Sequence[T], most: int, max_bytes: int, size: Callable[[T], int]) -> list[list[T]]:
+    """`members` in order, cut into shards of at most `most` members and `max_bytes` of their
+    `size` together (a member larger than that alone is a shard of its own)."""
+    out: list[list[T]] = []
+    part: list[T] = []
+    used = 0
+    for m in members:
+        n = size(m)
+        if part and (len(part) >= most or used + n > max_bytes):
+            out.append(part)
+            part, used = [], 0
+        part.append(m)
+        used += n
+    if part:
+        out.append(part)
+    return out
 
 
 def widened_by(queued: int, submitted: int, window: int) -> int:

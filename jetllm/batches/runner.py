@@ -43,6 +43,8 @@ class RunnerSettings(Protocol):
     @property
     def refill(self) -> float: ...
     @property
+    def shard(self) -> int: ...
+    @property
     def batches(self) -> int: ...
     @property
     def ack_wait(self) -> float | None: ...
@@ -57,6 +59,7 @@ class BatchRunner:
             window=settings.window,
             most=settings.most,
             refill=settings.refill,
+            shard=settings.shard,
             batches=settings.batches,
             ack_wait=settings.ack_wait,
         )
@@ -69,13 +72,16 @@ class BatchRunner:
         window: int = plan.DEFAULT_WINDOW,
         most: int = plan.MAX_IN_FLIGHT,
         refill: float = plan.REFILL_SECONDS,
+        shard: int = plan.SHARD_LINES,
         batches: int = 2,
         ack_wait: float | None = None,
         instance: str | None = None,
     ) -> None:
         self.client = client
         self.service = service
-        self.pacing = plan.Pacing(window=max(1, window), most=max(1, most), refill=max(0.0, refill))
+        self.pacing = plan.Pacing(
+            window=max(1, window), most=max(1, most), refill=max(0.0, refill), shard=max(0, shard)
+        )
         self.batches = max(1, batches)
         self.ack_wait = ack_wait or plan.DEFAULT_ACK_WAIT
         """The consumer's ack_wait as last read (`_consumer_ack_wait`); this until it is read."""

@@ -171,6 +171,15 @@ def add_runner_flags(p: argparse._ActionsContainer) -> None:
         "so slots left free together are refilled at once; 0: the window alone bounds the queue "
         f"(default: {plan.REFILL_SECONDS:g})",
     )
+    p.add_argument(
+        "--batch-shard-lines",
+        dest="shard",
+        type=int,
+        default=plan.SHARD_LINES,
+        help="lines of one model sent together as one shard job, to models whose workers take shards (the "
+        "registry says so): one message and one ack for all of them instead of a job each; 1: every line "
+        f"a job of its own (default: {plan.SHARD_LINES})",
+    )
     p.add_argument("--batches", type=int, default=2, help="batches one runner runs at once (default: 2)")
     p.add_argument(
         "--batch-ack-wait",

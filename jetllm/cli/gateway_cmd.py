@@ -50,6 +50,7 @@ def gateway_config(args: argparse.Namespace, url: str):
             window=args.window,
             most=args.most,
             refill=args.refill,
+            shard=args.shard,
             batches=args.batches,
             ack_wait=args.ack_wait,
             max_file_bytes=args.max_file_bytes,

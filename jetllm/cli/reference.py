@@ -56,6 +56,7 @@ SECTIONS: list[tuple[str, list[type]]] = [
             s.ErrorFrame,
         ],
     ),
+    ("Shard job: many batch lines as one job", [s.ShardJob]),
     ("Frame batches", [s.FrameBatch, s.BatchedFrame]),
     ("Taking a request over", [s.ResumeQuery, s.Delivered]),
     ("Request log", [s.Claim, s.Steps, s.Step, s.Handoff, s.Cancelled, s.Result, s.ChoiceLogprobs]),

@@ -18,6 +18,7 @@ def wire_types() -> dict[str, object]:
     return {
         # jobs and what a producer sends about them
         "GenerateRequest": s.GenerateRequest,
+        "ShardJob": s.ShardJob,
         "CancelRequest": s.CancelRequest,
         # what comes back: frames on the reply subject, the request log, dead letters, traces
         "Frame": s.Frame,

@@ -16,7 +16,7 @@ import nats.errors
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from ..batches.plan import MAX_IN_FLIGHT, REFILL_SECONDS
+from ..batches.plan import MAX_IN_FLIGHT, REFILL_SECONDS, SHARD_LINES
 from ..errors import JetllmError, RequestFailed
 from ..openai.errors import OpenAIError, from_code, from_exception, too_large
 from ..openai.translate import Job, Route, decode, param_of
@@ -66,6 +66,8 @@ class BatchSettings:
     """Jobs of one batch queued or running at once."""
     refill: float = REFILL_SECONDS
     """Seconds a line that ended may have its replacement queued beyond the window."""
+    shard: int = SHARD_LINES
+    """Lines of one model sent together as one shard job; 1: each line a job of its own."""
 
 
 class Gateway:

@@ -44,12 +44,13 @@ from ..schemas import (
     Frame,
     GenerateRequest,
     Result,
+    ShardJob,
 )
 from ..subjects import codec
 from ..subjects.codec import HEADER_MARGIN
 from ..subjects.connection import connect
 from ..subjects.direct import subscribe_direct
-from ..subjects.names import Names, check_role, frame_batch_subject
+from ..subjects.names import SHARD_QUEUE, Names, check_role, frame_batch_subject
 from ..subjects.policy import QueuePolicy
 from ..subjects.server import check_server
 from ..subjects.setup import ensure_routing_stream, ensure_streams
@@ -188,7 +189,7 @@ class Client:
 
     # submitting
 
-    def encode_job(self, req: GenerateRequest) -> bytes:
+    def encode_job(self, req: GenerateRequest | ShardJob) -> bytes:
         data = codec.encode(req, self.encoding)
         limit = self.nc.max_payload - HEADER_MARGIN
         if len(data) > limit:
@@ -234,6 +235,21 @@ class Client:
         if batch_frames and req.reply_to is not None and self.encoding == "msgpack":
             headers[codec.FRAME_BATCH_HEADER] = frame_batch_subject(req.reply_to)
         subject = await self._addressing.subject(self.js, role, req, traceparent, instance)
+        return await self._store(subject, data, headers, req.request_id)
+
+    async def submit_shard(self, shard: ShardJob, *, traceparent: str | None = None) -> PubAck:
+        """Publish a shard (many detached requests of one model: schemas/shard.py) to the model's
+        shard queue, durably and with `Nats-Msg-Id` = its id, as `submit` publishes a job. Only
+        workers that say so in the registry (`InstanceRecord.shards`) pull that queue."""
+        headers = {
+            "Nats-Msg-Id": shard.request_id,
+            codec.CONTENT_TYPE: codec.content_type(self.encoding),
+            tracecontext.HEADER: traceparent or tracecontext.new_traceparent(),
+        }
+        subject = self.names.jobs(SHARD_QUEUE, shard.model)
+        return await self._store(subject, self.encode_job(shard), headers, shard.request_id)
+
+    async def _store(self, subject: str, data: bytes, headers: dict[str, str], msg_id: str) -> PubAck:
         maybe_stored = False
 
         async def publish() -> PubAck:
@@ -244,7 +260,7 @@ class Client:
                 maybe_stored = True
                 raise
 
-        what = f"publishing {req.request_id}"
+        what = f"publishing {msg_id}"
         ack = await retried(publish, errors=_PUBLISH_RETRIED, within=self.publish_timeout, what=what)
         if ack.duplicate and maybe_stored:
             # An earlier attempt was stored and only its PubAck lost (a busy server): the job is

@@ -80,9 +80,12 @@ from .lora import (
     LoraUnload,
 )
 from .requestlog import Cancelled, ChoiceLogprobs, Claim, Handoff, Record, Result, Step, Steps
+from .shard import MAX_SHARD_REQUESTS, ShardJob
 from .trace import RouteCandidate, RouteDecision, TraceRecord
 
 __all__ = [
+    "MAX_SHARD_REQUESTS",
+    "ShardJob",
     "TraceRecord",
     "RouteCandidate",
     "RouteDecision",

@@ -56,6 +56,10 @@ class InstanceRecord(Report, kw_only=True):
     directed_queue: str | None = None
     """The job queue (a role name) whose jobs may be addressed to this instance: producers publish
     them to `jetllm.<ns>.jobs.<queue>.<model>.i.<instance>`. None: it pulls no directed jobs."""
+    shard_lines: int = 0
+    """It pulls the model's shard queue (`jetllm.<ns>.jobs.shard.<model>`, schemas/shard.py) when
+    this many of its slots are free, and wants shards of at most this many requests; 0: it takes no
+    shards. A batch runner sends a model's lines as shards while its live workers take them."""
 
 
 class ModelCard(Report, kw_only=True):

@@ -52,6 +52,12 @@ for, so the scheme has room for more (a prefill or encode queue of a disaggregat
 is listed here only once workers consume it, as a job on a queue nobody serves would wait unseen."""
 
 
+SHARD_QUEUE = "shard"
+"""The queue of shard jobs (schemas/shard.py): `jetllm.<ns>.jobs.shard.<model>`, pulled by the
+generate workers of the model beside their own queue. Not in ROLES: no producer sends a single
+request there."""
+
+
 def check_role(role: str) -> str:
     if role not in ROLES:
         raise ValueError(

@@ -18,11 +18,9 @@ class DeadLetters:
         self._ctx = ctx
         self._subject = ctx.names.dlq(queue, ctx.model)
 
-    async def publish(self, record: DeadLetter, stream_seq: int) -> None:
-        """Store the record (acknowledged); raises if JetStream did not take it."""
+    async def publish(self, record: DeadLetter, stream_seq: int, *, part: str | None = None) -> None:
+        """Store the record (acknowledged); raises if JetStream did not take it. `part`: which
+        request of a job that carries several (a shard) the record is for."""
         names = self._ctx.names
-        await self._ctx.js.publish(
-            self._subject,
-            codec.encode(record),
-            headers={"Nats-Msg-Id": f"dlq-{names.jobs_stream}-{stream_seq}"},
-        )
+        msg_id = f"dlq-{names.jobs_stream}-{stream_seq}" + (f"-{part}" if part else "")
+        await self._ctx.js.publish(self._subject, codec.encode(record), headers={"Nats-Msg-Id": msg_id})

@@ -91,14 +91,20 @@ class JobRun:
     __slots__ = ("_d", "job", "request", "request_id", "tokens", "prefill", "_frames", "_run")
     tokens: TokenSender
 
-    def __init__(self, deps: JobDeps, msg: Msg) -> None:
+    def __init__(self, deps: JobDeps, msg: Msg, job: Job | None = None) -> None:
+        """`job`: the delivery as the request sees it (a shard's requests share one: shards.py)."""
         self._d = deps
-        self.job = Job(msg)
+        self.job = job or Job(msg)
         self.request: Any = None
         self.request_id = ""
         self.prefill: str | None = None
         self._frames: FrameSink | None = None
         self._run: Running | None = None
+
+    @property
+    def fresh(self) -> bool:
+        """A job on its own queue may be anything: a redelivery, a resubmission, cancelled."""
+        return False
 
     # the fault barrier
 
@@ -121,30 +127,11 @@ class JobRun:
                 )
                 await self._reject(exc, exc.request_id)
                 return
-            self.request, self.request_id = req, req.request_id
-            taskdump.name_task(f"job {req.request_id}")
-            if req.request_id in d.running:
-                # A second job with this id while the first runs here: let the first finish.
-                log.warning("request %s delivered again while running here; holding the copy", req.request_id)
-                d.ctx.counters.duplicates += 1
-                await job.nak(delay=d.ctx.policy.ack_wait)
+            batch = self._batch(msg.headers, req.reply_to, encoding)
+            if not await self.serve(req, encoding, headers=hop.header, batch=batch):
                 return
-            frames = self._frames = FrameSink(
-                d.ctx.nc,
-                req.reply_to,
-                encoding,
-                req.request_id,
-                attempt=job.attempt,
-                log_subject=d.ctx.names.request_log(req.request_id),
-                checkpoint_interval=(
-                    d.checkpoint_interval if req.reply_to is not None else d.detached_checkpoint_interval
-                ),
-                headers=hop.header,
-                batch=self._batch(msg.headers, req.reply_to, encoding),
-            )
-            self.tokens = frames.tokens
-            await frames.pulled(d.ctx.instance, job_ack=msg.reply)
-            await self._serve()
+            frames = self._frames
+            assert frames is not None
             await contained(  # the job has settled: a failing trace record is only logged
                 "a trace record",
                 d.traces.publish,
@@ -161,6 +148,43 @@ class JobRun:
             )
         except Exception as exc:
             await self._fail(exc)
+
+    async def serve(
+        self,
+        req: Any,
+        encoding: codec.Encoding,
+        *,
+        headers: dict[str, str] | None = None,
+        batch: tuple[FrameBatcher, str] | None = None,
+    ) -> bool:
+        """Run a decoded request through its role and settle it; False when it was held back as a
+        copy of one running here. Raises only what the fault barrier is for."""
+        d, job = self._d, self.job
+        self.request, self.request_id = req, req.request_id
+        taskdump.name_task(f"job {req.request_id}")
+        if req.request_id in d.running:
+            # A second job with this id while the first runs here: let the first finish.
+            log.warning("request %s delivered again while running here; holding the copy", req.request_id)
+            d.ctx.counters.duplicates += 1
+            await job.nak(delay=d.ctx.policy.ack_wait)
+            return False
+        frames = self._frames = FrameSink(
+            d.ctx.nc,
+            req.reply_to,
+            encoding,
+            req.request_id,
+            attempt=job.attempt,
+            log_subject=d.ctx.names.request_log(req.request_id),
+            checkpoint_interval=(
+                d.checkpoint_interval if req.reply_to is not None else d.detached_checkpoint_interval
+            ),
+            headers=headers,
+            batch=batch,
+        )
+        self.tokens = frames.tokens
+        await frames.pulled(d.ctx.instance, job_ack=job.msg.reply)
+        await self._serve()
+        return True
 
     async def _serve(self) -> None:
         d, job, frames, rid = self._d, self.job, self._frames, self.request_id
@@ -230,6 +254,11 @@ class JobRun:
             )
         job.stage = "claiming it in the request log"
         await d.log.write(rid, Claim(attempt=job.attempt, worker=d.ctx.instance, at=time.time()))
+
+    async def claim_first(self) -> bool:
+        self.job.stage = "claiming it in its empty request log"
+        claim = Claim(attempt=self.job.attempt, worker=self._d.ctx.instance, at=time.time())
+        return await self._d.log.claim_first(self.request_id, claim)
 
     async def delivered(self, after: int) -> list[TokensFrame]:
         d, job, frames, rid = self._d, self.job, self._frames, self.request_id
@@ -387,9 +416,10 @@ class JobRun:
                     log.warning("request %s: error result not stored: %s", request_id, exc2)
             await frames.send(err)
             try:
+                payload, part = self._letter()
                 record = dead_letter_record(
                     subject=job.msg.subject,
-                    payload=job.msg.data,
+                    payload=payload,
                     headers=job.msg.headers,
                     code=code,
                     reason=exc.message,
@@ -398,13 +428,27 @@ class JobRun:
                     request_id=request_id,
                     max_payload=d.ctx.nc.max_payload,
                 )
-                await d.dead_letters.publish(record, job.stream_seq)
+                await d.dead_letters.publish(record, job.stream_seq, part=part)
             except Exception as exc2:  # keep the job rather than lose it
                 log.error("dead-lettering seq %d failed (%s); handing it back", job.stream_seq, exc2)
                 await job.nak(delay=d.ctx.policy.ack_wait)
                 return
             d.ctx.counters.dead_lettered += 1
             await job.term()
+
+    async def refuse(self, exc: JetllmError, request_id: str | None = None) -> None:
+        """Fail the delivery with `exc` before its role saw it (an error result for `request_id`,
+        the error frame, the dead letter, the term): for what the runtime itself cannot run."""
+        if self._frames is None:
+            self._frames = FrameSink(
+                self._d.ctx.nc, None, "msgpack", request_id or "", attempt=self.job.attempt
+            )
+        await self._reject(exc, request_id)
+
+    def _letter(self) -> tuple[bytes, str | None]:
+        """What this delivery's dead letter holds, and what tells it from the others of the same
+        stream message (None: there are none; a shard's requests each have one)."""
+        return self.job.msg.data, None
 
     async def _fail(self, exc: Exception) -> None:
         """The fault barrier: an unexpected exception while handling one job fails that job only.

@@ -18,7 +18,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from .puller import Puller
-from .pullshare import Waiting, directed_allowance, shared_allowance
+from .pullshare import Waiting, directed_allowance, shard_allowance, shared_allowance
 from .tasks import JobTasks
 
 DIRECTED_EXPIRES = 1.0
@@ -68,7 +68,7 @@ class Pulls:
             self._nc,
             self._stream,
             consumer,
-            free_slots=lambda: shared_allowance(self._free_slots(), self._waiting(), self._directed_credit()),
+            free_slots=self._shared_free,
             room=self._free_slots,
             yielding=lambda: self._waiting() > 0,
             on_ended=lambda status: self._wake_directed(),
@@ -76,6 +76,26 @@ class Pulls:
             expires=self._expires,
         )
         return self._run(consumer, puller)
+
+    def start_shards(self, consumer: str, *, room: int, on_shard: Callable[[Msg], None]) -> Puller | None:
+        """Pull shards (schemas/shard.py) from `consumer`, one at a time, only while at least
+        `room` slots are free for the other queues: a shard holds many slots, and single jobs
+        get the first ones that free (`on_shard` holds its slots at once)."""
+        if not self.accepting:
+            return None
+        puller = Puller(
+            self._nc,
+            self._stream,
+            consumer,
+            free_slots=lambda: shard_allowance(self._shared_free(), room),
+            room=self._free_slots,
+            on_job=on_shard,
+            expires=self._expires,
+        )
+        return self._run(consumer, puller)
+
+    def _shared_free(self) -> int:
+        return shared_allowance(self._free_slots(), self._waiting(), self._directed_credit())
 
     def start_directed(
         self, consumer: str, waiting: Waiting, *, counted: Callable[[], None] = lambda: None

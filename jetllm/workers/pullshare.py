@@ -48,6 +48,11 @@ def shared_allowance(free: int, waiting: int, directed: int) -> int:
     return max(free - max(waiting, directed), 0)
 
 
+def shard_allowance(free: int, room: int) -> int:
+    """Credit the shard puller may hold: one shard, while `room` slots are free for it."""
+    return 1 if free >= room else 0
+
+
 def must_cancel(outstanding: int, allowance: int, directed_waiting: bool) -> bool:
     """Whether a puller drops its credit now: it holds some but may hold none (paused, or the
     slots went to another queue), or directed jobs wait for slots it holds."""

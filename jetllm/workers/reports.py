@@ -32,6 +32,7 @@ class Reports:
         *,
         role: str,
         queue: str,
+        shard_lines: int = 0,
         engine: Engine,
         lifecycle: Lifecycle,
         slots: Slots,
@@ -42,6 +43,7 @@ class Reports:
         self._ctx = ctx
         self._role = role
         self._queue = queue
+        self._shard_lines = shard_lines
         self._engine = engine
         self._lifecycle = lifecycle
         self._slots = slots
@@ -83,6 +85,7 @@ class Reports:
             cached_blocks=self._kv.cached_blocks if self._kv.enabled else None,
             ready=self._lifecycle.ready,
             directed_queue=self._queue,
+            shard_lines=self._shard_lines,
         )
 
     def load_reports(self) -> list[LoadReport]:

@@ -34,6 +34,10 @@ ROLLUP = {"Nats-Rollup": "sub"}
 """On a result: the stream keeps it alone, the request's earlier records go as it is stored."""
 ROLLUP_REFUSED = 10111
 """JetStream's error code for a rollup on a stream that does not allow them."""
+WRONG_LAST_SEQUENCE = 10071
+"""JetStream's error code for a conditional write whose subject is not where it expected."""
+FIRST = {"Nats-Expected-Last-Subject-Sequence": "0"}
+"""On a claim: stored only while the request's log is empty."""
 
 
 class Unreadable:
@@ -280,6 +284,22 @@ class RequestLog:
                         "request log: the stream refuses rollups; results are stored beside their logs"
                     )
         await self.js.publish(subject, data, timeout=5)
+
+    async def claim_first(self, request_id: str, claim: Claim) -> bool:
+        """Write `claim` only while the request's log is empty: False (nothing written) when it
+        is not. One round trip where reading the log and then claiming takes two, for a request
+        that is most likely new; raises LogUnavailable when the server does not answer."""
+        try:
+            await self.js.publish(
+                self.names.request_log(request_id), codec.encode(claim), timeout=5, headers=FIRST
+            )
+        except nats.js.errors.APIError as exc:
+            if exc.err_code == WRONG_LAST_SEQUENCE:
+                return False
+            raise LogUnavailable(f"request log: claim not stored: {exc}") from None
+        except (nats.errors.Error, TimeoutError) as exc:
+            raise LogUnavailable(f"request log: claim not stored: {type(exc).__name__}") from None
+        return True
 
     async def store_result(self, request_id: str, result: Result) -> None:
         """Store a request's end before acking its job, so a redelivery answers from it, not reruns.

@@ -35,7 +35,7 @@ from ..aio import contained, describe, supervised
 from ..schemas import HealthCheck, LoraLoad, LoraUnload, SleepRequest, TasksReport, TaskWait, WorkerStatus
 from ..subjects.consumers import ensure_consumer
 from ..subjects.denials import checked
-from ..subjects.names import Names
+from ..subjects.names import SHARD_QUEUE, Names
 from ..subjects.setup import ensure_streams
 from .adapterqueues import AdapterQueues
 from .cachedblocks import CachedBlocks
@@ -59,6 +59,7 @@ from .reports import Reports, answer_status
 from .requestlog import RequestLog
 from .roles import ROLES, Role, RoleDeps, role_named
 from .running import RunningRequests
+from .shards import shard_intake, shard_room
 from .slots import Slots
 from .state import EXIT_CRASHED, EXIT_ENGINE_DEAD, EXIT_OK, Lifecycle, WorkerState
 from .sweeper import Sweeper
@@ -105,6 +106,7 @@ class Worker:
         self.slots = slots = Slots(
             config.slots if config.slots > 0 else (facts.max_num_seqs or 64) * len(facts.dp_ranks)
         )
+        shard_lines = shard_room(slots.total) if role_cls.takes_shards else 0  # 0: no shards
         self.tasks = tasks = JobTasks()
         # The one cycle: pulling delivers jobs, and a job handed back waits until pulling stopped.
         self.pulls = pulls = Pulls(
@@ -133,6 +135,7 @@ class Worker:
             ctx,
             role=role_cls.name,
             queue=role_cls.queue,
+            shard_lines=shard_lines,
             engine=engine,
             lifecycle=lifecycle,
             slots=slots,
@@ -191,6 +194,8 @@ class Worker:
             batcher=self.batcher,
         )
         on_job = intake(jobs, slots)
+        self._shard_lines = shard_lines
+        self._on_shard = shard_intake(jobs, slots, shard_lines)
         self.engine_control = EngineControl(
             engine,
             instance=ctx.instance,
@@ -240,6 +245,11 @@ class Worker:
             names.instance_control(instance, "status"): status,
             names.instance_control(instance, "ping"): self.running.on_ping,
             names.max_deliveries_advisory(self.role.queue, self.model): self.exhausted.on_advisory,
+            **(
+                {names.max_deliveries_advisory(SHARD_QUEUE, self.model): self.exhausted.on_advisory}
+                if self._shard_lines
+                else {}
+            ),
         }
 
     def _services(self) -> list[tuple[str, Callable[..., Awaitable[Any]], tuple[Any, ...]]]:
@@ -282,6 +292,9 @@ class Worker:
             collector = PlaneCollector(ctx, self.slots, lifecycle, self.kv_events)
             self.reports.metrics_url = serve_metrics(collector, config.metrics_port)
         consumer = await ensure_consumer(ctx.js, ctx.names, self.role.queue, self.model, ctx.policy)
+        shards = None
+        if self._shard_lines:
+            shards = await ensure_consumer(ctx.js, ctx.names, SHARD_QUEUE, self.model, ctx.policy)
         await self.directed.open()
         subscriptions = self._subscriptions()
         async with checked(self.nc, "subscribe", *subscriptions):  # a refused one fails the start
@@ -310,6 +323,8 @@ class Worker:
                     self.tasks.open(jobs)
                     self.directed.start()
                     self.pulls.start(consumer)
+                    if shards is not None:
+                        self.pulls.start_shards(shards, room=self._shard_lines, on_shard=self._on_shard)
                     jobs.start_soon(
                         contained, "adapter queues", self.adapter_queues.sync, list(self.reports.adapters)
                     )

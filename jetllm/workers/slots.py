@@ -26,17 +26,18 @@ class Slots:
         self._listeners: list[Callable[[], None]] = []
 
     def free(self) -> int:
-        return 0 if self.paused else self.total - self.busy
+        return 0 if self.paused else max(self.total - self.busy, 0)
 
     def listen(self, on_change: Callable[[], None]) -> None:
         """Call `on_change` whenever a slot frees or the pause changes."""
         self._listeners.append(on_change)
 
-    def take(self) -> None:
-        self.busy += 1
+    def take(self, n: int = 1) -> None:
+        """A job (or `n` requests of a shard) now holds slots; a shard may take more than are free."""
+        self.busy += n
 
-    def release(self) -> None:
-        self.busy -= 1
+    def release(self, n: int = 1) -> None:
+        self.busy -= n
         if self.busy == 0:  # wakes every waiter (a sleep and a drain may wait at once)
             self._idle.set()
             self._idle = anyio.Event()

@@ -61,6 +61,12 @@ class JobHandle(Protocol):
     @property
     def attempt(self) -> int: ...
 
+    @property
+    def fresh(self) -> bool:
+        """Whoever sent the job says the request most likely never ran (a fresh shard's first
+        delivery, not cancelled as a whole): the role may `claim_first` instead of reading the log
+        and the durable cancel, and read them only when that claim finds the log not empty."""
+
     def hold(self) -> None:
         """Token frames wait (unnumbered, unlogged) until `release()`: the request is not claimed yet."""
 
@@ -72,6 +78,10 @@ class JobHandle(Protocol):
     async def claim(self, *, above: int = 0, supersede: bool = False) -> None:
         """Write the claim to the request log, numbering this attempt above `above` (the highest
         attempt that claimed it before); `supersede`: tell an older attempt still running to stop."""
+
+    async def claim_first(self) -> bool:
+        """Claim the request only if its log is empty (it never ran, was never cancelled in it):
+        False, and nothing written, when it is not. For a `fresh` job, instead of reading the log."""
 
     async def delivered(self, after: int) -> list[TokensFrame]:
         """The token frames after seq `after` that the producer holds (the request log has them only
@@ -150,6 +160,9 @@ class Role(ABC):
     """CLI flags meaningful only for some roles that this one accepts (see roles/flags.py)."""
     follows_cache: ClassVar[bool] = False
     """Whether the role reads `RoleDeps.cached_blocks` (only then is it kept)."""
+    takes_shards: ClassVar[bool] = False
+    """Whether its workers also pull the model's shard queue (workers/shards.py): each request of
+    a shard is then run by `run` as a job of its own; its job type must be `GenerateRequest`."""
 
     def __init__(self, deps: RoleDeps) -> None:
         self.facts = deps.engine.facts

@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 class GenerateRole(Role):
     name = "generate"
     queue = "generate"
+    takes_shards = True
     flags: ClassVar[frozenset[str]] = frozenset(
         {
             "--max-migrations",
@@ -94,37 +95,42 @@ class GenerateRole(Role):
             f"job {rid}, early start",
         )
         try:
-            job.stage = "reading its request log and rendering its prompt"
-            history, prompt_ids = await self._prepare(req, early)
-            if history.result is not None:
-                await job.answer_from(history.result)
-                return
-            if history.cancelled is not None:
-                job.cancelled(history.cancelled.reason or "cancelled before it started")
-                return
-            owner = history.owner
-            if owner not in (None, self._ctx.instance) and await runs_it(
-                self._ctx.nc, self._ctx.names, owner, rid
-            ):
-                # Redelivered while its worker still runs it (a restored broker does this):
-                # leave it there; that worker's ack settles this delivery too.
-                log.info("request %s still runs on %s; leaving it there", rid, owner)
-                await job.defer(self._ctx.policy.ack_wait)
-                return
-            budget = self._max_migrations if req.max_migrations is None else req.max_migrations
-            check_budget(history, budget, job.attempt)
-            # An older attempt may still be alive (stalled, partitioned): the claim tells it to stop.
-            await job.claim(above=history.last_attempt, supersede=history.claimed)
-            if history.claimed:  # the newest frames an earlier attempt sent are the producer's to tell
-                history = with_delivered(history, await job.delivered(history.last_seq))
-            if history.frames:
-                self._ctx.counters.resumed += 1
-                log.info(
-                    "request %s: continuing after %d delivered tokens (delivery %d)",
-                    rid,
-                    sum(len(f.token_ids) for f in history.frames),
-                    job.attempt,
-                )
+            fresh = await self._claimed_fresh(req, job) if job.fresh else None
+            if fresh is not None:
+                history, prompt_ids = History(), fresh
+            else:
+                job.stage = "reading its request log and rendering its prompt"
+                # a fresh job whose claim was refused has a log: no early start on a lost bet
+                history, prompt_ids = await self._prepare(req, early, bet=not job.fresh)
+                if history.result is not None:
+                    await job.answer_from(history.result)
+                    return
+                if history.cancelled is not None:
+                    job.cancelled(history.cancelled.reason or "cancelled before it started")
+                    return
+                owner = history.owner
+                if owner not in (None, self._ctx.instance) and await runs_it(
+                    self._ctx.nc, self._ctx.names, owner, rid
+                ):
+                    # Redelivered while its worker still runs it (a restored broker does this):
+                    # leave it there; that worker's ack settles this delivery too.
+                    log.info("request %s still runs on %s; leaving it there", rid, owner)
+                    await job.defer(self._ctx.policy.ack_wait)
+                    return
+                budget = self._max_migrations if req.max_migrations is None else req.max_migrations
+                check_budget(history, budget, job.attempt)
+                # An older attempt may still be alive (stalled, partitioned): the claim tells it to stop.
+                await job.claim(above=history.last_attempt, supersede=history.claimed)
+                if history.claimed:  # the newest frames an earlier attempt sent are the producer's to tell
+                    history = with_delivered(history, await job.delivered(history.last_seq))
+                if history.frames:
+                    self._ctx.counters.resumed += 1
+                    log.info(
+                        "request %s: continuing after %d delivered tokens (delivery %d)",
+                        rid,
+                        sum(len(f.token_ids) for f in history.frames),
+                        job.attempt,
+                    )
             await job.accept(
                 replay=history.frames,
                 last_seq=history.last_seq,
@@ -154,11 +160,23 @@ class GenerateRole(Role):
             self.check_model(req)
             return await generate(self._engine, req, job.tokens, prompt, history, adapter)
 
+    async def _claimed_fresh(self, req: GenerateRequest, job: JobHandle) -> EnginePrompt | None:
+        """A fresh job's rendered prompt, once its empty log is claimed; None when the log was not
+        empty (or the prompt is an embeddings object, read beside the log): the usual path then
+        reads it, so a job wrongly called fresh only costs that round trip."""
+        if isinstance(req.prompt, EmbedsPrompt):
+            return None
+        self.check_model(req)
+        if not await job.claim_first():
+            return None
+        job.stage = "rendering its prompt"
+        return await self._engine.render(req.prompt)
+
     async def _prepare(
-        self, req: GenerateRequest, early: EarlyStart[Outcome]
+        self, req: GenerateRequest, early: EarlyStart[Outcome], *, bet: bool = True
     ) -> tuple[History, EnginePrompt]:
         """The request's history (its log and any durable cancel) and its rendered prompt, looked
-        up side by side.
+        up side by side; `bet`: start the engine on the prompt before the log answers.
 
         The engine starts on the prompt at once (see earlystart.py) unless the log already
         showed the request is not fresh. A prompt is rendered and the log read in this task, the
@@ -174,7 +192,7 @@ class GenerateRole(Role):
             except Exception as exc:  # re-raised below, unwrapped
                 got[name] = exc
                 return
-            if name == "prompt" and got.get("last") is None and got.get("cancel") is None:
+            if bet and name == "prompt" and got.get("last") is None and got.get("cancel") is None:
                 early.start(got["prompt"])  # the log and cancels are not read yet, or empty
 
         prompt = req.prompt

@@ -1,0 +1,41 @@
+"""A shard: many detached generate requests of one batch as one job.
+
+A batch line as a job of its own costs the plane about fifteen messages (the job and its PubAck,
+the pulled frame, two log reads, the claim, the result and its PubAck, the ack and its
+confirmation, a trace record, ...), which on a small box is CPU the engine wants. A shard carries
+up to a few hundred lines: one message, one ack, and per line only its claim and its stored result,
+so every reader of a line's log (the runner, the gateway, `Client.result`) finds it as before.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from msgspec import Meta
+
+from .common import Command
+from .generate import GenerateRequest, RequestId
+
+MAX_SHARD_REQUESTS = 1024
+"""The most requests one shard may carry."""
+
+
+class ShardJob(Command, kw_only=True):
+    """Published to `jetllm.<ns>.jobs.shard.<model>`, pulled by generate workers of the model when
+    they have room for a shard (docs/decisions.md, "A batch's lines travel in shards").
+
+    Each request is checked on its own: one that does not decode, names another model or has a
+    reply subject fails alone (its error stored as its result), and the others run."""
+
+    request_id: RequestId
+    """The shard's own id (its `Nats-Msg-Id`); its lines keep theirs."""
+    model: Annotated[str, Meta(min_length=1, max_length=256)]
+    """The served base model every request names (no adapter: those go to their own queues)."""
+    requests: Annotated[list[GenerateRequest], Meta(min_length=1, max_length=MAX_SHARD_REQUESTS)]
+    """Detached generate requests (`reply_to` unset), each with a request id of its own."""
+    fresh: bool = False
+    """The submitter vouches that no request of the shard was submitted before (a batch started
+    afresh): on the shard's first delivery the workers then skip reading each line's log and
+    durable cancel. A false claim only reruns requests of the submitter's own."""
+    reply_to: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    """Unused: a shard answers through its requests' logs (kept because every job names one)."""

@@ -1,0 +1,258 @@
+"""Shard jobs: the requests of a batch's lines, many to one delivery (schemas/shard.py).
+
+Each request of a shard runs as a job of its own would, through the same protocol and the same
+role (`LineRun` is a `JobRun` whose delivery it shares with the shard's other requests), so a line
+gets the log's history, the migration budget, cancels, structured outputs and adapters alike. What
+it no longer costs the plane is what a delivery of its own cost: the job's own messages, a pulled
+frame, a trace record and, on the first delivery of a fresh shard, the two log reads. Its claim
+and its stored result stay, so every reader of its log sees what it always saw.
+
+The shard settles once, when every request has ended: acked when each finished, failed, was
+cancelled or was answered from its log; handed back when any must run elsewhere (a drain, a dead
+engine, a log out of reach), and then only the requests without a result run again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import anyio
+import msgspec
+from nats.aio.msg import Msg
+
+from .. import taskdump
+from ..errors import RequestRejected
+from ..schemas import ErrorCode, ErrorFrame, GenerateRequest, Result, ShardJob
+from ..subjects import codec
+from .frames import FrameSink
+from .jobs import Job, RejectedJob, decode_request
+from .protocol import JobDeps, JobRun
+from .requestlog import LogUnavailable
+from .slots import Slots
+
+log = logging.getLogger(__name__)
+
+_shard_decoder = codec.Decoder(ShardJob)
+
+
+class _Named(msgspec.Struct):
+    request_id: object = None
+
+
+class _Requests(msgspec.Struct):
+    """What is read of a shard that does not decode: its requests' ids, to fail each by name."""
+
+    requests: list[_Named] = []
+
+
+_requests_decoder = codec.Decoder(_Requests)
+
+
+def shard_room(slots: int) -> int:
+    """The free slots a worker waits for before it takes a shard, and the most requests it wants
+    in one: a quarter of its slots, at most 64, so single jobs (online traffic) get the first slots
+    that free and shards the larger holes; 0 (no shards) for a worker of fewer than 8 slots."""
+    room = min(64, slots // 4)
+    return room if room > 1 else 0
+
+
+class LineJob(Job):
+    """One request's share of its shard's delivery. Settling it records how the request ended; the
+    shard settles the delivery once all of its requests have."""
+
+    def __init__(self, shard: Job) -> None:  # noqa: D107 -- no super(): the message is the shard's
+        self.shard = shard
+        self.msg = shard.msg
+        self.attempt = shard.attempt
+        self.stream_seq = shard.stream_seq
+        self.subject = shard.subject
+        self.settled = False
+        self.settled_how: str | None = None
+        self.stage = "decoding it"
+        self.last_progress = shard.last_progress
+        self.delay: float | None = None
+        """A hand-back's delay."""
+
+    async def in_progress(self) -> None:
+        """Once for all the shard's requests: the first that asks tells the server."""
+        if self.shard.last_progress <= self.last_progress:
+            await self.shard.in_progress()
+        self.last_progress = self.shard.last_progress
+
+    async def _settle(self, how: str, payload: bytes) -> None:
+        if not self.settled:
+            self.settled, self.settled_how = True, how
+
+    async def nak(self, delay: float | None = None) -> None:
+        self.delay = delay
+        await self._settle("nak", b"")
+
+
+class LineRun(JobRun):
+    """One request of a shard through the job protocol."""
+
+    __slots__ = ("_encoding", "_fresh")
+
+    def __init__(
+        self, deps: JobDeps, shard: Job, req: GenerateRequest, encoding: codec.Encoding, fresh: bool
+    ) -> None:
+        super().__init__(deps, shard.msg, LineJob(shard))
+        self.request, self.request_id = req, req.request_id
+        self._frames = FrameSink(deps.ctx.nc, None, encoding, req.request_id, attempt=shard.attempt)
+        self._encoding = encoding
+        self._fresh = fresh
+
+    @property
+    def fresh(self) -> bool:
+        """The submitter vouched that no request of the shard ran before, and this is its first
+        delivery: the role need not read the log (or a durable cancel) to know the request is new."""
+        return self._fresh
+
+    async def run(self) -> None:
+        try:
+            await self.serve(self.request, self._encoding)
+        except Exception as exc:
+            await self._fail(exc)
+
+    def _letter(self) -> tuple[bytes, str | None]:
+        return codec.encode(self.request), self.request_id
+
+    async def refuse_line(self, field: str, message: str) -> None:
+        """This request cannot be a line of its shard: it fails alone, dead-lettered as a job is."""
+        await self.refuse(RequestRejected(ErrorCode.INVALID_REQUEST, message, field=field), self.request_id)
+
+
+class ShardRun:
+    """One delivery of a shard, from its bytes to its settlement."""
+
+    def __init__(self, deps: JobDeps, msg: Msg, slots: Slots, held: int) -> None:
+        """`held`: the slots taken for it on delivery (`shard_intake`), set to its requests' count."""
+        self._d = deps
+        self.job = Job(msg)
+        self._slots = slots
+        self._held = held
+
+    async def run(self) -> None:
+        d, job = self._d, self.job
+        try:
+            taskdump.name_task(f"shard seq {job.stream_seq}")
+            try:
+                shard, encoding = decode_request(job.msg.data, job.msg.headers, _shard_decoder)
+                if shard.model != d.ctx.model:
+                    raise RejectedJob(
+                        ErrorCode.MODEL_NOT_SERVED,
+                        f"this worker serves {d.ctx.model!r}, not {shard.model!r}",
+                        field="$.model",
+                        request_id=shard.request_id,
+                        encoding=encoding,
+                    )
+            except RejectedJob as exc:
+                await self._reject(exc)
+                return
+            fresh = shard.fresh and job.attempt == 1 and not await self._cancelled(shard.request_id)
+            lines = [LineRun(d, job, req, encoding, fresh) for req in _once(shard)]
+            self._hold(len(lines))
+            async with anyio.create_task_group() as tg:
+                for i, line in enumerate(lines):
+                    problem = _line_problem(line.request, shard.model)
+                    if problem is None:
+                        tg.start_soon(self._run_line, line)
+                    else:
+                        await line.refuse_line(f"$.requests[{i}].{problem[0]}", problem[1])
+                        self._hold(self._held - 1)
+            await self._settle([line.job for line in lines])
+        except Exception:
+            log.exception("shard seq %d: could not be run; handing it back", job.stream_seq)
+            await job.nak(delay=1.0)
+        finally:
+            self._hold(0)
+
+    async def _cancelled(self, shard_id: str) -> bool:
+        """Whether its submitter cancelled the shard as a whole (a batch cancelled while the shard
+        waited): then each request reads its own durable cancel, as a job of its own does."""
+        try:
+            return await self._d.log.cancel(shard_id) is not None
+        except LogUnavailable:
+            return True  # unknown: the requests read what they need themselves
+
+    def _hold(self, n: int) -> None:
+        """Hold `n` slots for the shard (its requests still running), taking or freeing the difference."""
+        if n > self._held:
+            self._slots.take(n - self._held)
+        elif n < self._held:
+            self._slots.release(self._held - n)
+        self._held = n
+
+    async def _run_line(self, line: LineRun) -> None:
+        try:
+            await line.run()
+        finally:
+            self._hold(self._held - 1)
+
+    async def _settle(self, lines: list[Job]) -> None:
+        handed = [line for line in lines if line.settled_how == "nak" or not line.settled]
+        if not handed:
+            await self.job.ack()
+            return
+        delays = [getattr(line, "delay", None) for line in handed]
+        delay = None if None in delays else max(d for d in delays if d is not None)
+        log.info(
+            "shard seq %d: %d of %d requests go back to the queue",
+            self.job.stream_seq,
+            len(handed),
+            len(lines),
+        )
+        await self.job.nak(delay=delay)
+
+    async def _reject(self, exc: RejectedJob) -> None:
+        """A shard that cannot run at all: each request it names fails with the reason (whoever
+        submitted them waits for their results), and the shard is dead-lettered and terminated."""
+        d, job = self._d, self.job
+        try:
+            named = _requests_decoder.decode(job.msg.data, exc.encoding).requests
+        except Exception:
+            named = []
+        for entry in named:
+            rid = entry.request_id
+            if isinstance(rid, str) and 0 < len(rid) <= 200:
+                err = ErrorFrame(seq=1, request_id=rid, code=exc.code, message=exc.message, field=exc.field)
+                await d.log.store_result(rid, Result(attempt=job.attempt, error=err, worker=d.ctx.instance))
+        await JobRun(d, job.msg, job).refuse(exc)
+
+
+def _once(shard: ShardJob) -> list[GenerateRequest]:
+    """The shard's requests, each id once (a request named twice runs once)."""
+    seen: set[str] = set()
+    out = []
+    for req in shard.requests:
+        if req.request_id in seen:
+            log.warning("shard %s names request %s twice; it runs once", shard.request_id, req.request_id)
+            continue
+        seen.add(req.request_id)
+        out.append(req)
+    return out
+
+
+def _line_problem(req: GenerateRequest, model: str) -> tuple[str, str] | None:
+    """(field, message) when a request cannot be a line of a shard of `model`."""
+    if req.model != model:
+        return "model", f"a shard's requests name its model {model!r}, not {req.model!r}"
+    if req.reply_to is not None:
+        return (
+            "reply_to",
+            "a shard's requests are detached: leave reply_to unset (their results are in the log)",
+        )
+    return None
+
+
+def shard_intake(deps: JobDeps, slots: Slots, room: int) -> Callable[[Msg], None]:
+    """What the shard puller calls with each shard: `room` slots are held at once (until it is
+    decoded), so the puller does not take a second shard into the same slots."""
+
+    def on_shard(msg: Msg) -> None:
+        slots.take(room)
+        deps.ctx.counters.pulled += 1
+        deps.tasks.start_soon(ShardRun(deps, msg, slots, room).run)
+
+    return on_shard

@@ -1,0 +1,334 @@
+"""Shards: a batch's lines travel many to a job (schemas/shard.py, workers/shards.py), on the light
+test engine against a real nats-server. Every line still gets its own claim and result in its own
+log, no worker takes more lines than it has slots, a line that ended is never run again, and a
+shard that cannot run fails each of its lines by name without stopping the worker."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import anyio
+import msgspec
+import pytest
+
+from jetllm.batches import plan
+from jetllm.batches.lines import line_request_id
+from jetllm.batches.runner import BatchRunner
+from jetllm.openai.endpoints import CHAT
+from jetllm.producer import Client
+from jetllm.schemas import (
+    ChatMessage,
+    ChatPrompt,
+    ErrorCode,
+    ErrorFrame,
+    FinalFrame,
+    GenerateRequest,
+    Result,
+    ShardJob,
+    StopConditions,
+    TokensPrompt,
+)
+from jetllm.subjects import codec
+from jetllm.subjects.names import SHARD_QUEUE
+from jetllm.workers.pullshare import shard_allowance
+from jetllm.workers.shards import shard_room
+
+from .conftest import inproc_worker
+from .fake_engine import FakeEngine
+from .test_batches import ACK_WAIT, api, chat_line, jsonl, peak_engine, wait_status
+
+__all__ = ["api"]  # the fixture
+
+pytestmark = pytest.mark.anyio
+
+
+# pure rules
+
+
+@pytest.mark.parametrize("slots, room", [(1, 0), (7, 0), (8, 2), (32, 8), (256, 64), (1024, 64)])
+def test_a_worker_takes_shards_once_a_quarter_of_its_slots_are_free_at_most_64(slots, room):
+    assert shard_room(slots) == room
+
+
+@pytest.mark.parametrize("free, room, credit", [(0, 8, 0), (7, 8, 0), (8, 8, 1), (200, 8, 1)])
+def test_the_shard_puller_holds_one_shard_of_credit_while_its_room_is_free(free, room, credit):
+    assert shard_allowance(free, room) == credit
+
+
+def _record(model="m", shard_lines=16, state="serving", ready=True, role="generate"):
+    from jetllm.schemas import InstanceRecord
+
+    return InstanceRecord(
+        instance=f"w-{model}-{shard_lines}",
+        role=role,
+        model=model,
+        state=state,
+        ready=ready,
+        shard_lines=shard_lines,
+    )
+
+
+@pytest.mark.parametrize(
+    "records, most, sizes",
+    [
+        ([_record()], 64, {"m": 16}),
+        ([_record(), _record(shard_lines=4)], 64, {"m": 4}),  # no worker gets more than it asked for
+        ([_record(shard_lines=64)], 10, {"m": 10}),  # nor more than the runner's --batch-shard-lines
+        ([_record(), _record(shard_lines=0)], 64, {}),  # a worker that takes none: lines go singly
+        ([_record(shard_lines=64)], 1, {}),  # --batch-shard-lines 1: singly
+        ([_record(state="draining"), _record(model="n", ready=False)], 64, {}),  # not serving
+        ([_record(role="prefill")], 64, {}),
+    ],
+)
+def test_a_model_gets_shards_no_larger_than_its_smallest_taker_asks(records, most, sizes):
+    assert plan.shard_sizes(records, most) == sizes
+
+
+@pytest.mark.parametrize(
+    "sizes, most, limit, parts",
+    [
+        ([1] * 5, 2, 100, [2, 2, 1]),
+        ([40, 40, 40], 10, 100, [2, 1]),  # bytes bound a shard too
+        ([150, 1, 1], 10, 100, [1, 2]),  # a line larger than the bound travels alone
+        ([], 4, 100, []),
+    ],
+)
+def test_lines_are_cut_into_shards_by_count_and_bytes(sizes, most, limit, parts):
+    assert [len(p) for p in plan.shards(sizes, most, limit, lambda n: n)] == parts
+
+
+# on the plane
+
+
+def _request(rid: str, **kw) -> GenerateRequest:
+    return GenerateRequest(
+        request_id=rid,
+        model="fake",
+        prompt=TokensPrompt(token_ids=[1, 2, 3]),
+        stop=StopConditions(max_tokens=5, ignore_eos=True),
+        **kw,
+    )
+
+
+def finishing_engine(**kw) -> FakeEngine:
+    """A fake engine that counts, per request, the generations it ran to their end (`finished`):
+    an early start stopped before anything was sent is not a run."""
+    engine = FakeEngine(**kw)
+    engine.finished = Counter()  # type: ignore[attr-defined]
+    generate = engine.generate
+
+    async def counted(req, *args, **kwargs):
+        async for out in generate(req, *args, **kwargs):
+            yield out
+        engine.finished[req.request_id] += 1  # type: ignore[attr-defined]
+
+    engine.generate = counted  # type: ignore[method-assign]
+    return engine
+
+
+async def _results(client: Client, ids: list[str], timeout: float = 30) -> dict[str, Result]:
+    found: dict[str, Result] = {}
+    with anyio.fail_after(timeout):
+        while len(found) < len(ids):
+            for rid in ids:
+                if rid not in found and (r := await client.result(rid)) is not None:
+                    found[rid] = r
+            await anyio.sleep(0.05)
+    return found
+
+
+async def test_a_batch_travels_in_shards_within_each_workers_slots_and_every_line_has_its_result(
+    api, nats_url, namespace
+):
+    sdk, client, service = api
+    n = 100
+    f = await sdk.files.create(file=("in.jsonl", jsonl([chat_line(i) for i in range(n)])), purpose="batch")
+    batch = await sdk.batches.create(input_file_id=f.id, endpoint=CHAT, completion_window="24h")
+    engine = peak_engine(step_delay=0.02)
+    async with (
+        inproc_worker(nats_url, engine, namespace=namespace, slots=32),
+        anyio.create_task_group() as tg,
+    ):
+        tg.start_soon(BatchRunner(client, service, ack_wait=ACK_WAIT).serve)
+        done = await wait_status(sdk, batch.id, {"completed", "failed"})
+        shards = await client.js.consumer_info(
+            client.names.jobs_stream, client.names.consumer(SHARD_QUEUE, "fake")
+        )
+        singles = await client.js.consumer_info(
+            client.names.jobs_stream, client.names.consumer("generate", "fake")
+        )
+        tg.cancel_scope.cancel()
+    assert done.status == "completed" and done.request_counts.completed == n
+    out = [json.loads(x) for x in (await sdk.files.content(done.output_file_id)).content.splitlines()]
+    assert [x["custom_id"] for x in out] == [f"req-{i}" for i in range(n)]
+    assert all(x["response"]["body"]["usage"]["completion_tokens"] == 6 for x in out)
+    # the lines went as shards of at most the worker's room (8 of its 32 slots), none singly
+    assert singles.delivered.stream_seq == 0
+    assert n / shard_room(32) <= shards.delivered.consumer_seq < n / 2
+    assert engine.peak <= 32  # no more lines at once than the worker has slots
+    for i in (1, n):  # each line's own log holds its result, as a line sent alone has
+        stored = await client.result(line_request_id(batch.id, i))
+        assert stored is not None and stored.final is not None
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+async def test_a_shard_runs_only_its_requests_without_a_result(nats_url, namespace, fresh):
+    """Whether its submitter calls it fresh or not, a request that ended (its result in its log:
+    a resubmitted or redelivered shard) is never run again, and the others run once. Only a shard
+    not called fresh reads each request's durable cancel (a fresh one is cancelled as a whole)."""
+    async with Client(nats_url, namespace=namespace) as client:
+        ids = [f"sh-{fresh}-{i}" for i in range(10)]
+        done_before = ids[:3]
+        for rid in done_before:
+            await client.js.publish(client.names.request_log(rid), codec.encode(_stored(rid)))
+        await client.cancel(ids[3], reason="not wanted")
+        engine = finishing_engine()
+        async with inproc_worker(nats_url, engine, namespace=namespace, slots=32):
+            shard = ShardJob(
+                request_id=f"shard-{fresh}", model="fake", requests=[_request(r) for r in ids], fresh=fresh
+            )
+            await client.submit_shard(shard)
+            results = await _results(client, ids)
+    ran = ids[3:] if fresh else ids[4:]
+    assert set(engine.finished) == set(ran) and max(engine.finished.values()) == 1
+    for rid in ran:
+        assert results[rid].final is not None and results[rid].final.choices[0].completion_tokens == 5
+    if not fresh:
+        assert results[ids[3]].error is not None and results[ids[3]].error.code == ErrorCode.CANCELLED
+    for rid in done_before:
+        assert results[rid].worker == "earlier"  # left as it was
+
+
+def _stored(rid: str) -> Result:
+    from jetllm.schemas import Choice, Usage
+
+    final = FinalFrame(
+        seq=2,
+        request_id=rid,
+        choices=[Choice(index=0, finish_reason="length", completion_tokens=1)],
+        usage=Usage(prompt_tokens=3, completion_tokens=1),
+    )
+    return Result(attempt=1, final=final, token_ids=[[7]], worker="earlier")
+
+
+async def test_a_fresh_shard_cancelled_as_a_whole_lets_each_request_read_its_own_cancel(nats_url, namespace):
+    async with Client(nats_url, namespace=namespace) as client:
+        ids = [f"whole-{i}" for i in range(6)]
+        await client.cancel("the-shard", reason="batch stopped")
+        await client.cancel(ids[0], reason="batch stopped")
+        engine = finishing_engine()
+        async with inproc_worker(nats_url, engine, namespace=namespace, slots=32):
+            await client.submit_shard(
+                ShardJob(
+                    request_id="the-shard", model="fake", requests=[_request(r) for r in ids], fresh=True
+                )
+            )
+            results = await _results(client, ids)
+    assert results[ids[0]].error is not None and results[ids[0]].error.code == ErrorCode.CANCELLED
+    assert set(engine.finished) == set(ids[1:])
+
+
+async def test_a_request_that_cannot_be_a_line_fails_alone_and_the_others_run(nats_url, namespace):
+    async with Client(nats_url, namespace=namespace) as client:
+        good = [f"ok-{i}" for i in range(4)]
+        requests = [_request(r) for r in good]
+        requests.insert(1, _request("elsewhere", reply_to="_INBOX.someone.1"))
+        requests.insert(3, msgspec.structs.replace(_request("other-model"), model="not-fake"))
+        requests.append(_request(good[0]))  # named twice: runs once
+        engine = finishing_engine()
+        async with inproc_worker(nats_url, engine, namespace=namespace, slots=32):
+            await client.submit_shard(
+                ShardJob(request_id="mixed", model="fake", requests=requests, fresh=True)
+            )
+            results = await _results(client, [*good, "elsewhere", "other-model"])
+    assert set(engine.finished) == set(good) and max(engine.finished.values()) == 1
+    bad = {rid: results[rid].error for rid in ("elsewhere", "other-model")}
+    assert all(e is not None and e.code == ErrorCode.INVALID_REQUEST for e in bad.values())
+    assert bad["elsewhere"].field == "$.requests[1].reply_to"  # type: ignore[union-attr]
+    assert bad["other-model"].field == "$.requests[3].model"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    "body, code, field",
+    [
+        pytest.param({"surprise": 1}, ErrorCode.INVALID_REQUEST, "$.surprise", id="an unknown field"),
+        pytest.param({"v": 7}, ErrorCode.UNSUPPORTED_VERSION, "$.v", id="a version it does not speak"),
+        pytest.param({"model": "not-fake"}, ErrorCode.MODEL_NOT_SERVED, "$.model", id="another model"),
+    ],
+)
+async def test_a_shard_that_cannot_run_fails_each_request_it_names_and_the_worker_goes_on(
+    nats_url, namespace, body, code, field
+):
+    async with Client(nats_url, namespace=namespace) as client:
+        ids = [f"bad-{code.value}-{i}" for i in range(3)]
+        shard = ShardJob(request_id=f"bad-{code.value}", model="fake", requests=[_request(r) for r in ids])
+        raw = {**msgspec.to_builtins(shard), **body}
+        engine = finishing_engine()
+        async with inproc_worker(nats_url, engine, namespace=namespace, slots=32):
+            await client.js.publish(
+                client.names.jobs(SHARD_QUEUE, "fake"),
+                json.dumps(raw).encode(),
+                headers={codec.CONTENT_TYPE: codec.JSON},
+            )
+            results = await _results(client, ids)
+            ok = ShardJob(
+                request_id=f"after-{code.value}", model="fake", requests=[_request(f"after-{code.value}")]
+            )
+            await client.submit_shard(ok)  # the worker serves the next shard
+            after = await _results(client, [f"after-{code.value}"])
+        dead = await client.js.get_last_msg(client.names.dlq_stream, client.names.dlq("generate", "fake"))
+    for rid in ids:
+        err = results[rid].error
+        assert isinstance(err, ErrorFrame) and err.code == code and err.field == field, err
+    assert not set(engine.finished) & set(ids)
+    assert after[f"after-{code.value}"].final is not None
+    assert dead.data and code.value in dead.data.decode(errors="replace")
+
+
+async def test_a_draining_worker_hands_its_shard_back_and_the_next_runs_only_the_unfinished_lines(
+    nats_url, namespace
+):
+    async with Client(nats_url, namespace=namespace) as client:
+        ids = [f"drain-{i}" for i in range(16)]
+        requests = [
+            msgspec.structs.replace(
+                _request(r), stop=StopConditions(max_tokens=2 if i < 8 else 400, ignore_eos=True)
+            )
+            for i, r in enumerate(ids)
+        ]
+        first, second = (
+            finishing_engine(step_delay=0.01, max_model_len=1024),
+            finishing_engine(max_model_len=1024),
+        )
+        async with inproc_worker(nats_url, first, namespace=namespace, slots=32, grace_period=0.2):
+            await client.submit_shard(
+                ShardJob(request_id="drained", model="fake", requests=requests, fresh=True)
+            )
+            short = await _results(client, ids[:8])  # the short ones end; the long ones still run
+        assert all(r.final is not None for r in short.values())
+        async with inproc_worker(nats_url, second, namespace=namespace, slots=32):
+            results = await _results(client, ids)
+    assert set(second.finished) == set(ids[8:])  # the short lines ended: never run again
+    assert all(results[rid].final is not None for rid in ids)
+    assert all(results[rid].final.choices[0].completion_tokens == 400 for rid in ids[8:])  # type: ignore[union-attr]
+
+
+async def test_a_chat_line_in_a_shard_gives_what_it_gives_as_a_job_of_its_own(nats_url, namespace):
+    prompt = ChatPrompt(messages=[ChatMessage(role="user", content="hello")])
+    async with Client(nats_url, namespace=namespace) as client:
+        async with inproc_worker(nats_url, finishing_engine(), namespace=namespace, slots=32):
+            alone = await client.complete(msgspec.structs.replace(_request("alone"), prompt=prompt))
+            await client.submit_shard(
+                ShardJob(
+                    request_id="one-chat",
+                    model="fake",
+                    requests=[
+                        msgspec.structs.replace(_request("in-shard"), prompt=prompt),
+                        _request("filler"),
+                    ],
+                )
+            )
+            shard = (await _results(client, ["in-shard"]))["in-shard"]
+    assert shard.final is not None and shard.token_ids[0] == alone.token_ids
+    assert shard.text is not None and shard.text[0] == alone.text
