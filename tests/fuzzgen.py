@@ -19,9 +19,9 @@ from typing import Any
 
 import msgspec
 
-from jetllm.schemas import SleepRequest
+from jetllm.schemas import ShardJob, SleepRequest
 from jetllm.subjects import codec
-from jetllm.subjects.names import Names, encode_token, is_safe_reply_subject
+from jetllm.subjects.names import SHARD_QUEUE, Names, encode_token, is_safe_reply_subject
 from jetllm.workers.jobs import RejectedJob, decode_request
 
 JSON_CT = {"Content-Type": "application/json"}
@@ -647,6 +647,60 @@ class Generator:
             what=f"job {i} ({self.rids[-1]}): {label}",
         )
 
+    def shard(self) -> Shot:
+        """A shard for the served model's shard queue: a few of `base_job`'s bodies as its requests,
+        valid, mutated or junk (never one whose requests run long). Whatever it holds, the worker
+        settles it and goes on; its requests' frames are not counted (a shard's are detached)."""
+        rng = self.rng
+        requests = []
+        for _ in range(rng.randint(1, 4)):
+            body, enc = self.base_job()
+            self.n_jobs += 1
+            if rng.random() < 0.9:
+                body.pop("reply_to", None)
+            requests.append(body)
+        shard: dict = {
+            "v": 1,
+            "request_id": f"fz{self.seed}-shard-{self.n_jobs}",
+            "model": self.t.model,
+            "requests": requests,
+            "fresh": rng.random() < 0.5,
+        }
+        roll = rng.random()
+        if roll < 0.3:
+            label, data = "valid", _encode_loose(shard, enc)
+        elif roll < 0.6:
+            how = rng.choice(["unknown field", "version", "model", "requests", "request field", "twice"])
+            if how == "unknown field":
+                shard["lines"] = 1
+            elif how == "version":
+                shard["v"] = rng.choice([0, 2, "1", None])
+            elif how == "model":
+                shard["model"] = rng.choice(["other", "", "a" * 300])
+            elif how == "requests":
+                shard["requests"] = rng.choice([[], "x", [1, 2], None, [{}], requests * 400])
+            elif how == "request field":
+                requests[0]["surprise"] = True
+            else:
+                shard["requests"] = requests + requests
+            label, data = f"shard {how}", _encode_loose(shard, enc)
+        else:
+            data = _encode_loose(shard, enc)
+            mutation = rng.choice(BYTE_MUTATIONS)
+            data, label = mutation(rng, data), f"shard {mutation.__name__}"
+        if _shard_runs_long(data, enc):
+            label, data = "valid", _encode_loose({**shard, "requests": requests[:1]}, enc)
+            if _shard_runs_long(data, enc):
+                data = b""
+        self.count(f"shard: {label}")
+        return Shot(
+            "pub",
+            self.t.names.jobs(SHARD_QUEUE, self.t.model),
+            data,
+            dict(JSON_CT if enc == "json" else MP_CT),
+            what=f"shard {shard['request_id']}: {label}",
+        )
+
     def job_elsewhere(self) -> Shot:
         """A job on a queue this worker does not serve: it must never reach it."""
         rng = self.rng
@@ -1012,7 +1066,8 @@ class Generator:
 
     def plan(self, n: int) -> list[Shot]:
         kinds = [
-            (self.job, 0.60),
+            (self.job, 0.57),
+            (self.shard, 0.03),
             (self.job_elsewhere, 0.03),
             (self.raw_job, 0.02),
             (self.cancel, 0.12),
@@ -1096,6 +1151,27 @@ def expectation(data: bytes, headers: dict[str, str] | None, frames_prefix: str)
         prefix = frames_prefix.encode()
         found = {m.decode("ascii", "replace") for m in _PREFIX_REF.findall(data) if m.startswith(prefix)}
         return JobExpect(None, False, sorted(found), "")
+
+
+_shard_decoder = codec.Decoder(ShardJob)
+
+
+def _shard_runs_long(data: bytes, enc: str) -> bool:
+    """Whether a shard decodes with a request that would run longer than the barrage allows."""
+    try:
+        shard = _shard_decoder.decode(data, enc)  # type: ignore[arg-type]
+    except Exception:
+        return False
+    return (
+        any(
+            r.stop.max_tokens is None
+            or r.stop.max_tokens > MAX_TOKENS_RUN
+            or r.sampling.n > 4
+            or r.stop.min_tokens > MAX_TOKENS_RUN
+            for r in shard.requests
+        )
+        or len(shard.requests) > 64
+    )
 
 
 def decodes_to_long_job(data: bytes, headers: dict[str, str] | None) -> bool:

@@ -55,6 +55,8 @@ async def assert_still_serving(c: Client, model: str) -> None:
 
 CASES = {
     "wrong schema version": (dict(v=99), ErrorCode.UNSUPPORTED_VERSION, "$.v"),
+    "a version that is a list": (dict(v=[1]), ErrorCode.INVALID_REQUEST, "$.v"),
+    "a version that is a map": (dict(v={"major": 1}), ErrorCode.INVALID_REQUEST, "$.v"),
     "field of the wrong type": (
         dict(stop={"max_tokens": "four"}),
         ErrorCode.INVALID_REQUEST,

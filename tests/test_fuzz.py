@@ -31,6 +31,7 @@ from pathlib import Path
 
 import anyio
 import msgspec
+import nats.js.errors
 import pytest
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -43,7 +44,7 @@ from jetllm.producer.registry import instances, model_cards
 from jetllm.schemas import AdapterList, ErrorFrame, FinalFrame, ResumeQuery
 from jetllm.subjects import codec
 from jetllm.subjects.direct import subscribe_direct
-from jetllm.subjects.names import Names
+from jetllm.subjects.names import SHARD_QUEUE, Names
 from jetllm.subjects.policy import QueuePolicy
 from jetllm.subjects.setup import ensure_lora_bucket
 
@@ -289,12 +290,19 @@ def control_requests(run: Run) -> list[Shot]:
 
 
 async def queue_state(nc: NATS, names: Names, model: str) -> tuple[int, int, int]:
-    """(waiting, delivered and not acked, still in the stream) for the served model's queue."""
+    """(waiting, delivered and not acked, still in the stream) for the served model's queue and its
+    shard queue together."""
     js = nc.jetstream()
-    info = await js.consumer_info(names.jobs_stream, names.consumer("generate", model))
-    stream = await js.stream_info(names.jobs_stream, subjects_filter=names.jobs("generate", model))
-    left = (stream.state.subjects or {}).get(names.jobs("generate", model), 0)
-    return info.num_pending, info.num_ack_pending, left
+    state = (0, 0, 0)
+    for queue in ("generate", SHARD_QUEUE):
+        try:
+            info = await js.consumer_info(names.jobs_stream, names.consumer(queue, model))
+        except nats.js.errors.NotFoundError:  # a worker of too few slots for shards made none
+            continue
+        stream = await js.stream_info(names.jobs_stream, subjects_filter=names.jobs(queue, model))
+        left = (stream.state.subjects or {}).get(names.jobs(queue, model), 0)
+        state = (state[0] + info.num_pending, state[1] + info.num_ack_pending, state[2] + left)
+    return state
 
 
 def missing_answers(run: Run) -> tuple[list[str], list[str]]:

@@ -82,7 +82,7 @@ async def run_targets(
     output_len: int,
     url: str,
     log_dir: Path,
-    windows: list[tuple[int, float]],
+    windows: list[tuple[int, float, int]],
     in_flight: int,
     rounds: int,
     server_pid: int | None = None,
@@ -160,8 +160,8 @@ async def run_targets(
                 await one(prompts[:8], "warmup")
                 offline_runs: list[Round] = []
                 streamed: list[Round] = []
-                batched: dict[tuple[int, float], list[Round]] = {w: [] for w in windows}
-                targets: list[tuple[int, float] | str] = ["offline", "streamed", *windows]
+                batched: dict[tuple[int, float, int], list[Round]] = {w: [] for w in windows}
+                targets: list[tuple[int, float, int] | str] = ["offline", "streamed", *windows]
                 for n in range(rounds):  # alternating, so drift on the box touches all alike
                     for target in targets if n % 2 == 0 else targets[::-1]:
                         if target == "offline":
@@ -173,9 +173,9 @@ async def run_targets(
                         else:
                             assert isinstance(target, tuple)
                             runner.pacing = dataclasses.replace(
-                                runner.pacing, window=target[0], refill=target[1]
+                                runner.pacing, window=target[0], refill=target[1], shard=target[2]
                             )
-                            tag = f"measured{n}w{target[0]}r{target[1]}"
+                            tag = f"measured{n}w{target[0]}r{target[1]}s{target[2]}"
                             batched[target].append(await measured(plane, one, prompts, tag))
                 ids_only = await measured(front_end, offline_round, False)
                 tg.cancel_scope.cancel()
@@ -187,10 +187,16 @@ async def run_targets(
         Figures.of(OFFLINE_IDS, len(prompts), [ids_only]),
         Figures.of(f"jetllm, streamed by one producer ({in_flight} in flight)", len(prompts), streamed),
         *(
-            Figures.of(f"jetllm batch API (window {w}, refill {refill:g} s)", len(prompts), runs)
-            for (w, refill), runs in batched.items()
+            Figures.of(
+                f"jetllm batch API (window {w}, refill {refill:g} s, {_sharded(shard)})", len(prompts), runs
+            )
+            for (w, refill, shard), runs in batched.items()
         ),
     ]
+
+
+def _sharded(shard: int) -> str:
+    return f"shards of up to {shard} lines" if shard > 1 else "a job a line"
 
 
 async def _streamed(client: Any, prompts: list[list[int]], window: int, body: Any) -> tuple[float, int]:
@@ -239,7 +245,9 @@ def cmd_bench_batch(args: argparse.Namespace) -> int:
         requests=args.lines, concurrency=1, prompt_len=args.prompt_len, output_len=args.output_len
     ).prompts(vocab)
     log_dir = Path(tempfile.mkdtemp(prefix="jetllm-bench-batch-"))
-    windows = _windows(args.batch_window)
+    windows = [
+        (w, r, s) for w, r in _windows(args.batch_window) for s in _shard_sizes(args.batch_shard_lines)
+    ]
     box = BoxWatch.start()
     with (
         OfflineChild(opts, prompts, args.output_len, log_dir / "offline.log") as offline,
@@ -275,6 +283,17 @@ def _windows(text: str) -> list[tuple[int, float]]:
     if not windows or min(w for w, _ in windows) < 1 or len(set(windows)) != len(windows):
         raise SystemExit(f"--batch-window: WINDOW or WINDOW:REFILL_SECONDS, comma-separated, got {text!r}")
     return windows
+
+
+def _shard_sizes(text: str) -> list[int]:
+    """`64`, `64,1`: the runner's --batch-shard-lines to measure, a row each (1: a job a line)."""
+    try:
+        sizes = [int(x) for x in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1 or len(set(sizes)) != len(sizes):
+        raise SystemExit(f"--batch-shard-lines: LINES, comma-separated, got {text!r}")
+    return sizes
 
 
 def report(rows: list[Figures], args: argparse.Namespace, command: str, box: str = "") -> str:
@@ -334,6 +353,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help=f"the runner's window: batch jobs waiting in the queue at once (default: {plan.DEFAULT_WINDOW}, "
         "as `jetllm batch-runner`), with :SECONDS its refill (default: "
         f"{plan.REFILL_SECONDS:g}); several, comma-separated, give a row each (e.g. 32,32:0,256)",
+    )
+    p.add_argument(
+        "--batch-shard-lines",
+        default=str(plan.SHARD_LINES),
+        help=f"the runner's --batch-shard-lines (default: {plan.SHARD_LINES}, as `jetllm batch-runner`); "
+        "several, comma-separated, give a row each (e.g. 64,1: shards against a job a line)",
     )
     p.add_argument(
         "--rounds",

@@ -81,7 +81,7 @@ def decode_request(
         req = decoder.decode(data, encoding)
     except msgspec.ValidationError as exc:
         version, rid, reply = _salvage(data, encoding)
-        if version is not None and version not in SUPPORTED_VERSIONS:
+        if isinstance(version, int) and version not in SUPPORTED_VERSIONS:  # not a list or a map
             raise RejectedJob(
                 ErrorCode.UNSUPPORTED_VERSION,
                 f"schema version {version!r} is not supported (this worker speaks {sorted(SUPPORTED_VERSIONS)})",

@@ -21,9 +21,9 @@ import anyio
 import msgspec
 from nats.aio.msg import Msg
 
-from .. import taskdump
+from .. import aio, taskdump
 from ..errors import RequestRejected
-from ..schemas import ErrorCode, ErrorFrame, GenerateRequest, Result, ShardJob
+from ..schemas import MAX_SHARD_REQUESTS, ErrorCode, ErrorFrame, GenerateRequest, Result, ShardJob
 from ..subjects import codec
 from .frames import FrameSink
 from .jobs import Job, RejectedJob, decode_request
@@ -129,13 +129,14 @@ class ShardRun:
     def __init__(self, deps: JobDeps, msg: Msg, slots: Slots, held: int) -> None:
         """`held`: the slots taken for it on delivery (`shard_intake`), set to its requests' count."""
         self._d = deps
-        self.job = Job(msg)
+        self._msg = msg
         self._slots = slots
         self._held = held
 
     async def run(self) -> None:
-        d, job = self._d, self.job
+        d = self._d
         try:
+            job = self.job = Job(self._msg)
             taskdump.name_task(f"shard seq {job.stream_seq}")
             try:
                 shard, encoding = decode_request(job.msg.data, job.msg.headers, _shard_decoder)
@@ -163,8 +164,12 @@ class ShardRun:
                         self._hold(self._held - 1)
             await self._settle([line.job for line in lines])
         except Exception:
-            log.exception("shard seq %d: could not be run; handing it back", job.stream_seq)
-            await job.nak(delay=1.0)
+            log.exception("a shard could not be run; handing it back")
+            with anyio.CancelScope(shield=True):
+                try:
+                    await Job(self._msg).nak(delay=1.0)
+                except Exception:  # JetStream redelivers it after ack_wait
+                    pass
         finally:
             self._hold(0)
 
@@ -213,11 +218,13 @@ class ShardRun:
             named = _requests_decoder.decode(job.msg.data, exc.encoding).requests
         except Exception:
             named = []
-        for entry in named:
-            rid = entry.request_id
-            if isinstance(rid, str) and 0 < len(rid) <= 200:
-                err = ErrorFrame(seq=1, request_id=rid, code=exc.code, message=exc.message, field=exc.field)
-                await d.log.store_result(rid, Result(attempt=job.attempt, error=err, worker=d.ctx.instance))
+        ids = {e.request_id for e in named if isinstance(e.request_id, str) and 0 < len(e.request_id) <= 200}
+
+        async def fail(rid: str) -> None:
+            err = ErrorFrame(seq=1, request_id=rid, code=exc.code, message=exc.message, field=exc.field)
+            await d.log.store_result(rid, Result(attempt=job.attempt, error=err, worker=d.ctx.instance))
+
+        await aio.each(sorted(ids)[:MAX_SHARD_REQUESTS], fail)  # each id once, however often named
         await JobRun(d, job.msg, job).refuse(exc)
 
 
