@@ -10,6 +10,7 @@ from collections import Counter
 
 import anyio
 import msgspec
+import nats.errors
 import pytest
 
 from jetllm.batches import plan
@@ -31,6 +32,7 @@ from jetllm.schemas import (
 )
 from jetllm.subjects import codec
 from jetllm.subjects.names import SHARD_QUEUE
+from jetllm.subjects.policy import QueuePolicy
 from jetllm.workers.pullshare import shard_allowance
 from jetllm.workers.shards import shard_room
 
@@ -332,3 +334,37 @@ async def test_a_chat_line_in_a_shard_gives_what_it_gives_as_a_job_of_its_own(na
             shard = (await _results(client, ["in-shard"]))["in-shard"]
     assert shard.final is not None and shard.token_ids[0] == alone.token_ids
     assert shard.text is not None and shard.text[0] == alone.text
+
+
+async def test_a_shard_jetstream_gives_up_on_fails_each_of_its_requests_that_had_not_ended(
+    nats_url, namespace
+):
+    """JetStream delivered the shard max_deliver times and nobody finished it (here a stalled
+    consumer takes it and never acks): its requests' submitter is still owed their results."""
+    policy = QueuePolicy(ack_wait=1.0, max_deliver=2)
+    async with Client(nats_url, namespace=namespace) as client:
+        ids = [f"gave-up-{i}" for i in range(3)]
+        await client.js.publish(client.names.request_log(ids[0]), codec.encode(_stored(ids[0])))
+        async with inproc_worker(
+            nats_url, FakeEngine(), namespace=namespace, slots=32, policy=policy, pull_expires=1.0
+        ) as w:
+            w.slots.pause(True)
+            await anyio.sleep(1.5)  # the worker's outstanding pull requests expire
+            stalled = await client.js.pull_subscribe_bind(
+                durable=client.names.consumer(SHARD_QUEUE, "fake"), stream=client.names.jobs_stream
+            )
+            try:
+                await client.submit_shard(
+                    ShardJob(request_id="given-up", model="fake", requests=[_request(r) for r in ids])
+                )
+                for _ in range(2):
+                    await stalled.fetch(1, timeout=10)  # taken, never acked
+                with pytest.raises(nats.errors.TimeoutError):
+                    await stalled.fetch(1, timeout=3)  # no further delivery: JetStream gave up
+                results = await _results(client, ids)
+            finally:
+                await stalled.unsubscribe()
+    assert results[ids[0]].worker == "earlier"  # it had ended: left as it was
+    for rid in ids[1:]:
+        err = results[rid].error
+        assert err is not None and err.code == ErrorCode.DELIVERIES_EXHAUSTED and err.request_id == rid

@@ -9,11 +9,13 @@ import msgspec
 from nats.aio.msg import Msg
 
 from ..schemas import ErrorCode, Result
+from ..subjects.names import SHARD_QUEUE
 from .context import WorkerContext
 from .deadletters import DeadLetters
 from .frames import FrameSink
 from .jobs import dead_letter_record, salvage
 from .requestlog import RequestLog
+from .shards import fail_requests
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +63,9 @@ class Exhausted:
         # error (or reads the dead letter) finds it counted.
         ctx.counters.dead_lettered += 1
         try:
-            if request_id:
+            if raw.subject == ctx.names.jobs(SHARD_QUEUE, ctx.model):  # its requests wait for results
+                await fail_requests(self._log, raw.data or b"", encoding, err, 0, ctx.instance)
+            elif request_id:
                 await self._log.store_result(request_id, Result(attempt=0, error=err, worker=ctx.instance))
             await frames.send(err)
             await ctx.js.delete_msg(ctx.names.jobs_stream, seq)

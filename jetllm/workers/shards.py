@@ -28,7 +28,7 @@ from ..subjects import codec
 from .frames import FrameSink
 from .jobs import Job, RejectedJob, decode_request
 from .protocol import JobDeps, JobRun
-from .requestlog import LogUnavailable
+from .requestlog import LogUnavailable, RequestLog
 from .slots import Slots
 
 log = logging.getLogger(__name__)
@@ -214,18 +214,34 @@ class ShardRun:
         """A shard that cannot run at all: each request it names fails with the reason (whoever
         submitted them waits for their results), and the shard is dead-lettered and terminated."""
         d, job = self._d, self.job
-        try:
-            named = _requests_decoder.decode(job.msg.data, exc.encoding).requests
-        except Exception:
-            named = []
-        ids = {e.request_id for e in named if isinstance(e.request_id, str) and 0 < len(e.request_id) <= 200}
-
-        async def fail(rid: str) -> None:
-            err = ErrorFrame(seq=1, request_id=rid, code=exc.code, message=exc.message, field=exc.field)
-            await d.log.store_result(rid, Result(attempt=job.attempt, error=err, worker=d.ctx.instance))
-
-        await aio.each(sorted(ids)[:MAX_SHARD_REQUESTS], fail)  # each id once, however often named
+        err = ErrorFrame(seq=1, request_id=None, code=exc.code, message=exc.message, field=exc.field)
+        await fail_requests(d.log, job.msg.data, exc.encoding, err, job.attempt, d.ctx.instance)
         await JobRun(d, job.msg, job).refuse(exc)
+
+
+async def fail_requests(
+    request_log: RequestLog, data: bytes, encoding: codec.Encoding, err: ErrorFrame, attempt: int, worker: str
+) -> None:
+    """End every request a shard names (as far as its bytes say) with `err`, unless it ended
+    already: whoever submitted them waits for their results. For a shard that cannot run, or that
+    JetStream gave up on. Each id once however often named, 32 at a time, at most a shard's worth."""
+    try:
+        named = _requests_decoder.decode(data, encoding).requests
+    except Exception:
+        named = []
+    ids = {e.request_id for e in named if isinstance(e.request_id, str) and 0 < len(e.request_id) <= 200}
+
+    async def fail(rid: str) -> None:
+        try:
+            if isinstance(await request_log.last(rid), Result):
+                return
+        except LogUnavailable:
+            log.warning("request %s: its log is out of reach; it is not failed with its shard", rid)
+            return
+        ended = msgspec.structs.replace(err, request_id=rid)
+        await request_log.store_result(rid, Result(attempt=attempt, error=ended, worker=worker))
+
+    await aio.each(sorted(ids)[:MAX_SHARD_REQUESTS], fail)
 
 
 def _once(shard: ShardJob) -> list[GenerateRequest]:
