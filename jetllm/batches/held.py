@@ -169,6 +169,7 @@ class HeldBatch:
         written = None
         async with anyio.create_task_group() as tg:
             while pending or self.in_flight:
+                self.changed = anyio.Event()  # before the awaits below: a line ending meanwhile sets it
                 now = time.monotonic()
                 if now - last_state >= STATE_EVERY:
                     last_state = now
@@ -195,7 +196,6 @@ class HeldBatch:
                     self.in_flight.add(line.line)
                     self.queued.add(line.line)
                 self._submit(tg, taken, endpoint, sharded)
-                self.changed = anyio.Event()
                 with anyio.move_on_after(STATE_EVERY):
                     await self.changed.wait()
         return "done"

@@ -196,6 +196,8 @@ class Puller:
         self.bound = True
         self._refusals.answered()
         self._credit.delivered()
+        if not self._credit.total:  # its credit is spent: it may ask again at once (a shard puller)
+            self._wake.set()
         if self._stopping or self._room() <= 0:
             # Not ours to run: a stray delivery after stop, or a forgotten pull that was honoured.
             self._strays.append(msg)

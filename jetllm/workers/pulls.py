@@ -77,17 +77,16 @@ class Pulls:
         )
         return self._run(consumer, puller)
 
-    def start_shards(self, consumer: str, *, room: int, on_shard: Callable[[Msg], None]) -> Puller | None:
-        """Pull shards (schemas/shard.py) from `consumer`, one at a time, only while at least
-        `room` slots are free for the other queues: a shard holds many slots, and single jobs
-        get the first ones that free (`on_shard` holds its slots at once)."""
+    def start_shards(self, consumer: str, *, on_shard: Callable[[Msg], None]) -> Puller | None:
+        """Pull shards (schemas/shard.py) from `consumer`, one at a time, while a slot is free for
+        the other queues (`on_shard` holds it at once, and the rest a shard needs once decoded)."""
         if not self.accepting:
             return None
         puller = Puller(
             self._nc,
             self._stream,
             consumer,
-            free_slots=lambda: shard_allowance(self._shared_free(), room),
+            free_slots=lambda: shard_allowance(self._shared_free()),
             room=self._free_slots,
             on_job=on_shard,
             expires=self._expires,

@@ -48,9 +48,12 @@ def shared_allowance(free: int, waiting: int, directed: int) -> int:
     return max(free - max(waiting, directed), 0)
 
 
-def shard_allowance(free: int, room: int) -> int:
-    """Credit the shard puller may hold: one shard, while `room` slots are free for it."""
-    return 1 if free >= room else 0
+def shard_allowance(free: int) -> int:
+    """Credit the shard puller may hold: one shard, while a slot is free for it. A shard holds
+    more: those of its requests beyond the free slots wait in the engine's own queue, and start the
+    moment a running request ends (as offline inference keeps its queue full), which bounds what
+    a worker holds beyond its slots by one shard (`shard_room`)."""
+    return 1 if free > 0 else 0
 
 
 def must_cancel(outstanding: int, allowance: int, directed_waiting: bool) -> bool:

@@ -195,7 +195,7 @@ class Worker:
         )
         on_job = intake(jobs, slots)
         self._shard_lines = shard_lines
-        self._on_shard = shard_intake(jobs, slots, shard_lines)
+        self._on_shard = shard_intake(jobs, slots)
         self.engine_control = EngineControl(
             engine,
             instance=ctx.instance,
@@ -324,7 +324,7 @@ class Worker:
                     self.directed.start()
                     self.pulls.start(consumer)
                     if shards is not None:
-                        self.pulls.start_shards(shards, room=self._shard_lines, on_shard=self._on_shard)
+                        self.pulls.start_shards(shards, on_shard=self._on_shard)
                     jobs.start_soon(
                         contained, "adapter queues", self.adapter_queues.sync, list(self.reports.adapters)
                     )

@@ -3,9 +3,11 @@
 Each request of a shard runs as a job of its own would, through the same protocol and the same
 role (`LineRun` is a `JobRun` whose delivery it shares with the shard's other requests), so a line
 gets the log's history, the migration budget, cancels, structured outputs and adapters alike. What
-it no longer costs the plane is what a delivery of its own cost: the job's own messages, a pulled
-frame, a trace record and, on the first delivery of a fresh shard, the two log reads. Its claim
-and its stored result stay, so every reader of its log sees what it always saw.
+it no longer costs the plane is what a delivery of its own cost: the job's own messages and
+acknowledgements, a pulled frame, a trace record and, on the first delivery of a fresh shard, the
+two log reads (its claim is a conditional write that fails on a log that is not empty, and only
+then is the log read). Its claim and its stored result stay, so every reader of its log sees what
+it always saw.
 
 The shard settles once, when every request has ended: acked when each finished, failed, was
 cancelled or was answered from its log; handed back when any must run elsewhere (a drain, a dead
@@ -50,9 +52,9 @@ _requests_decoder = codec.Decoder(_Requests)
 
 
 def shard_room(slots: int) -> int:
-    """The free slots a worker waits for before it takes a shard, and the most requests it wants
-    in one: a quarter of its slots, at most 64, so single jobs (online traffic) get the first slots
-    that free and shards the larger holes; 0 (no shards) for a worker of fewer than 8 slots."""
+    """The most requests a worker wants in one shard, which is also the most it holds beyond its
+    slots (it takes a shard while one slot is free; the rest wait in the engine's queue): a quarter
+    of its slots, at most 64. 0 (no shards) for a worker of fewer than 8 slots."""
     room = min(64, slots // 4)
     return room if room > 1 else 0
 
@@ -269,13 +271,13 @@ def _line_problem(req: GenerateRequest, model: str) -> tuple[str, str] | None:
     return None
 
 
-def shard_intake(deps: JobDeps, slots: Slots, room: int) -> Callable[[Msg], None]:
-    """What the shard puller calls with each shard: `room` slots are held at once (until it is
-    decoded), so the puller does not take a second shard into the same slots."""
+def shard_intake(deps: JobDeps, slots: Slots) -> Callable[[Msg], None]:
+    """What the shard puller calls with each shard: a slot is held at once, as for a job, and the
+    rest its requests need once it is decoded."""
 
     def on_shard(msg: Msg) -> None:
-        slots.take(room)
+        slots.take()
         deps.ctx.counters.pulled += 1
-        deps.tasks.start_soon(ShardRun(deps, msg, slots, room).run)
+        deps.tasks.start_soon(ShardRun(deps, msg, slots, 1).run)
 
     return on_shard
