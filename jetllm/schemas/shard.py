@@ -21,8 +21,8 @@ MAX_SHARD_REQUESTS = 1024
 
 
 class ShardJob(Command, kw_only=True):
-    """Published to `jetllm.<ns>.jobs.shard.<model>`, pulled by generate workers of the model when
-    they have room for a shard (docs/decisions.md, "A batch's lines travel in shards").
+    """Published to `jetllm.<ns>.jobs.shard.<model>`, pulled by generate workers of the model while
+    a slot is free (docs/decisions.md, "A batch's lines travel in shards").
 
     Each request is checked on its own: one that does not decode, names another model or has a
     reply subject fails alone (its error stored as its result), and the others run."""
@@ -34,8 +34,10 @@ class ShardJob(Command, kw_only=True):
     requests: Annotated[list[GenerateRequest], Meta(min_length=1, max_length=MAX_SHARD_REQUESTS)]
     """Detached generate requests (`reply_to` unset), each with a request id of its own."""
     fresh: bool = False
-    """The submitter vouches that no request of the shard was submitted before (a batch started
-    afresh): on the shard's first delivery the workers then skip reading each line's log and
-    durable cancel. A false claim only reruns requests of the submitter's own."""
+    """The submitter says no request of the shard ran before (a batch started afresh): on the
+    shard's first delivery, unless the shard itself was cancelled, a worker claims each request
+    with a write the server refuses when its log is not empty, instead of reading the log and its
+    durable cancel first, and reads them only when refused. A request cancelled alone is then not
+    seen cancelled before it starts: cancel the shard (its `request_id`)."""
     reply_to: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
     """Unused: a shard answers through its requests' logs (kept because every job names one)."""
