@@ -198,7 +198,8 @@ class ShardRun:
             self._hold(self._held - 1)
 
     async def _settle(self, lines: list[Job]) -> None:
-        handed = [line for line in lines if line.settled_how == "nak" or not line.settled]
+        # Unsettled: superseded (a newer delivery of the request runs it elsewhere), which ends it here.
+        handed = [line for line in lines if line.settled_how == "nak"]
         if not handed:
             await self.job.ack()
             return
