@@ -18,7 +18,9 @@ from jetllm.batches.lines import line_request_id
 from jetllm.batches.runner import BatchRunner
 from jetllm.openai.endpoints import CHAT
 from jetllm.producer import Client
+from jetllm.producer import deadletters as dead_letters
 from jetllm.schemas import (
+    CancelRequest,
     ChatMessage,
     ChatPrompt,
     ErrorCode,
@@ -215,18 +217,26 @@ def _stored(rid: str) -> Result:
     return Result(attempt=1, final=final, token_ids=[[7]], worker="earlier")
 
 
-async def test_a_fresh_shard_cancelled_as_a_whole_lets_each_request_read_its_own_cancel(nats_url, namespace):
+@pytest.mark.parametrize("cancelled", ["the-shard", "its-batch"])
+async def test_a_fresh_shard_cancelled_as_a_whole_lets_each_request_read_its_own_cancel(
+    nats_url, namespace, cancelled
+):
+    """Cancelled by its own id, or by its group's (a batch stopped by another runner than the one
+    that queued the shard)."""
     async with Client(nats_url, namespace=namespace) as client:
-        ids = [f"whole-{i}" for i in range(6)]
-        await client.cancel("the-shard", reason="batch stopped")
+        ids = [f"whole-{cancelled}-{i}" for i in range(6)]
+        await client.cancel(cancelled, reason="batch stopped")
         await client.cancel(ids[0], reason="batch stopped")
         engine = finishing_engine()
         async with inproc_worker(nats_url, engine, namespace=namespace, slots=32):
-            await client.submit_shard(
-                ShardJob(
-                    request_id="the-shard", model="fake", requests=[_request(r) for r in ids], fresh=True
-                )
+            shard = ShardJob(
+                request_id="the-shard",
+                model="fake",
+                requests=[_request(r) for r in ids],
+                fresh=True,
+                group="its-batch",
             )
+            await client.submit_shard(shard)
             results = await _results(client, ids)
     assert results[ids[0]].error is not None and results[ids[0]].error.code == ErrorCode.CANCELLED
     assert set(engine.finished) == set(ids[1:])
@@ -250,6 +260,12 @@ async def test_a_request_that_cannot_be_a_line_fails_alone_and_the_others_run(na
     assert all(e is not None and e.code == ErrorCode.INVALID_REQUEST for e in bad.values())
     assert bad["elsewhere"].field == "$.requests[1].reply_to"  # type: ignore[union-attr]
     assert bad["other-model"].field == "$.requests[3].model"  # type: ignore[union-attr]
+    async with Client(nats_url, namespace=namespace) as client:
+        letters = await dead_letters.entries(client.nc, client.names)
+    (letter,) = [e.record for e in letters if e.record.request_id == "other-model"]
+    # a line's dead letter is the line as a job of its own, so `jetllm dlq replay` runs it as one
+    assert letter.subject == client.names.jobs("generate", "fake")
+    assert codec.request_decoder.decode(letter.payload, codec.encoding_of(letter.headers)).model == "not-fake"
 
 
 @pytest.mark.parametrize(
@@ -369,3 +385,80 @@ async def test_a_shard_jetstream_gives_up_on_fails_each_of_its_requests_that_had
     for rid in ids[1:]:
         err = results[rid].error
         assert err is not None and err.code == ErrorCode.DELIVERIES_EXHAUSTED and err.request_id == rid
+
+
+async def test_a_delivery_whose_request_a_newer_one_took_over_does_not_settle_the_shard(nats_url, namespace):
+    """A newer delivery of the shard runs that request now (the first worker seemed dead): an ack
+    from the older delivery would leave the request to nobody should the newer one's worker die."""
+    async with Client(nats_url, namespace=namespace) as client:
+        ids = ["quick-0", "quick-1", "slow"]
+        requests = [_request(r) for r in ids[:2]]
+        slow = StopConditions(max_tokens=200, ignore_eos=True)
+        requests.append(msgspec.structs.replace(_request("slow"), stop=slow))
+        engine = finishing_engine(step_delay=0.02)
+        async with inproc_worker(nats_url, engine, namespace=namespace, slots=32):
+            await client.submit_shard(
+                ShardJob(request_id="taken-over", model="fake", requests=requests, fresh=True)
+            )
+            await _results(client, ids[:2])
+            # what a worker taking the request over sends: every attempt below its own stops
+            await client.nc.publish(
+                client.names.cancel("slow"),
+                codec.encode(CancelRequest(request_id="slow", reason="superseded", below_attempt=2)),
+            )
+            with anyio.fail_after(10):
+                while "slow" in engine.running:
+                    await anyio.sleep(0.02)
+            await anyio.sleep(0.5)
+            info = await client.js.consumer_info(
+                client.names.jobs_stream, client.names.consumer(SHARD_QUEUE, "fake")
+            )
+        assert info.num_ack_pending == 1  # neither acked nor handed back: the newer delivery's to settle
+        assert "slow" not in engine.finished
+
+
+async def test_a_shard_given_up_on_spares_the_requests_a_live_worker_still_runs(nats_url, namespace):
+    """Its copy of a request that another job runs (a runner that took a batch over queues its
+    lines again): that job ends it, and an error stored meanwhile would be the line's answer."""
+    from jetllm.schemas import Claim
+    from jetllm.workers.shards import fail_requests
+
+    async with Client(nats_url, namespace=namespace) as client:
+        names = client.names
+        ids = ["ended", "running-elsewhere", "died-elsewhere", "never-started"]
+        await client.js.publish(names.request_log("ended"), codec.encode(_stored("ended")))
+        for rid, worker in (("running-elsewhere", "alive"), ("died-elsewhere", "gone")):
+            claim = Claim(attempt=1, worker=worker, at=0.0)
+            await client.js.publish(names.request_log(rid), codec.encode(claim))
+
+        async def alive(msg) -> None:
+            await client.nc.publish(msg.reply, b"running" if msg.data == b"running-elsewhere" else b"idle")
+
+        await client.nc.subscribe(names.instance_control("alive", "ping"), cb=alive)
+        async with inproc_worker(nats_url, FakeEngine(), namespace=namespace, slots=32) as w:
+            shard = ShardJob(request_id="given", model="fake", requests=[_request(r) for r in ids])
+            err = ErrorFrame(seq=1, request_id=None, code=ErrorCode.DELIVERIES_EXHAUSTED, message="gave up")
+            left = await fail_requests(w.ctx, w.log, codec.encode(shard), "msgpack", err, 1)
+        results = {rid: await client.result(rid) for rid in ids}
+    assert left == []
+    assert results["ended"] is not None and results["ended"].worker == "earlier"
+    assert results["running-elsewhere"] is None  # left to the job that runs it
+    for rid in ("died-elsewhere", "never-started"):
+        r = results[rid]
+        assert r is not None and r.error is not None and r.error.code == ErrorCode.DELIVERIES_EXHAUSTED
+
+
+@pytest.mark.parametrize(
+    "headers, held",
+    [
+        (None, 1),
+        ({"Jetllm-Requests": "40"}, 40),
+        ({"Jetllm-Requests": "x"}, 1),
+        ({"Jetllm-Requests": "-3"}, 1),
+        ({"Jetllm-Requests": "99999"}, 1024),
+    ],
+)
+def test_a_shard_holds_the_slots_its_header_announces_on_arrival_within_bounds(headers, held):
+    from jetllm.workers.shards import announced
+
+    assert announced(headers) == held

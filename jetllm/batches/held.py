@@ -40,7 +40,7 @@ from ..schemas import (
 from ..subjects import codec
 from ..subjects.codec import HEADER_MARGIN
 from . import plan
-from .lines import BadInput, InputLine, line_request_id
+from .lines import BadInput, InputLine, batch_group, line_request_id
 from .output import output_files, output_lines
 from .service import ApiError, BatchService, NotFound
 
@@ -51,6 +51,8 @@ STATE_EVERY = 0.5
 """Seconds between reads of the batch's state (a cancel) and writes of its counts."""
 RESULT_CHECK = 5.0
 """Seconds between a running line's looks at whether to read its result directly (`plan.read_result`)."""
+SHARD_SIZES_EVERY = 30.0
+"""Seconds between reads of the registry for which models take shards, and how large."""
 CANCEL_WAIT = 10.0
 """Seconds a stopping batch waits for the lines it cancelled to report their end."""
 
@@ -165,6 +167,7 @@ class HeldBatch:
         free = 0 if self.pacing.refill <= 0 else plan.free_slots(records, {m for m in _models(lines)})
         self.free_at.extend([time.monotonic()] * min(free, len(pending)))
         sharded = plan.shard_sizes(records, self.pacing.shard)
+        sizes_read = time.monotonic()
         last_state = 0.0
         written = None
         async with anyio.create_task_group() as tg:
@@ -191,6 +194,9 @@ class HeldBatch:
                 )
                 for _ in range(plan.widened_by(len(self.queued), n, r.window)):
                     self.free_at.popleft()  # that slot is spoken for
+                if n and now - sizes_read >= SHARD_SIZES_EVERY:  # workers come and go, of other versions too
+                    sizes_read = now
+                    sharded = plan.shard_sizes(await self._registry(), self.pacing.shard)
                 taken = [pending.popleft() for _ in range(n)]
                 for line in taken:
                     self.in_flight.add(line.line)
@@ -229,10 +235,11 @@ class HeldBatch:
         for model, members in groups.items():
             for part in plan.shards(members, sharded[model], limit, lambda m: len(codec.encode(m[1]))):
                 shard = ShardJob(
-                    request_id=f"{self.id.replace('_', '-')}-shard-{uuid.uuid4().hex[:12]}",
+                    request_id=f"{batch_group(self.id)}-shard-{uuid.uuid4().hex[:12]}",
                     model=model,
                     requests=[req for _, req in part],
                     fresh=not self.resumed,
+                    group=batch_group(self.id),
                 )
                 self.shards.add(shard.request_id)
                 submit = _Once(functools.partial(self.client.submit_shard, shard))
@@ -303,7 +310,8 @@ class HeldBatch:
                         except (JetllmError, OpenAIError) as exc:
                             found.append(_failed(rid, exc))  # this line cannot be a job: it fails alone
                             break
-                        submitted, duplicate = True, bool(ack.duplicate)
+                        # subscribed after its shard was published: its records may have gone by
+                        submitted, duplicate = True, bool(ack.duplicate) or not subscribed
                     if plan.read_result(
                         duplicate=duplicate, reconnected=reconnected, since_read=time.monotonic() - last_read
                     ):
@@ -367,7 +375,13 @@ class HeldBatch:
         earlier = []
         if self.resumed:
             earlier = [x for x in lines if x.line not in self.outcomes and x.line not in self.in_flight]
-        stopped: list[int | str] = [*self.shards, *self.in_flight, *(x.line for x in earlier)]
+        # the batch's own cancel stops the shards still queued, an earlier runner's among them
+        stopped: list[int | str] = [
+            batch_group(self.id),
+            *self.shards,
+            *self.in_flight,
+            *(x.line for x in earlier),
+        ]
         await aio.each(stopped, self._cancel)
         if earlier:
             await self._read_finished(earlier, ended_only=True)
@@ -391,6 +405,7 @@ class HeldBatch:
         their results stay in the request log, by request id (`results_max_age`)."""
         total = state.request_counts.total
         numbers = range(1, total + 1)
+        await self._cancel(batch_group(self.id))
         await aio.each(numbers, self._cancel)
         await self._read_finished(
             [InputLine(line=n, custom_id="", body={}) for n in numbers], ended_only=True

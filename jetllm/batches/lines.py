@@ -39,7 +39,13 @@ class BadInput(ValueError):
 def line_request_id(batch_id: str, line: int) -> str:
     """The job's request id: the same for a line whichever runner submits it, so a resumed
     runner finds the line's result (or its job, as a duplicate) instead of running it again."""
-    return f"{batch_id.replace('_', '-')}-{line}"
+    return f"{batch_group(batch_id)}-{line}"
+
+
+def batch_group(batch_id: str) -> str:
+    """The batch as a request id (its lines' ids begin with it): the group of its shards, whose
+    durable cancel stops every shard of the batch, whichever runner queued it."""
+    return batch_id.replace("_", "-")
 
 
 def in_body(param: str | None) -> str:

@@ -31,8 +31,9 @@ in a namespace whose runners' consumer was made without `--batch-ack-wait`."""
 MAX_WINDOW_SECONDS = 7 * 24 * 3600
 SHARD_LINES = 64
 """Lines of one model that travel together as one shard job (schemas/shard.py), when the model's
-workers take shards: one message, one ack and no log reads for all of them, where a line as a job
-of its own costs about fifteen messages (docs/decisions.md, "A batch's lines travel in shards")."""
+workers take shards: one message and one ack for all of them, and per line its claim and result,
+where a line as a job of its own costs about fifteen messages (docs/decisions.md, "A batch's lines
+travel in shards")."""
 RESULT_RECHECK = 60.0
 """Seconds between direct reads of a running line's result while nothing says its live record was
 missed: the safety net for a record the server dropped on a slow runner."""
@@ -111,9 +112,9 @@ def free_slots(records: Iterable[InstanceRecord], models: set[str]) -> int:
 
 def shard_sizes(records: Iterable[InstanceRecord], most: int) -> dict[str, int]:
     """For each base model whose live workers take shards, the most lines to put in one: `most`,
-    and no more than any of them asks (`InstanceRecord.shard_lines`, the free slots it waits for
-    before it takes one), so no worker takes more lines than it has slots for. A model with a
-    worker that takes none, or whose shards would hold one line, is left out: its lines go singly."""
+    and no more than any of them asks (`InstanceRecord.shard_lines`, also the most a worker holds
+    beyond its slots). A model with a worker that takes none (an older version, or too few slots),
+    or whose shards would hold one line, is left out: its lines go singly."""
     sizes: dict[str, int] = {}
     for r in records:
         if r.state == "serving" and r.ready and r.role != "prefill":

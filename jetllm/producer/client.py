@@ -240,10 +240,11 @@ class Client:
     async def submit_shard(self, shard: ShardJob, *, traceparent: str | None = None) -> PubAck:
         """Publish a shard (many detached requests of one model: schemas/shard.py) to the model's
         shard queue, durably and with `Nats-Msg-Id` = its id, as `submit` publishes a job. Only
-        workers that say so in the registry (`InstanceRecord.shards`) pull that queue."""
+        workers that say so in the registry (`InstanceRecord.shard_lines`) pull that queue."""
         headers = {
             "Nats-Msg-Id": shard.request_id,
             codec.CONTENT_TYPE: codec.content_type(self.encoding),
+            codec.SHARD_REQUESTS_HEADER: str(len(shard.requests)),
             tracecontext.HEADER: traceparent or tracecontext.new_traceparent(),
         }
         subject = self.names.jobs(SHARD_QUEUE, shard.model)

@@ -6,9 +6,9 @@ import msgspec
 import nats.js.errors
 from nats.aio.client import Client as NATS
 
-from ..schemas import DeadLetter
+from ..schemas import MAX_SHARD_REQUESTS, DeadLetter
 from ..subjects import codec
-from ..subjects.names import Names
+from ..subjects.names import SHARD_QUEUE, Names
 
 _decoder = codec.Decoder(DeadLetter)
 
@@ -46,6 +46,17 @@ async def get(nc: NATS, names: Names, seq: int) -> Entry:
     return Entry(seq=raw.seq, record=_decoder.decode(raw.data))  # type: ignore[arg-type]  # nats-py: Optional
 
 
+def shard_requests(names: Names, rec: DeadLetter) -> list[str]:
+    """The request ids a dead-lettered shard names (none for any other job)."""
+    try:
+        if names.parse_jobs(rec.subject)[0] != SHARD_QUEUE:
+            return []
+        encoding = codec.encoding_of(rec.headers)
+    except (ValueError, codec.UnknownContentType):  # not a shard's letter
+        return []
+    return codec.shard_request_ids(rec.payload, encoding, MAX_SHARD_REQUESTS)
+
+
 async def replay(nc: NATS, names: Names, entry: Entry, *, keep: bool = False) -> str:
     """Publish the job again as it was, so it runs afresh; returns the job subject.
 
@@ -55,10 +66,11 @@ async def replay(nc: NATS, names: Names, entry: Entry, *, keep: bool = False) ->
     """
     js = nc.jetstream()
     rec = entry.record
-    if rec.request_id:
-        await js.purge_stream(names.requests_stream, subject=names.request_log(rec.request_id))
+    # a whole shard's letter: each request it names had the shard's error stored as its result
+    for rid in [rec.request_id] if rec.request_id else shard_requests(names, rec):
+        await js.purge_stream(names.requests_stream, subject=names.request_log(rid))
         try:
-            await js.purge_stream(names.cancels_stream, subject=names.cancelled(rec.request_id))
+            await js.purge_stream(names.cancels_stream, subject=names.cancelled(rid))
         except nats.js.errors.NotFoundError:  # a namespace whose workers predate durable cancels
             pass
     headers = dict(rec.headers)

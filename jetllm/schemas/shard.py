@@ -24,8 +24,9 @@ class ShardJob(Command, kw_only=True):
     """Published to `jetllm.<ns>.jobs.shard.<model>`, pulled by generate workers of the model while
     a slot is free (docs/decisions.md, "A batch's lines travel in shards").
 
-    Each request is checked on its own: one that does not decode, names another model or has a
-    reply subject fails alone (its error stored as its result), and the others run."""
+    A shard that does not decode (a request of it among them) fails as a whole: each request it
+    names gets the error as its result. A request that decodes but cannot be a line (it names
+    another model, or a reply subject) fails alone, and the others run."""
 
     request_id: RequestId
     """The shard's own id (its `Nats-Msg-Id`); its lines keep theirs."""
@@ -39,5 +40,9 @@ class ShardJob(Command, kw_only=True):
     with a write the server refuses when its log is not empty, instead of reading the log and its
     durable cancel first, and reads them only when refused. A request cancelled alone is then not
     seen cancelled before it starts: cancel the shard (its `request_id`)."""
+    group: RequestId | None = None
+    """What the shard is part of (a batch runner gives its batch's request-id prefix): a durable
+    cancel of this id cancels the shard as a cancel of its own `request_id` does, so a batch stopped
+    by any runner also stops the shards an earlier runner queued."""
     reply_to: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
     """Unused: a shard answers through its requests' logs (kept because every job names one)."""

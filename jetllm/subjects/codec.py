@@ -22,6 +22,9 @@ _BY_TYPE: dict[str, Encoding] = {
 }
 
 FRAME_BATCH_HEADER = "Jetllm-Frame-Batch"
+SHARD_REQUESTS_HEADER = "Jetllm-Requests"
+"""On a shard job: how many requests it carries, so a worker holds their slots the moment it
+arrives (before its puller could take another shard into them). Not trusted: corrected once decoded."""
 """On a job: the producer reads this job's frames batched with others' on the subject named
 (see workers/framebatch.py). A header, not a field: a worker that does not know it sends frames singly."""
 
@@ -130,9 +133,32 @@ class JobEnvelope(msgspec.Struct, kw_only=True):
 
 
 frame_decoder = KindDecoder(Frame)
+
+
+class _Named(msgspec.Struct):
+    request_id: Any = None
+
+
+class ShardEnvelope(msgspec.Struct):
+    """The request ids read from a shard that cannot be decoded, to fail each by name."""
+
+    requests: list[_Named] = []
+
+
+def shard_request_ids(data: bytes, encoding: Encoding, most: int) -> list[str]:
+    """The request ids a shard's bytes name (each once, at most `most`), as far as they can be read."""
+    try:
+        named = shard_envelope_decoder.decode(data, encoding).requests
+    except Exception:
+        return []
+    ids = {e.request_id for e in named if isinstance(e.request_id, str) and 0 < len(e.request_id) <= 200}
+    return sorted(ids)[:most]
+
+
 request_decoder = Decoder(GenerateRequest)
 prefill_decoder = Decoder(PrefillRequest)
 envelope_decoder = Decoder(JobEnvelope)
+shard_envelope_decoder = Decoder(ShardEnvelope)
 
 
 _AT = re.compile(r" - at `(\$[^`]*)`$")

@@ -64,7 +64,9 @@ class Exhausted:
         ctx.counters.dead_lettered += 1
         try:
             if raw.subject == ctx.names.jobs(SHARD_QUEUE, ctx.model):  # its requests wait for results
-                await fail_requests(self._log, raw.data or b"", encoding, err, 0, ctx.instance)
+                await fail_requests(
+                    ctx, self._log, raw.data or b"", encoding, err, 0
+                )  # logs what it could not
             elif request_id:
                 await self._log.store_result(request_id, Result(attempt=0, error=err, worker=ctx.instance))
             await frames.send(err)

@@ -416,11 +416,11 @@ class JobRun:
                     log.warning("request %s: error result not stored: %s", request_id, exc2)
             await frames.send(err)
             try:
-                payload, part = self._letter()
+                subject, payload, headers, part = self._letter()
                 record = dead_letter_record(
-                    subject=job.msg.subject,
+                    subject=subject,
                     payload=payload,
-                    headers=job.msg.headers,
+                    headers=headers,
                     code=code,
                     reason=exc.message,
                     worker=d.ctx.instance,
@@ -445,10 +445,12 @@ class JobRun:
             )
         await self._reject(exc, request_id)
 
-    def _letter(self) -> tuple[bytes, str | None]:
-        """What this delivery's dead letter holds, and what tells it from the others of the same
-        stream message (None: there are none; a shard's requests each have one)."""
-        return self.job.msg.data, None
+    def _letter(self) -> tuple[str, bytes, dict[str, str] | None, str | None]:
+        """What this delivery's dead letter holds (its subject, payload and headers, as a replay
+        publishes them), and what tells it from the others of the same stream message (None: there
+        are none; a shard's requests each have one)."""
+        msg = self.job.msg
+        return msg.subject, msg.data, msg.headers, None
 
     async def _fail(self, exc: Exception) -> None:
         """The fault barrier: an unexpected exception while handling one job fails that job only.

@@ -27,28 +27,17 @@ from .. import aio, taskdump
 from ..errors import RequestRejected
 from ..schemas import MAX_SHARD_REQUESTS, ErrorCode, ErrorFrame, GenerateRequest, Result, ShardJob
 from ..subjects import codec
+from .context import WorkerContext
 from .frames import FrameSink
 from .jobs import Job, RejectedJob, decode_request
 from .protocol import JobDeps, JobRun
 from .requestlog import LogUnavailable, RequestLog
+from .running import runs_it
 from .slots import Slots
 
 log = logging.getLogger(__name__)
 
 _shard_decoder = codec.Decoder(ShardJob)
-
-
-class _Named(msgspec.Struct):
-    request_id: object = None
-
-
-class _Requests(msgspec.Struct):
-    """What is read of a shard that does not decode: its requests' ids, to fail each by name."""
-
-    requests: list[_Named] = []
-
-
-_requests_decoder = codec.Decoder(_Requests)
 
 
 def shard_room(slots: int) -> int:
@@ -117,8 +106,11 @@ class LineRun(JobRun):
         except Exception as exc:
             await self._fail(exc)
 
-    def _letter(self) -> tuple[bytes, str | None]:
-        return codec.encode(self.request), self.request_id
+    def _letter(self) -> tuple[str, bytes, dict[str, str] | None, str | None]:
+        """A line's dead letter holds it as a job of its own, so a replay runs it as one."""
+        names, model = self._d.ctx.names, self._d.ctx.model
+        headers = {codec.CONTENT_TYPE: codec.content_type("msgpack")}
+        return names.jobs("generate", model), codec.encode(self.request), headers, self.request_id
 
     async def refuse_line(self, field: str, message: str) -> None:
         """This request cannot be a line of its shard: it fails alone, dead-lettered as a job is."""
@@ -153,17 +145,18 @@ class ShardRun:
             except RejectedJob as exc:
                 await self._reject(exc)
                 return
-            fresh = shard.fresh and job.attempt == 1 and not await self._cancelled(shard.request_id)
+            fresh = shard.fresh and job.attempt == 1 and not await self._cancelled(shard)
             lines = [LineRun(d, job, req, encoding, fresh) for req in _once(shard)]
             self._hold(len(lines))
+            refused = []
             async with anyio.create_task_group() as tg:
                 for i, line in enumerate(lines):
                     problem = _line_problem(line.request, shard.model)
                     if problem is None:
                         tg.start_soon(self._run_line, line)
                     else:
-                        await line.refuse_line(f"$.requests[{i}].{problem[0]}", problem[1])
-                        self._hold(self._held - 1)
+                        refused.append((line, f"$.requests[{i}].{problem[0]}", problem[1]))
+                await aio.each(refused, self._refuse)
             await self._settle([line.job for line in lines])
         except Exception:
             log.exception("a shard could not be run; handing it back")
@@ -175,13 +168,24 @@ class ShardRun:
         finally:
             self._hold(0)
 
-    async def _cancelled(self, shard_id: str) -> bool:
-        """Whether its submitter cancelled the shard as a whole (a batch cancelled while the shard
-        waited): then each request reads its own durable cancel, as a job of its own does."""
+    async def _cancelled(self, shard: ShardJob) -> bool:
+        """Whether its submitter cancelled the shard as a whole, or the group it belongs to (a
+        batch stopped while the shard waited, perhaps by a runner that took the batch over): then
+        each request reads its own durable cancel, as a job of its own does."""
         try:
-            return await self._d.log.cancel(shard_id) is not None
+            for rid in (shard.request_id, *((shard.group,) if shard.group else ())):
+                if await self._d.log.cancel(rid) is not None:
+                    return True
         except LogUnavailable:
             return True  # unknown: the requests read what they need themselves
+        return False
+
+    async def _refuse(self, refused: tuple[LineRun, str, str]) -> None:
+        line, field, message = refused
+        try:
+            await line.refuse_line(field, message)
+        finally:
+            self._hold(self._held - 1)
 
     def _hold(self, n: int) -> None:
         """Hold `n` slots for the shard (its requests still running), taking or freeing the difference."""
@@ -198,7 +202,13 @@ class ShardRun:
             self._hold(self._held - 1)
 
     async def _settle(self, lines: list[Job]) -> None:
-        # Unsettled: superseded (a newer delivery of the request runs it elsewhere), which ends it here.
+        if any(not line.settled for line in lines):
+            # Superseded: a newer delivery of this shard runs that request; it settles the message,
+            # and an ack here would leave that request to nobody if its worker died.
+            log.info(
+                "shard seq %d: a newer delivery runs part of it; leaving it to that one", self.job.stream_seq
+            )
+            return
         handed = [line for line in lines if line.settled_how == "nak"]
         if not handed:
             await self.job.ack()
@@ -218,33 +228,60 @@ class ShardRun:
         submitted them waits for their results), and the shard is dead-lettered and terminated."""
         d, job = self._d, self.job
         err = ErrorFrame(seq=1, request_id=None, code=exc.code, message=exc.message, field=exc.field)
-        await fail_requests(d.log, job.msg.data, exc.encoding, err, job.attempt, d.ctx.instance)
+        if await fail_requests(d.ctx, d.log, job.msg.data, exc.encoding, err, job.attempt):
+            await job.nak(delay=d.ctx.policy.ack_wait)  # some could not be told: try again later
+            return
         await JobRun(d, job.msg, job).refuse(exc)
 
 
+FAIL_TRIES = 3
+"""Passes `fail_requests` makes over the requests whose logs it could not read, a second apart."""
+
+
 async def fail_requests(
-    request_log: RequestLog, data: bytes, encoding: codec.Encoding, err: ErrorFrame, attempt: int, worker: str
-) -> None:
+    ctx: WorkerContext,
+    request_log: RequestLog,
+    data: bytes,
+    encoding: codec.Encoding,
+    err: ErrorFrame,
+    attempt: int,
+) -> list[str]:
     """End every request a shard names (as far as its bytes say) with `err`, unless it ended
-    already: whoever submitted them waits for their results. For a shard that cannot run, or that
-    JetStream gave up on. Each id once however often named, 32 at a time, at most a shard's worth."""
-    try:
-        named = _requests_decoder.decode(data, encoding).requests
-    except Exception:
-        named = []
-    ids = {e.request_id for e in named if isinstance(e.request_id, str) and 0 < len(e.request_id) <= 200}
+    already or a live worker still runs it (a copy of it in another job: that one ends it):
+    whoever submitted them waits for their results. For a shard that cannot run, or that JetStream
+    gave up on. Each id once however often named, 32 at a time, at most a shard's worth; returns
+    the ids it could not settle (their logs out of reach)."""
+    todo = codec.shard_request_ids(data, encoding, MAX_SHARD_REQUESTS)
+    unread: list[str] = []
 
     async def fail(rid: str) -> None:
         try:
-            if isinstance(await request_log.last(rid), Result):
+            last = await request_log.last(rid)
+            if isinstance(last, Result):
                 return
+            if last is not None:
+                owner = (await request_log.history(rid)).owner
+                if owner is not None and await runs_it(ctx.nc, ctx.names, owner, rid):
+                    return
         except LogUnavailable:
-            log.warning("request %s: its log is out of reach; it is not failed with its shard", rid)
+            unread.append(rid)
             return
         ended = msgspec.structs.replace(err, request_id=rid)
-        await request_log.store_result(rid, Result(attempt=attempt, error=ended, worker=worker))
+        await request_log.store_result(rid, Result(attempt=attempt, error=ended, worker=ctx.instance))
 
-    await aio.each(sorted(ids)[:MAX_SHARD_REQUESTS], fail)
+    for attempt_no in range(FAIL_TRIES):
+        unread = []
+        await aio.each(todo, fail)
+        todo = unread
+        if not todo:
+            break
+        if attempt_no + 1 < FAIL_TRIES:
+            await anyio.sleep(1.0)
+    if todo:
+        log.error(
+            "requests %s of a shard could not be ended: their logs are out of reach", ", ".join(todo[:10])
+        )
+    return todo
 
 
 def _once(shard: ShardJob) -> list[GenerateRequest]:
@@ -272,13 +309,23 @@ def _line_problem(req: GenerateRequest, model: str) -> tuple[str, str] | None:
     return None
 
 
+def announced(headers: dict[str, str] | None) -> int:
+    """The slots to hold for a shard on arrival: its announced request count, within 1..MAX."""
+    try:
+        n = int((headers or {}).get(codec.SHARD_REQUESTS_HEADER, "1"))
+    except ValueError:
+        n = 1
+    return min(max(n, 1), MAX_SHARD_REQUESTS)
+
+
 def shard_intake(deps: JobDeps, slots: Slots) -> Callable[[Msg], None]:
-    """What the shard puller calls with each shard: a slot is held at once, as for a job, and the
-    rest its requests need once it is decoded."""
+    """What the shard puller calls with each shard: the slots its requests need are held at once
+    (as far as its header says; corrected once it is decoded)."""
 
     def on_shard(msg: Msg) -> None:
-        slots.take()
+        held = announced(msg.headers)
+        slots.take(held)
         deps.ctx.counters.pulled += 1
-        deps.tasks.start_soon(ShardRun(deps, msg, slots, 1).run)
+        deps.tasks.start_soon(ShardRun(deps, msg, slots, held).run)
 
     return on_shard

@@ -33,8 +33,12 @@ class Slots:
         self._listeners.append(on_change)
 
     def take(self, n: int = 1) -> None:
-        """A job (or `n` requests of a shard) now holds slots; a shard may take more than are free."""
+        """A job (or `n` requests of a shard) now holds slots; a shard may take more than are free.
+        A job's one slot was in its puller's credit already; a shard's others were in no credit, so
+        the pullers are told, and one that now holds more credit than there are free slots gives it up."""
         self.busy += n
+        if n > 1:
+            self._changed()
 
     def release(self, n: int = 1) -> None:
         self.busy -= n
