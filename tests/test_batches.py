@@ -120,11 +120,13 @@ def test_lines_that_just_ended_widen_the_window_by_the_slots_they_left(
     assert plan.to_submit(pending, queued, in_flight, 8, most, freed) == submit
 
 
-def _instance(model="m", state="serving", slots=8, in_flight=3, ready=True, role="generate", adapters=()):
+def _instance(
+    model="m", state="serving", slots=8, in_flight=3, ready=True, role="generate", adapters=(), shard_lines=0
+):
     from jetllm.schemas import InstanceRecord
 
     return InstanceRecord(
-        instance=f"i-{model}-{state}-{role}",
+        instance=f"i-{model}-{state}-{role}-{shard_lines}",
         role=role,
         model=model,
         state=state,
@@ -132,6 +134,7 @@ def _instance(model="m", state="serving", slots=8, in_flight=3, ready=True, role
         in_flight=in_flight,
         ready=ready,
         adapters=list(adapters),
+        shard_lines=shard_lines,
     )
 
 

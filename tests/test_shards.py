@@ -40,7 +40,7 @@ from jetllm.workers.shards import shard_room
 
 from .conftest import inproc_worker
 from .fake_engine import FakeEngine
-from .test_batches import ACK_WAIT, api, chat_line, jsonl, peak_engine, wait_status
+from .test_batches import ACK_WAIT, _instance, api, chat_line, jsonl, peak_engine, wait_status
 
 __all__ = ["api"]  # the fixture
 
@@ -61,16 +61,7 @@ def test_the_shard_puller_holds_one_shard_of_credit_while_a_slot_is_free(free, c
 
 
 def _record(model="m", shard_lines=16, state="serving", ready=True, role="generate"):
-    from jetllm.schemas import InstanceRecord
-
-    return InstanceRecord(
-        instance=f"w-{model}-{shard_lines}",
-        role=role,
-        model=model,
-        state=state,
-        ready=ready,
-        shard_lines=shard_lines,
-    )
+    return _instance(model, state, ready=ready, role=role, shard_lines=shard_lines)
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
+from ..cutting import consecutive
 from ..schemas import TERMINAL_STATUSES, InstanceRecord
 from ..subjects.setup import DEFAULT_BATCH_ACK_WAIT
 
@@ -125,19 +126,7 @@ def shard_sizes(records: Iterable[InstanceRecord], most: int) -> dict[str, int]:
 def shards(members: Sequence[T], most: int, max_bytes: int, size: Callable[[T], int]) -> list[list[T]]:
     """`members` in order, cut into shards of at most `most` members and `max_bytes` of their
     `size` together (a member larger than that alone is a shard of its own)."""
-    out: list[list[T]] = []
-    part: list[T] = []
-    used = 0
-    for m in members:
-        n = size(m)
-        if part and (len(part) >= most or used + n > max_bytes):
-            out.append(part)
-            part, used = [], 0
-        part.append(m)
-        used += n
-    if part:
-        out.append(part)
-    return out
+    return consecutive(members, [size(m) for m in members], max_bytes, most)
 
 
 def widened_by(queued: int, submitted: int, window: int) -> int:

@@ -17,6 +17,7 @@ import anyio
 import msgspec
 from nats.aio.client import Client as NATS
 
+from ..cutting import consecutive
 from ..schemas import BatchedFrame, FrameBatch
 from ..subjects import codec
 from ..subjects.names import frame_batch_subject, is_safe_reply_subject
@@ -46,18 +47,7 @@ def batch_subject(
 def split(frames: list[BatchedFrame], sizes: list[int], limit: int) -> list[list[BatchedFrame]]:
     """Consecutive parts of `frames` whose sizes add up to at most `limit` each (a frame bigger than
     `limit` goes alone: its publish fails as it would have alone)."""
-    parts: list[list[BatchedFrame]] = []
-    part: list[BatchedFrame] = []
-    used = 0
-    for frame, size in zip(frames, sizes, strict=True):
-        if part and used + size > limit:
-            parts.append(part)
-            part, used = [], 0
-        part.append(frame)
-        used += size
-    if part:
-        parts.append(part)
-    return parts
+    return consecutive(frames, sizes, limit)
 
 
 class FrameBatcher:

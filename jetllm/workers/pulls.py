@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import anyio
 from nats.aio.client import Client as NATS
@@ -64,16 +65,12 @@ class Pulls:
         when `consumer` is pulled already."""
         if not self.accepting:
             return None
-        puller = Puller(
-            self._nc,
-            self._stream,
+        puller = self._puller(
             consumer,
-            free_slots=self._shared_free,
-            room=self._free_slots,
+            self._shared_free,
+            self._on_job,
             yielding=lambda: self._waiting() > 0,
             on_ended=lambda status: self._wake_directed(),
-            on_job=self._on_job,
-            expires=self._expires,
         )
         return self._run(consumer, puller)
 
@@ -82,16 +79,23 @@ class Pulls:
         the other queues (`on_shard` holds it at once, and the rest a shard needs once decoded)."""
         if not self.accepting:
             return None
-        puller = Puller(
+        puller = self._puller(consumer, lambda: shard_allowance(self._shared_free()), on_shard)
+        return self._run(consumer, puller)
+
+    def _puller(
+        self, consumer: str, free_slots: Callable[[], int], on_job: Callable[[Msg], None], **kw: Any
+    ) -> Puller:
+        """A puller of `consumer` holding `free_slots()` credit; a job it brings needs a free slot."""
+        return Puller(
             self._nc,
             self._stream,
             consumer,
-            free_slots=lambda: shard_allowance(self._shared_free()),
+            free_slots=free_slots,
             room=self._free_slots,
-            on_job=on_shard,
-            expires=self._expires,
+            on_job=on_job,
+            expires=kw.pop("expires", self._expires),
+            **kw,
         )
-        return self._run(consumer, puller)
 
     def _shared_free(self) -> int:
         return shared_allowance(self._free_slots(), self._waiting(), self._directed_credit())
@@ -114,14 +118,11 @@ class Pulls:
                 waiting.empty()
                 self.wake()
 
-        puller = Puller(
-            self._nc,
-            self._stream,
+        puller = self._puller(
             consumer,
-            free_slots=lambda: directed_allowance(self._free_slots(), waiting.count, self._others_credit()),
-            room=self._free_slots,
+            lambda: directed_allowance(self._free_slots(), waiting.count, self._others_credit()),
+            delivered,
             on_ended=ended,
-            on_job=delivered,
             expires=min(DIRECTED_EXPIRES, self._expires),
         )
         started = self._run(consumer, puller)
