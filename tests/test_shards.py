@@ -55,9 +55,20 @@ def test_a_worker_wants_shards_of_a_quarter_of_its_slots_at_most_64(slots, room)
     assert shard_room(slots) == room
 
 
-@pytest.mark.parametrize("free, credit", [(0, 0), (1, 1), (200, 1)])
-def test_the_shard_puller_holds_one_shard_of_credit_while_a_slot_is_free(free, credit):
-    assert shard_allowance(free) == credit
+@pytest.mark.parametrize(
+    "beyond, paused, directed_waiting, credit",
+    [
+        (0, False, False, 1),  # free slots, or a full worker: it keeps its pull through load
+        (1, False, False, 0),  # a shard's requests wait beyond the slots: no second shard
+        (40, False, False, 0),
+        (0, True, False, 0),  # paused (a sleep on its way)
+        (0, False, True, 0),  # a directed job waits for a slot
+    ],
+)
+def test_the_shard_puller_holds_one_shard_of_credit_unless_the_worker_holds_one_beyond_its_slots(
+    beyond, paused, directed_waiting, credit
+):
+    assert shard_allowance(beyond, paused, directed_waiting) == credit
 
 
 def _record(model="m", shard_lines=16, state="serving", ready=True, role="generate"):
@@ -166,6 +177,40 @@ async def test_a_batch_travels_in_shards_within_each_workers_slots_and_every_lin
     for i in (1, n):  # each line's own log holds its result, as a line sent alone has
         stored = await client.result(line_request_id(batch.id, i))
         assert stored is not None and stored.final is not None
+
+
+async def test_a_full_worker_keeps_its_shard_pull_and_takes_a_shard_into_its_engines_queue(
+    nats_url, namespace
+):
+    """A worker whose slots online jobs fill keeps its one pull of the shard queue (dropping and
+    renewing it would cost a new inbox and a round trip per job), and a shard that comes runs
+    beside them, its requests beyond the slots waiting in the engine's queue."""
+    slots = 8
+    engine = peak_engine(step_delay=0.05)
+    async with Client(nats_url, namespace=namespace) as client:
+        async with inproc_worker(nats_url, engine, namespace=namespace, slots=slots) as worker:
+            online = [
+                msgspec.structs.replace(
+                    _request(f"online-{i}"), stop=StopConditions(max_tokens=60, ignore_eos=True)
+                )
+                for i in range(slots)
+            ]
+            for r in online:
+                await client.submit(r)
+            with anyio.fail_after(10):
+                while worker.slots.busy < slots:
+                    await anyio.sleep(0.02)
+            info = await client.js.consumer_info(
+                client.names.jobs_stream, client.names.consumer(SHARD_QUEUE, "fake")
+            )
+            assert info.num_waiting == 1, "a full worker dropped its shard pull"
+            ids = [f"beside-{i}" for i in range(shard_room(slots))]
+            await client.submit_shard(
+                ShardJob(request_id="beside", model="fake", requests=[_request(r) for r in ids])
+            )
+            results = await _results(client, ids + [r.request_id for r in online])
+    assert all(r.final is not None for r in results.values())
+    assert engine.peak == slots + shard_room(slots)  # the shard ran while every slot was busy
 
 
 @pytest.mark.parametrize("fresh", [True, False])

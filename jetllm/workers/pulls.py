@@ -20,6 +20,7 @@ from nats.aio.msg import Msg
 
 from .puller import Puller
 from .pullshare import Waiting, directed_allowance, shard_allowance, shared_allowance
+from .slots import Slots
 from .tasks import JobTasks
 
 DIRECTED_EXPIRES = 1.0
@@ -74,27 +75,31 @@ class Pulls:
         )
         return self._run(consumer, puller)
 
-    def start_shards(self, consumer: str, *, on_shard: Callable[[Msg], None]) -> Puller | None:
-        """Pull shards (schemas/shard.py) from `consumer`, one at a time, while a slot is free for
-        the other queues (`on_shard` holds it at once, and the rest a shard needs once decoded)."""
+    def start_shards(self, consumer: str, slots: Slots, *, on_shard: Callable[[Msg], None]) -> Puller | None:
+        """Pull shards (schemas/shard.py) from `consumer`, one at a time, unless the worker holds
+        a shard's requests beyond its `slots` already (`on_shard` holds slots at once, and the rest a
+        shard needs once decoded)."""
         if not self.accepting:
             return None
-        puller = self._puller(consumer, lambda: shard_allowance(self._shared_free()), on_shard)
+
+        def allowance() -> int:
+            return shard_allowance(slots.beyond(), slots.paused, self._waiting() > 0)
+
+        puller = self._puller(consumer, allowance, on_shard, room=allowance)
         return self._run(consumer, puller)
 
     def _puller(
         self, consumer: str, free_slots: Callable[[], int], on_job: Callable[[Msg], None], **kw: Any
     ) -> Puller:
-        """A puller of `consumer` holding `free_slots()` credit; a job it brings needs a free slot."""
+        """A puller of `consumer` holding `free_slots()` credit; a job it brings needs a free slot
+        (unless `room` says otherwise)."""
         return Puller(
             self._nc,
             self._stream,
             consumer,
             free_slots=free_slots,
-            room=self._free_slots,
             on_job=on_job,
-            expires=kw.pop("expires", self._expires),
-            **kw,
+            **({"room": self._free_slots, "expires": self._expires} | kw),
         )
 
     def _shared_free(self) -> int:

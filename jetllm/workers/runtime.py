@@ -324,7 +324,7 @@ class Worker:
                     self.directed.start()
                     self.pulls.start(consumer)
                     if shards is not None:
-                        self.pulls.start_shards(shards, on_shard=self._on_shard)
+                        self.pulls.start_shards(shards, self.slots, on_shard=self._on_shard)
                     jobs.start_soon(
                         contained, "adapter queues", self.adapter_queues.sync, list(self.reports.adapters)
                     )

@@ -28,6 +28,10 @@ class Slots:
     def free(self) -> int:
         return 0 if self.paused else max(self.total - self.busy, 0)
 
+    def beyond(self) -> int:
+        """Requests held beyond the slots: a shard's that wait in the engine's queue."""
+        return max(self.busy - self.total, 0)
+
     def listen(self, on_change: Callable[[], None]) -> None:
         """Call `on_change` whenever a slot frees or the pause changes."""
         self._listeners.append(on_change)
