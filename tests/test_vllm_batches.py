@@ -1,4 +1,5 @@
-"""A durable batch on real vLLM workers survives its runner and a worker being SIGKILLed mid-batch.
+"""A durable batch on real vLLM workers survives its runner and a worker being SIGKILLed mid-batch,
+its lines travelling in shards.
 
 Two engine start-ups for the file: the worker that dies and the one that finishes the batch (it
 also gives the reference outputs).
@@ -21,6 +22,8 @@ from jetllm.batches.service import BatchService
 from jetllm.gateway import batches_api, files_api
 from jetllm.openai.endpoints import CHAT, prepare
 from jetllm.producer import Client
+from jetllm.subjects.names import SHARD_QUEUE
+from jetllm.workers.shards import shard_room
 
 from .conftest import TINY
 from .test_batches import jsonl, start_runner
@@ -89,6 +92,11 @@ async def test_a_batch_finishes_once_per_line_after_its_runner_and_a_worker_die(
                 out = [json.loads(x) for x in content.splitlines()]
                 assert [x["custom_id"] for x in out] == [f"line-{i}" for i in range(LINES)]
                 assert all(x["response"]["status_code"] == 200 and x["error"] is None for x in out)
+                # workers of 16 slots take shards (of 4 lines): the lines travelled in them
+                shards = await client.js.consumer_info(
+                    client.names.jobs_stream, client.names.consumer(SHARD_QUEUE, TINY)
+                )
+                assert shards.delivered.consumer_seq >= LINES // shard_room(16) // 2, shards.delivered
 
                 # the same requests, run again on the surviving worker: the same greedy text
                 limiter = anyio.Semaphore(32)

@@ -99,7 +99,7 @@ class Pulls:
             consumer,
             free_slots=free_slots,
             on_job=on_job,
-            **({"room": self._free_slots, "expires": self._expires} | kw),
+            **{"room": self._free_slots, "expires": self._expires, **kw},
         )
 
     def _shared_free(self) -> int:
