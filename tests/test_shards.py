@@ -35,7 +35,7 @@ from jetllm.schemas import (
 from jetllm.subjects import codec
 from jetllm.subjects.names import SHARD_QUEUE
 from jetllm.subjects.policy import QueuePolicy
-from jetllm.workers.pullshare import shard_allowance
+from jetllm.workers.pullshare import shard_allowance, shard_kept
 from jetllm.workers.shards import shard_room
 
 from .conftest import inproc_worker
@@ -56,19 +56,21 @@ def test_a_worker_wants_shards_of_a_quarter_of_its_slots_at_most_64(slots, room)
 
 
 @pytest.mark.parametrize(
-    "beyond, paused, directed_waiting, credit",
+    "free, beyond, paused, directed_short, ask, keep",
     [
-        (0, False, False, 1),  # free slots, or a full worker: it keeps its pull through load
-        (1, False, False, 0),  # a shard's requests wait beyond the slots: no second shard
-        (40, False, False, 0),
-        (0, True, False, 0),  # paused (a sleep on its way)
-        (0, False, True, 0),  # a directed job waits for a slot
+        (5, 0, False, False, 1, 1),  # a free slot: it asks for one shard
+        (0, 0, False, False, 0, 1),  # full: it keeps its pull (no renewal per online job), asks no more
+        (0, 1, False, False, 0, 0),  # a shard's requests wait beyond the slots: no second shard
+        (0, 40, False, False, 0, 0),
+        (5, 0, True, False, 0, 0),  # paused (a sleep on its way)
+        (5, 0, False, True, 0, 0),  # directed jobs wait for every free slot
     ],
 )
-def test_the_shard_puller_holds_one_shard_of_credit_unless_the_worker_holds_one_beyond_its_slots(
-    beyond, paused, directed_waiting, credit
+def test_the_shard_puller_asks_for_one_shard_while_a_slot_is_free_and_keeps_it_through_a_full_worker(
+    free, beyond, paused, directed_short, ask, keep
 ):
-    assert shard_allowance(beyond, paused, directed_waiting) == credit
+    assert shard_allowance(free, beyond, paused, directed_short) == ask
+    assert shard_kept(beyond, paused, directed_short) == keep
 
 
 def _record(model="m", shard_lines=16, state="serving", ready=True, role="generate"):
@@ -179,31 +181,41 @@ async def test_a_batch_travels_in_shards_within_each_workers_slots_and_every_lin
         assert stored is not None and stored.final is not None
 
 
+async def _fill(client: Client, worker, slots: int) -> list[GenerateRequest]:
+    """Fills the worker's slots with online jobs of three seconds (60 steps of 50 ms)."""
+    online = [
+        msgspec.structs.replace(_request(f"online-{i}"), stop=StopConditions(max_tokens=60, ignore_eos=True))
+        for i in range(slots)
+    ]
+    for r in online:
+        await client.submit(r)
+    with anyio.fail_after(10):
+        while worker.slots.busy < slots:
+            await anyio.sleep(0.02)
+    return online
+
+
+async def _shard_pulls(client: Client) -> int:
+    info = await client.js.consumer_info(client.names.jobs_stream, client.names.consumer(SHARD_QUEUE, "fake"))
+    return info.num_waiting
+
+
 async def test_a_full_worker_keeps_its_shard_pull_and_takes_a_shard_into_its_engines_queue(
     nats_url, namespace
 ):
-    """A worker whose slots online jobs fill keeps its one pull of the shard queue (dropping and
-    renewing it would cost a new inbox and a round trip per job), and a shard that comes runs
-    beside them, its requests beyond the slots waiting in the engine's queue."""
+    """A worker whose slots online jobs fill keeps the pull of the shard queue it made while a slot
+    was free (dropping and renewing it would cost a new inbox and a round trip per job), and a
+    shard that comes runs beside them, its requests beyond the slots waiting in the engine's queue."""
     slots = 8
     engine = peak_engine(step_delay=0.05)
     async with Client(nats_url, namespace=namespace) as client:
-        async with inproc_worker(nats_url, engine, namespace=namespace, slots=slots) as worker:
-            online = [
-                msgspec.structs.replace(
-                    _request(f"online-{i}"), stop=StopConditions(max_tokens=60, ignore_eos=True)
-                )
-                for i in range(slots)
-            ]
-            for r in online:
-                await client.submit(r)
-            with anyio.fail_after(10):
-                while worker.slots.busy < slots:
-                    await anyio.sleep(0.02)
-            info = await client.js.consumer_info(
-                client.names.jobs_stream, client.names.consumer(SHARD_QUEUE, "fake")
-            )
-            assert info.num_waiting == 1, "a full worker dropped its shard pull"
+        async with inproc_worker(
+            nats_url, engine, namespace=namespace, slots=slots, pull_expires=30
+        ) as worker:
+            online = await _fill(client, worker, slots)
+            worker.pulls.wake()  # every puller looks at its credit again
+            await anyio.sleep(0.3)
+            assert await _shard_pulls(client) == 1, "a full worker dropped its shard pull"
             ids = [f"beside-{i}" for i in range(shard_room(slots))]
             await client.submit_shard(
                 ShardJob(request_id="beside", model="fake", requests=[_request(r) for r in ids])
@@ -211,6 +223,31 @@ async def test_a_full_worker_keeps_its_shard_pull_and_takes_a_shard_into_its_eng
             results = await _results(client, ids + [r.request_id for r in online])
     assert all(r.final is not None for r in results.values())
     assert engine.peak == slots + shard_room(slots)  # the shard ran while every slot was busy
+
+
+async def test_a_full_worker_lets_its_shard_pull_run_out_and_asks_again_once_a_slot_is_free(
+    nats_url, namespace
+):
+    """So that shards go first to workers with room: a full worker does not renew its pull, and
+    a shard queued meanwhile waits for its first free slot."""
+    slots = 8
+    engine = peak_engine(step_delay=0.05)
+    async with Client(nats_url, namespace=namespace) as client:
+        async with inproc_worker(
+            nats_url, engine, namespace=namespace, slots=slots, pull_expires=1.0
+        ) as worker:
+            online = await _fill(client, worker, slots)
+            with anyio.fail_after(2.5):  # before the online jobs end
+                while await _shard_pulls(client):
+                    await anyio.sleep(0.05)
+            assert worker.slots.busy == slots
+            ids = [f"after-{i}" for i in range(shard_room(slots))]
+            await client.submit_shard(
+                ShardJob(request_id="after", model="fake", requests=[_request(r) for r in ids])
+            )
+            results = await _results(client, ids + [r.request_id for r in online])
+    assert all(r.final is not None for r in results.values())
+    assert engine.peak < slots + shard_room(slots)  # it came once online jobs had ended
 
 
 @pytest.mark.parametrize("fresh", [True, False])

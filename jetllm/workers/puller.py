@@ -58,17 +58,20 @@ class Puller:
         expires: float = 3.0,
         api_prefix: str = "$JS.API",
         room: Callable[[], int] | None = None,
+        keep: Callable[[], int] | None = None,
         yielding: Callable[[], bool] = lambda: False,
         on_ended: Callable[[str], None] = lambda status: None,
     ) -> None:
-        """`free_slots`: the credit this puller may hold; `room`: the slots free for a job that
-        arrives (default: `free_slots`); `yielding`: whether another queue waits for the slots
+        """`free_slots`: the credit this puller may ask for; `keep`: the credit it may keep once
+        asked (default: `free_slots`); `room`: the slots free for a job that arrives (default:
+        `free_slots`); `yielding`: whether another queue waits for the slots
         this one holds credit for; `on_ended`: a status closed a pull request ("404", "408", ...)
         or the credit was dropped ("cancelled")."""
         self._nc = nc
         self._next_subject = f"{api_prefix}.CONSUMER.MSG.NEXT.{stream}.{consumer}"
         self._free_slots = free_slots
         self._room = room or free_slots
+        self._keep = keep or free_slots
         self._yielding = yielding
         self._on_ended = on_ended
         self._on_job = on_job
@@ -106,10 +109,7 @@ class Puller:
         try:
             while not self._stopping:
                 self._credit.expire(time.monotonic())
-                if (
-                    must_cancel(self.outstanding, self._free_slots(), self._yielding())
-                    and self._nc.is_connected
-                ):
+                if must_cancel(self.outstanding, self._keep(), self._yielding()) and self._nc.is_connected:
                     # Credit we cannot honour (paused, or another queue of this worker took the
                     # slots, or directed jobs wait for them): cancel it, so no job waits here for
                     # a slot until its ack_wait runs out.

@@ -19,7 +19,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from .puller import Puller
-from .pullshare import Waiting, directed_allowance, shard_allowance, shared_allowance
+from .pullshare import Waiting, directed_allowance, shard_allowance, shard_kept, shared_allowance
 from .slots import Slots
 from .tasks import JobTasks
 
@@ -76,16 +76,24 @@ class Pulls:
         return self._run(consumer, puller)
 
     def start_shards(self, consumer: str, slots: Slots, *, on_shard: Callable[[Msg], None]) -> Puller | None:
-        """Pull shards (schemas/shard.py) from `consumer`, one at a time, unless the worker holds
-        a shard's requests beyond its `slots` already (`on_shard` holds slots at once, and the rest a
-        shard needs once decoded)."""
+        """Pull shards (schemas/shard.py) from `consumer`, one at a time, while a slot is free and
+        the worker holds no shard's requests beyond its `slots` (pullshare.py has the rules;
+        `on_shard` holds slots at once, and the rest a shard needs once decoded)."""
         if not self.accepting:
             return None
 
-        def allowance() -> int:
-            return shard_allowance(slots.beyond(), slots.paused, self._waiting() > 0)
+        def directed_short() -> bool:
+            return self._waiting() > 0 and self._shared_free() <= 0
 
-        puller = self._puller(consumer, allowance, on_shard, room=allowance)
+        def kept() -> int:
+            return shard_kept(slots.beyond(), slots.paused, directed_short())
+
+        def allowance() -> int:
+            return shard_allowance(slots.free(), slots.beyond(), slots.paused, directed_short())
+
+        puller = self._puller(
+            consumer, allowance, on_shard, keep=kept, room=kept, on_ended=lambda status: self._wake_directed()
+        )
         return self._run(consumer, puller)
 
     def _puller(

@@ -48,15 +48,23 @@ def shared_allowance(free: int, waiting: int, directed: int) -> int:
     return max(free - max(waiting, directed), 0)
 
 
-def shard_allowance(beyond: int, paused: bool, directed_waiting: bool) -> int:
-    """Credit the shard puller may hold: one shard, while the worker holds no requests beyond its
-    slots (`beyond`, a shard's that wait in the engine's queue), is not paused, and no directed job
-    waits for a slot. It keeps that credit while the worker is full: were it dropped whenever the
-    last slot is taken, a fully loaded worker would cancel and renew a pull (a new inbox and a
-    round trip) for each online job it takes. A shard's requests beyond the free slots wait in
-    the engine's own queue and start the moment a running request ends (as offline inference keeps
-    its queue full), which bounds what a worker holds beyond its slots by one shard (`shard_room`)."""
-    return 1 if beyond <= 0 and not paused and not directed_waiting else 0
+def shard_kept(beyond: int, paused: bool, directed_short: bool) -> int:
+    """Shard credit the shard puller may keep, and take a shard into: one, unless the worker holds
+    a shard's requests beyond its slots already (`beyond`; they wait in the engine's queue), is
+    paused, or directed jobs wait for every free slot (`directed_short`). A full worker keeps it:
+    were it dropped whenever the last slot is taken, a fully loaded worker would cancel and renew
+    a pull (a new inbox and a round trip) for each online job it takes. A shard's requests beyond
+    the free slots wait in the engine's own queue and start the moment a running request ends (as
+    offline inference keeps its queue full), which bounds what a worker holds beyond its slots by
+    one shard (`shard_room`)."""
+    return 0 if beyond > 0 or paused or directed_short else 1
+
+
+def shard_allowance(free: int, beyond: int, paused: bool, directed_short: bool) -> int:
+    """Shard credit the shard puller may ask for: what it may keep, but only while a slot is free.
+    A full worker lets its pull run out (`expires`) rather than renew it, so the shards go to the
+    workers with room first; one that comes meanwhile is still taken."""
+    return shard_kept(beyond, paused, directed_short) if free > 0 else 0
 
 
 def must_cancel(outstanding: int, allowance: int, directed_waiting: bool) -> bool:
