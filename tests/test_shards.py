@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from contextlib import asynccontextmanager
 
 import anyio
 import msgspec
@@ -181,18 +182,36 @@ async def test_a_batch_travels_in_shards_within_each_workers_slots_and_every_lin
         assert stored is not None and stored.final is not None
 
 
-async def _fill(client: Client, worker, slots: int) -> list[GenerateRequest]:
-    """Fills the worker's slots with online jobs of three seconds (60 steps of 50 ms)."""
+FULL = 8
+"""The slots of the worker that online jobs fill in the tests below."""
+
+
+@asynccontextmanager
+async def _full_worker(nats_url: str, namespace: str, pull_expires: float):
+    """A worker of FULL slots that online jobs of three seconds (60 steps of 50 ms) fill: yields
+    the client, the worker, its engine and those jobs."""
+    engine = peak_engine(step_delay=0.05)
     online = [
         msgspec.structs.replace(_request(f"online-{i}"), stop=StopConditions(max_tokens=60, ignore_eos=True))
-        for i in range(slots)
+        for i in range(FULL)
     ]
-    for r in online:
-        await client.submit(r)
-    with anyio.fail_after(10):
-        while worker.slots.busy < slots:
-            await anyio.sleep(0.02)
-    return online
+    async with (
+        Client(nats_url, namespace=namespace) as client,
+        inproc_worker(nats_url, engine, namespace=namespace, slots=FULL, pull_expires=pull_expires) as worker,
+    ):
+        for r in online:
+            await client.submit(r)
+        with anyio.fail_after(10):
+            while worker.slots.busy < FULL:
+                await anyio.sleep(0.02)
+        yield client, worker, engine, online
+
+
+async def _shard_beside(client: Client, name: str, online: list[GenerateRequest]) -> dict[str, Result]:
+    """Submits a shard of `shard_room(FULL)` requests; the results of those and of `online`."""
+    ids = [f"{name}-{i}" for i in range(shard_room(FULL))]
+    await client.submit_shard(ShardJob(request_id=name, model="fake", requests=[_request(r) for r in ids]))
+    return await _results(client, ids + [r.request_id for r in online])
 
 
 async def _shard_pulls(client: Client) -> int:
@@ -206,23 +225,13 @@ async def test_a_full_worker_keeps_its_shard_pull_and_takes_a_shard_into_its_eng
     """A worker whose slots online jobs fill keeps the pull of the shard queue it made while a slot
     was free (dropping and renewing it would cost a new inbox and a round trip per job), and a
     shard that comes runs beside them, its requests beyond the slots waiting in the engine's queue."""
-    slots = 8
-    engine = peak_engine(step_delay=0.05)
-    async with Client(nats_url, namespace=namespace) as client:
-        async with inproc_worker(
-            nats_url, engine, namespace=namespace, slots=slots, pull_expires=30
-        ) as worker:
-            online = await _fill(client, worker, slots)
-            worker.pulls.wake()  # every puller looks at its credit again
-            await anyio.sleep(0.3)
-            assert await _shard_pulls(client) == 1, "a full worker dropped its shard pull"
-            ids = [f"beside-{i}" for i in range(shard_room(slots))]
-            await client.submit_shard(
-                ShardJob(request_id="beside", model="fake", requests=[_request(r) for r in ids])
-            )
-            results = await _results(client, ids + [r.request_id for r in online])
+    async with _full_worker(nats_url, namespace, pull_expires=30) as (client, worker, engine, online):
+        worker.pulls.wake()  # every puller looks at its credit again
+        await anyio.sleep(0.3)
+        assert await _shard_pulls(client) == 1, "a full worker dropped its shard pull"
+        results = await _shard_beside(client, "beside", online)
     assert all(r.final is not None for r in results.values())
-    assert engine.peak == slots + shard_room(slots)  # the shard ran while every slot was busy
+    assert engine.peak == FULL + shard_room(FULL)  # the shard ran while every slot was busy
 
 
 async def test_a_full_worker_lets_its_shard_pull_run_out_and_asks_again_once_a_slot_is_free(
@@ -230,24 +239,14 @@ async def test_a_full_worker_lets_its_shard_pull_run_out_and_asks_again_once_a_s
 ):
     """So that shards go first to workers with room: a full worker does not renew its pull, and
     a shard queued meanwhile waits for its first free slot."""
-    slots = 8
-    engine = peak_engine(step_delay=0.05)
-    async with Client(nats_url, namespace=namespace) as client:
-        async with inproc_worker(
-            nats_url, engine, namespace=namespace, slots=slots, pull_expires=1.0
-        ) as worker:
-            online = await _fill(client, worker, slots)
-            with anyio.fail_after(2.5):  # before the online jobs end
-                while await _shard_pulls(client):
-                    await anyio.sleep(0.05)
-            assert worker.slots.busy == slots
-            ids = [f"after-{i}" for i in range(shard_room(slots))]
-            await client.submit_shard(
-                ShardJob(request_id="after", model="fake", requests=[_request(r) for r in ids])
-            )
-            results = await _results(client, ids + [r.request_id for r in online])
+    async with _full_worker(nats_url, namespace, pull_expires=1.0) as (client, worker, engine, online):
+        with anyio.fail_after(2.5):  # before the online jobs end
+            while await _shard_pulls(client):
+                await anyio.sleep(0.05)
+        assert worker.slots.busy == FULL
+        results = await _shard_beside(client, "after", online)
     assert all(r.final is not None for r in results.values())
-    assert engine.peak < slots + shard_room(slots)  # it came once online jobs had ended
+    assert engine.peak < FULL + shard_room(FULL)  # it came once online jobs had ended
 
 
 @pytest.mark.parametrize("fresh", [True, False])

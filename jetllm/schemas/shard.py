@@ -22,7 +22,8 @@ MAX_SHARD_REQUESTS = 1024
 
 class ShardJob(Command, kw_only=True):
     """Published to `jetllm.<ns>.jobs.shard.<model>`, pulled by generate workers of the model with a
-    free slot and no shard's requests beyond their slots (docs/decisions.md, "A batch's lines travel in shards").
+    free slot and no shard's requests beyond their slots (docs/decisions.md, "A batch's lines travel
+    in shards").
 
     A shard that does not decode (a request of it among them) fails as a whole: each request it
     names gets the error as its result. A request that decodes but cannot be a line (it names
