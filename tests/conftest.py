@@ -455,6 +455,37 @@ async def first_tokens_then_frozen(
             yield last, frames
 
 
+class Caught:
+    """A request `running_then_frozen` caught running, and how many tries ran to their end first."""
+
+    def __init__(self, req, frame, stream: AsyncGenerator, finished: int) -> None:
+        self.req, self.frame, self.stream, self.finished = req, frame, stream, finished
+
+
+@asynccontextmanager
+async def running_then_frozen(
+    c: Client, worker: WorkerProcess, make_request, tries: int = 3
+) -> AsyncIterator[Caught]:
+    """`first_tokens_then_frozen` for a request the worker still runs once its engine is frozen.
+    A stalled test process can leave the engine running far past one 10 ms step, and the tiny
+    model then makes all its tokens before the test looks (CI met it in two tests): such a try
+    proves nothing, must have completed whole, and is made again with `make_request()`."""
+    from jetllm.producer.fleet import instance_status
+    from jetllm.schemas import TokensFrame
+
+    for finished in range(tries):
+        req = make_request()
+        async with first_tokens_then_frozen(c, worker, req) as (frame, stream):
+            assert isinstance(frame, TokensFrame), f"the request ended without a token: {frame}"
+            await anyio.sleep(0.3)  # outputs the engine made before its freeze reach the worker
+            if req.request_id in (await instance_status(c.nc, c.names, worker.instance)).request_ids:
+                yield Caught(req, frame, stream, finished)
+                return
+        result = await c.wait_result(req.request_id, timeout=10)
+        assert result.error is None and len(result.token_ids[0]) == req.stop.max_tokens, result
+    raise AssertionError(f"each of {tries} tries ran to its end before the test saw it running")
+
+
 def stop_all(workers: list[WorkerProcess]) -> None:
     """Stop workers side by side: each one's SIGTERM first, then the waits (an engine's shutdown
     takes seconds, and a test's teardown need not take them one after another)."""

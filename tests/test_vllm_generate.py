@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import uuid
 
@@ -26,7 +27,7 @@ from jetllm.schemas import (
     TokensPrompt,
 )
 
-from .conftest import TINY, first_tokens_then_frozen
+from .conftest import TINY, running_then_frozen
 from .jobs import RawInbox, consumer_counts, publish_raw
 
 pytestmark = [pytest.mark.anyio, pytest.mark.vllm]
@@ -254,12 +255,10 @@ async def test_cancel_aborts_the_engine_request_and_frees_the_slot(c, shared_vll
     from jetllm.producer.traces import trace_records
 
     before = await _cancelled(c, shared_vllm)
-    req = request([7, 8, 9], stop=StopConditions(max_tokens=480, ignore_eos=True))
-    async with first_tokens_then_frozen(c, shared_vllm, req) as (frame, stream):
-        assert isinstance(frame, TokensFrame), f"the request ended without a token: {frame}"
-        status = await instance_status(c.nc, c.names, shared_vllm.instance)
-        assert req.request_id in status.request_ids, "the worker no longer runs it at its first tokens"
-        await stream.aclose()  # leaving the stream cancels the request
+    long = functools.partial(request, [7, 8, 9], stop=StopConditions(max_tokens=480, ignore_eos=True))
+    async with running_then_frozen(c, shared_vllm, long) as caught:
+        req = caught.req
+        await caught.stream.aclose()  # leaving the stream cancels the request
         try:
             with anyio.fail_after(10):  # with the engine frozen, only the cancel can end it
                 while (
@@ -296,16 +295,16 @@ async def test_cancel_aborts_the_engine_request_and_frees_the_slot(c, shared_vll
 async def test_sigusr1_shows_where_a_running_request_waits_and_the_worker_serves_on(c, shared_vllm):
     """What an operator sees of a request that does not move: its job's task, by request id,
     waiting on vLLM's output for it."""
-    req = request([4, 5, 6], stop=StopConditions(max_tokens=480, ignore_eos=True))
-    async with first_tokens_then_frozen(c, shared_vllm, req) as (frame, stream):
-        assert isinstance(frame, TokensFrame), f"the request ended without a token: {frame}"
+    long = functools.partial(request, [4, 5, 6], stop=StopConditions(max_tokens=480, ignore_eos=True))
+    async with running_then_frozen(c, shared_vllm, long) as caught:
+        req = caught.req
         size = shared_vllm.log_size()
         await anyio.to_thread.run_sync(shared_vllm.dump_tasks)
         dump = shared_vllm.log_tail(5000, size)
         lines = [x for x in dump.splitlines() if x.strip().startswith(f"job {req.request_id}")]
         assert lines, f"no line for the request's job in:\n{dump[-4000:]}"
         assert any("engine/vllm_engine.py" in x and "vllm/v1/engine/async_llm.py" in x for x in lines), lines
-        await stream.aclose()
+        await caught.stream.aclose()
     done = await c.complete(request([1, 5, 6, 7, 8], max_tokens=4))
     assert done.usage.completion_tokens == 4
 
