@@ -19,7 +19,7 @@ import openai
 import pytest
 from starlette.applications import Starlette
 
-from jetllm.batches import held, plan
+from jetllm.batches import held, plan, transitions
 from jetllm.batches import lines as lines_module
 from jetllm.batches import service as service_module
 from jetllm.batches.lines import BadInput, line_request_id, parse_input
@@ -28,6 +28,7 @@ from jetllm.batches.service import BatchService, TooLarge
 from jetllm.gateway import batches_api, files_api
 from jetllm.openai.endpoints import CHAT, COMPLETIONS, prepare
 from jetllm.producer import Client
+from jetllm.schemas import BatchIssue, BatchState, RequestCounts
 from jetllm.subjects.policy import QueuePolicy
 from jetllm.subjects.setup import ensure_streams
 
@@ -82,6 +83,65 @@ def test_what_a_runner_does_with_a_batch_it_takes(status, now, expires, action):
 )
 def test_why_a_running_batch_stops(status, now, expires, stop):
     assert plan.stop_reason(status, now, expires) == stop
+
+
+def _state(status: str, **kw) -> BatchState:
+    return BatchState(
+        id="batch_0123abcd", endpoint=CHAT, input_file_id="file-1", completion_window="24h",
+        status=status, created_at=1, expires_at=100, **kw,
+    )  # fmt: skip
+
+
+SOME = RequestCounts(total=4, completed=2, failed=1)
+
+
+@pytest.mark.parametrize(
+    "state, change, status, changed",
+    [
+        (_state("validating"), "started", "in_progress", {"in_progress_at": 50, "runner": "r2"}),
+        (
+            _state("in_progress", in_progress_at=5, runner="r1"),
+            "started",
+            "in_progress",
+            {"in_progress_at": 5},
+        ),
+        (_state("cancelling"), "started", None, {}),  # its runner cancels it instead
+        (_state("finalizing"), "started", None, {}),  # every line ran: only its files are written again
+        (_state("in_progress"), "counted", "in_progress", {"request_counts": SOME}),
+        (_state("cancelling"), "counted", None, {}),
+        (_state("in_progress"), "finalizing", "finalizing", {"finalizing_at": 50}),
+        (_state("cancelling"), "finalizing", None, {}),  # the cancel came first
+        (_state("in_progress"), "failed", "failed", {"failed_at": 50, "request_counts": SOME}),
+        (_state("validating", request_counts=SOME), "failed-keeping", "failed", {"request_counts": SOME}),
+        (_state("expired"), "failed", None, {}),
+        (_state("finalizing"), "ended", "completed", {"completed_at": 50, "output_file_id": "out"}),
+        (_state("cancelling"), "ended", "cancelled", {"cancelled_at": 50}),  # the cancel is asked last
+        (_state("in_progress"), "expired", "expired", {"expired_at": 50, "error_file_id": "err"}),
+        (_state("completed"), "ended", None, {}),
+        (_state("cancelled"), "expired", None, {}),
+    ],
+)
+def test_how_a_runner_changes_a_batchs_state(state, change, status, changed):
+    issue = BatchIssue(code="invalid_input", message="no", param="input_file_id")
+    new = {
+        "started": lambda s: transitions.started(s, runner="r2", counts=SOME, now=50),
+        "counted": lambda s: transitions.counted(s, counts=SOME),
+        "finalizing": lambda s: transitions.finalizing(s, now=50),
+        "failed": lambda s: transitions.failed(s, issue=issue, counts=SOME, now=50),
+        "failed-keeping": lambda s: transitions.failed(s, issue=issue, counts=None, now=50),
+        "ended": lambda s: transitions.ended(
+            s, stop="done", output_file_id="out", error_file_id=None, counts=SOME, now=50
+        ),
+        "expired": lambda s: transitions.ended(
+            s, stop="expire", output_file_id=None, error_file_id="err", counts=SOME, now=50
+        ),
+    }[change](state)
+    if status is None:
+        assert new is None
+        return
+    assert new.status == status
+    assert {k: getattr(new, k) for k in changed} == changed
+    assert new.errors == ([issue] if status == "failed" else state.errors)
 
 
 @pytest.mark.parametrize(

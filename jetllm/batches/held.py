@@ -10,12 +10,9 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import anyio
-import msgspec
 from anyio.abc import TaskGroup
-from nats.aio.msg import Msg
 from nats.js.api import PubAck
 
 from .. import aio
@@ -26,40 +23,29 @@ from ..producer import Client, registry
 from ..schemas import (
     BatchIssue,
     BatchState,
-    Claim,
     EmbedsPrompt,
-    ErrorCode,
-    ErrorFrame,
     GenerateRequest,
     InstanceRecord,
-    Record,
     RequestCounts,
     Result,
     ShardJob,
 )
 from ..subjects import codec
 from ..subjects.codec import HEADER_MARGIN
-from . import plan
+from . import plan, transitions
+from .following import LineFollower, Submit, unsubmittable
 from .lines import BadInput, InputLine, batch_group, line_request_id
 from .output import output_files, output_lines
 from .service import ApiError, BatchService, NotFound
 
 log = logging.getLogger(__name__)
-_record_decoder = codec.KindDecoder(Record)
 
 STATE_EVERY = 0.5
 """Seconds between reads of the batch's state (a cancel) and writes of its counts."""
-RESULT_CHECK = 5.0
-"""Seconds between a running line's looks at whether to read its result directly (`plan.read_result`)."""
 SHARD_SIZES_EVERY = 30.0
 """Seconds between reads of the registry for which models take shards, and how large."""
 CANCEL_WAIT = 10.0
 """Seconds a stopping batch waits for the lines it cancelled to report their end."""
-
-
-def counts(total: int, outcomes: dict[int, Result]) -> RequestCounts:
-    ok = sum(1 for r in outcomes.values() if r.final is not None)
-    return RequestCounts(total=total, completed=ok, failed=len(outcomes) - ok)
 
 
 class HeldBatch:
@@ -86,6 +72,9 @@ class HeldBatch:
         self.shards: set[str] = set()
         """Shards of this batch submitted and not yet ended: cancelled as wholes when the batch stops."""
         self.changed = anyio.Event()
+        self.follower = LineFollower(
+            client, service.names, batch_id, on_claim=self._claimed, on_end=self._ended
+        )
         self.resumed = False
         """The batch was in progress when taken: an earlier runner may have left jobs queued or
         running that this one never submitted."""
@@ -114,7 +103,10 @@ class HeldBatch:
         read = time.monotonic()
         stop: plan.Stop
         if action == "run":
-            await self.service.update(self.id, self._started(len(lines)))
+            started = functools.partial(
+                transitions.started, runner=self.runner, counts=self._counts(len(lines)), now=int(time.time())
+            )
+            await self.service.update(self.id, started)
             stop = await self._run_lines(lines, state.endpoint)
         else:
             stop = action
@@ -129,22 +121,6 @@ class HeldBatch:
             ran - read,
             (time.monotonic() - ran) * 1000,
         )
-
-    def _started(self, total: int):  # noqa: ANN202
-        now = int(time.time())
-
-        def change(state: BatchState) -> BatchState | None:
-            if state.status not in ("validating", "in_progress"):
-                return None
-            return msgspec.structs.replace(
-                state,
-                status="in_progress",
-                in_progress_at=state.in_progress_at or now,
-                runner=self.runner,
-                request_counts=counts(total, self.outcomes),
-            )
-
-        return change
 
     async def _read_finished(self, lines: list[InputLine], *, ended_only: bool = False) -> None:
         """Results of lines an earlier runner saw finish: read, never run again. `ended_only`:
@@ -182,9 +158,11 @@ class HeldBatch:
                         await self._stop_in_flight(lines)
                         tg.cancel_scope.cancel()
                         return stop
-                    now_counts = counts(len(lines), self.outcomes)
+                    now_counts = self._counts(len(lines))
                     if now_counts != written:
-                        await self.service.update(self.id, _with_counts(now_counts))
+                        await self.service.update(
+                            self.id, functools.partial(transitions.counted, counts=now_counts)
+                        )
                         written = now_counts
                 r = self.pacing
                 while self.free_at and self.free_at[0] < now - r.refill:
@@ -225,12 +203,12 @@ class HeldBatch:
             try:
                 req = prepare(endpoint, line.body, rid).job.request
             except (JetllmError, OpenAIError) as exc:  # this line cannot be a job: it fails alone
-                self._ended(line.line, _failed(rid, exc), ran=False)
+                self._ended(line.line, unsubmittable(rid, exc), False)
                 continue
             if req.model in sharded and req.adapter is None and not isinstance(req.prompt, EmbedsPrompt):
                 groups.setdefault(req.model, []).append((line, req))
             else:
-                tg.start_soon(self._run_lines_as, [line], functools.partial(self.client.submit, req))
+                tg.start_soon(self.follower.follow, [line], functools.partial(self.client.submit, req))
         limit = (self.client.nc.max_payload - HEADER_MARGIN) // 2
         for model, members in groups.items():
             for part in plan.shards(members, sharded[model], limit, lambda m: len(codec.encode(m[1]))):
@@ -243,130 +221,30 @@ class HeldBatch:
                 )
                 self.shards.add(shard.request_id)
                 submit = _Once(functools.partial(self.client.submit_shard, shard))
-                tg.start_soon(self._run_lines_as, [line for line, _ in part], submit, shard.request_id)
+                tg.start_soon(self._follow_shard, [line for line, _ in part], submit, shard.request_id)
 
-    async def _run_lines_as(
-        self, lines: list[InputLine], submit: Callable[[], Awaitable[PubAck]], shard: str | None = None
-    ) -> None:
-        """Follow `lines`, submitted by one `submit` (a job, or the shard that carries them all),
-        each until its result is in its request log; their logs are subscribed to before it runs."""
-        subs: list[Any] = []
+    async def _follow_shard(self, lines: list[InputLine], submit: Submit, shard: str) -> None:
         try:
-            waits = []
-            for line in lines:
-                rid = line_request_id(self.id, line.line)
-                found: list[Result] = []
-                ended = anyio.Event()
-                on_record = self._on_record(line.line, found, ended)
-                try:
-                    subs.append(
-                        await self.client.nc.subscribe(self.service.names.request_log(rid), cb=on_record)
-                    )
-                    subscribed = True
-                except Exception as exc:  # the server is away for now: the line subscribes again
-                    log.info("batch %s: subscribing to %s again after %s", self.id, rid, exc)
-                    subscribed = False
-                waits.append((line, rid, found, ended, subscribed))
-            async with anyio.create_task_group() as tg:
-                for line, rid, found, ended, subscribed in waits:
-                    tg.start_soon(self._run_line, line, rid, found, ended, subscribed, submit)
+            await self.follower.follow(lines, submit)
         finally:
-            if shard is not None:
-                self.shards.discard(shard)
-            with anyio.CancelScope(shield=True):
-                for sub in subs:
-                    try:
-                        await sub.unsubscribe()
-                    except Exception:
-                        pass
+            self.shards.discard(shard)
 
-    async def _run_line(
-        self,
-        line: InputLine,
-        rid: str,
-        found: list[Result],
-        ended: anyio.Event,
-        subscribed: bool,
-        submit: Callable[[], Awaitable[PubAck]],
-    ) -> None:
-        """Submit the line's job and wait until its result is in its request log: seen live on
-        the log's subject, subscribed to before the job is submitted (no consumer on the server per
-        line), and read directly only when it may have gone by unseen (`plan.read_result`: an earlier
-        runner's job, a reconnect, and once a minute). Lines submit concurrently, so their publish
-        acks overlap."""
-        sub = None
-        submitted = duplicate = reconnected = False
-        last_read, reconnects = time.monotonic(), self._reconnects()
-        try:
-            while not found:
-                try:
-                    if not subscribed and sub is None:
-                        sub = await self.client.nc.subscribe(
-                            self.service.names.request_log(rid), cb=self._on_record(line.line, found, ended)
-                        )
-                    if not submitted:
-                        try:
-                            ack = await submit()
-                        except (JetllmError, OpenAIError) as exc:
-                            found.append(_failed(rid, exc))  # this line cannot be a job: it fails alone
-                            break
-                        # subscribed after its shard was published: its records may have gone by
-                        submitted, duplicate = True, bool(ack.duplicate) or not subscribed
-                    if plan.read_result(
-                        duplicate=duplicate, reconnected=reconnected, since_read=time.monotonic() - last_read
-                    ):
-                        duplicate = reconnected = False
-                        last_read, reconnects = time.monotonic(), self._reconnects()
-                        stored = await self.client.result(rid)
-                        if stored is not None:
-                            found.append(stored)
-                            break
-                except Exception as exc:  # the server is away for now: submitted or read again later
-                    log.info("batch %s: trying %s again after %s", self.id, rid, exc)
-                    reconnected = submitted
-                with anyio.move_on_after(RESULT_CHECK):
-                    await ended.wait()
-                reconnected = reconnected or self._reconnects() != reconnects
-        finally:
-            if sub is not None:
-                with anyio.CancelScope(shield=True):
-                    try:
-                        await sub.unsubscribe()
-                    except Exception:
-                        pass
-        self._ended(line.line, found[0], ran=submitted and line.line not in self.queued)
+    def _claimed(self, line: int) -> None:
+        if line in self.queued:
+            self.queued.discard(line)
+            self.changed.set()
 
-    def _on_record(
-        self, line: int, found: list[Result], ended: anyio.Event
-    ) -> Callable[[Msg], Awaitable[None]]:
-        """What a line's subscription does with each record of its log: a claim takes the line out
-        of the window, a result ends the wait."""
-
-        async def on_record(msg: Msg) -> None:
-            try:
-                record = _record_decoder.decode(msg.data)
-            except Exception:  # a newer kind of record, or not ours to read
-                return
-            if isinstance(record, Result):
-                found.append(record)
-                ended.set()
-            elif isinstance(record, Claim) and line in self.queued:
-                self.queued.discard(line)
-                self.changed.set()
-
-        return on_record
-
-    def _reconnects(self) -> int:
-        return int(self.client.nc.stats.get("reconnects", 0))
-
-    def _ended(self, line: int, result: Result, *, ran: bool) -> None:
-        """`ran`: a worker claimed the line's job, so its slot is free now."""
-        self.outcomes[line] = result
-        if ran:
+    def _ended(self, line: int, result: Result, submitted: bool) -> None:
+        """Submitted and its claim seen: a worker ran the line, so its slot is free now."""
+        if submitted and line not in self.queued:
             self.free_at.append(time.monotonic())
+        self.outcomes[line] = result
         self.in_flight.discard(line)
         self.queued.discard(line)
         self.changed.set()
+
+    def _counts(self, total: int) -> RequestCounts:
+        return transitions.counts(total, self.outcomes)
 
     async def _stop_in_flight(self, lines: list[InputLine], wait: bool = True) -> None:
         """Cancel the lines queued or running; wait a little for their ends to be recorded. In a
@@ -424,29 +302,14 @@ class HeldBatch:
     async def _fail(
         self, message: str, line: int | None, param: str | None, final: RequestCounts | None = None
     ) -> None:
-        now = int(time.time())
         issue = BatchIssue(code="invalid_input", message=message, param=param, line=line)
-
-        def change(state: BatchState) -> BatchState | None:
-            if state.status in plan.TERMINAL_STATUSES:
-                return None
-            kept = final or state.request_counts
-            return msgspec.structs.replace(
-                state, status="failed", failed_at=now, errors=[issue], request_counts=kept
-            )
-
+        change = functools.partial(transitions.failed, issue=issue, counts=final, now=int(time.time()))
         await self.service.update(self.id, change)
 
     async def _finalize(self, lines: list[InputLine], state: BatchState, stop: plan.Stop) -> None:
         if stop == "done":
-            now = int(time.time())
             await self.service.update(
-                self.id,
-                lambda s: (
-                    None
-                    if s.status != "in_progress"
-                    else msgspec.structs.replace(s, status="finalizing", finalizing_at=now)
-                ),
+                self.id, functools.partial(transitions.finalizing, now=int(time.time()))
             )
         out, errors = await anyio.to_thread.run_sync(
             output_lines, self.id, lines, self.outcomes, state.endpoint, stop
@@ -457,34 +320,18 @@ class HeldBatch:
             await self.service.write_output(out_id, f"batch_{tail}_output.jsonl", b"".join(out))
         if errors:
             await self.service.write_output(err_id, f"batch_{tail}_errors.jsonl", b"".join(errors))
-        final = counts(len(lines), self.outcomes)
+        final = self._counts(len(lines))
         final.failed = final.total - final.completed
-        now = int(time.time())
-
-        def change(s: BatchState) -> BatchState | None:
-            if s.status in plan.TERMINAL_STATUSES:
-                return None
-            status = plan.FINAL_STATUS[stop] if s.status != "cancelling" else "cancelled"
-            return msgspec.structs.replace(
-                s,
-                status=status,
-                output_file_id=out_id if out else None,
-                error_file_id=err_id if errors else None,
-                request_counts=final,
-                **{f"{status}_at": now},
-            )
-
+        change = functools.partial(
+            transitions.ended,
+            stop=stop,
+            output_file_id=out_id if out else None,
+            error_file_id=err_id if errors else None,
+            counts=final,
+            now=int(time.time()),
+        )
         done = await self.service.update(self.id, change)
         log.info("batch %s: %s (%d ok, %d failed)", self.id, done.status, final.completed, final.failed)
-
-
-def _with_counts(c: RequestCounts):  # noqa: ANN202
-    def change(state: BatchState) -> BatchState | None:
-        if state.status != "in_progress":
-            return None
-        return msgspec.structs.replace(state, request_counts=c)
-
-    return change
 
 
 def _models(lines: list[InputLine]) -> set[str]:
@@ -505,10 +352,3 @@ class _Once:
             if self._ack is None:
                 self._ack = await self._publish()
             return self._ack
-
-
-def _failed(rid: str, exc: JetllmError | OpenAIError) -> Result:
-    """A line that never became a job: too big to publish, or a body that translated when the
-    batch was created and no longer does (another version's runner)."""
-    code = exc.code if isinstance(exc, JetllmError) else ErrorCode.INVALID_REQUEST
-    return Result(attempt=0, error=ErrorFrame(seq=1, request_id=rid, code=code, message=exc.message))
