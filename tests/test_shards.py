@@ -17,6 +17,7 @@ import pytest
 from jetllm.batches import plan
 from jetllm.batches.lines import line_request_id
 from jetllm.batches.runner import BatchRunner
+from jetllm.cli import main
 from jetllm.openai.endpoints import CHAT
 from jetllm.producer import Client
 from jetllm.producer import deadletters as dead_letters
@@ -148,7 +149,7 @@ async def _results(client: Client, ids: list[str], timeout: float = 30) -> dict[
 
 
 async def test_a_batch_travels_in_shards_within_each_workers_slots_and_every_line_has_its_result(
-    api, nats_url, namespace
+    api, nats_url, namespace, capsys
 ):
     sdk, client, service = api
     n = 100
@@ -180,6 +181,12 @@ async def test_a_batch_travels_in_shards_within_each_workers_slots_and_every_lin
     for i in (1, n):  # each line's own log holds its result, as a line sent alone has
         stored = await client.result(line_request_id(batch.id, i))
         assert stored is not None and stored.final is not None
+    # a line keeps no trace record of its own: `jetllm trace` says so, and what its result says
+    argv = ["trace", "--nats", nats_url, "--namespace", namespace, line_request_id(batch.id, 1)]
+    assert await anyio.to_thread.run_sync(main, argv) == 0
+    said = capsys.readouterr().err
+    assert "travelled in a shard" in said and f"completed by worker {stored.worker}" in said, said
+    assert ": 6 tokens" in said, said
 
 
 FULL = 8

@@ -13,9 +13,18 @@ import nats.errors
 from ..aio import run
 from ..producer.fleet import ask
 from ..producer.registry import instances, watch
+from ..producer.results import result
 from ..producer.traces import trace_records
 from ..router.trace import route_lines
-from ..schemas import ControlFailed, HealthCheck, HealthReport, InstanceRecord, SleepRequest, TasksReport
+from ..schemas import (
+    ControlFailed,
+    HealthCheck,
+    HealthReport,
+    InstanceRecord,
+    Result,
+    SleepRequest,
+    TasksReport,
+)
 from ..subjects import codec
 from ..subjects.connection import connect
 from ..subjects.names import Names
@@ -182,16 +191,26 @@ async def _tasks(args: argparse.Namespace) -> int:
 
 async def _trace(args: argparse.Namespace) -> int:
     nc = await connect(nats_url(args))
+    names = Names(args.namespace)
     try:
-        records = await trace_records(nc.jetstream(timeout=5), Names(args.namespace), args.request_id)
+        js = nc.jetstream(timeout=5)
+        records = await trace_records(js, names, args.request_id)
+        ended = None if records else await result(js, names, args.request_id)
     finally:
         await nc.close()
     if not records:
+        if ended is None:
+            print(
+                f"no trace records for {args.request_id!r} (unknown, or older than the results retention)",
+                file=sys.stderr,
+            )
+            return 1
         print(
-            f"no trace records for {args.request_id!r} (unknown, or older than the results retention)",
+            f"no trace records for {args.request_id!r}: a batch line that travelled in a shard keeps none "
+            f"of its own. Its result: {_ended(ended)}",
             file=sys.stderr,
         )
-        return 1
+        return 0
     if args.json:
         for r in records:
             print(msgspec.json.encode(r).decode())
@@ -220,6 +239,13 @@ async def _trace(args: argparse.Namespace) -> int:
             print(f"{ms(r.first_token_at)}  first token")
         print(f"{ms(r.ended_at)}  {r.outcome}: {r.completion_tokens} tokens in {r.frames} frames")
     return 0
+
+
+def _ended(r: Result) -> str:
+    by = f"worker {r.worker}, attempt {r.attempt}, {r.migrations} migrations"
+    if r.error is not None:
+        return f"{r.error.code.value} ({by}): {r.error.message}"
+    return f"completed by {by}: {sum(len(t) for t in r.token_ids)} tokens"
 
 
 def _queue(queue: str) -> str:
