@@ -182,11 +182,15 @@ async def test_a_batch_travels_in_shards_within_each_workers_slots_and_every_lin
         stored = await client.result(line_request_id(batch.id, i))
         assert stored is not None and stored.final is not None
     # a line keeps no trace record of its own: `jetllm trace` says so, and what its result says
-    argv = ["trace", "--nats", nats_url, "--namespace", namespace, line_request_id(batch.id, 1)]
+    first = line_request_id(batch.id, 1)
+    stored = await client.result(first)
+    argv = ["trace", "--nats", nats_url, "--namespace", namespace, first]
     assert await anyio.to_thread.run_sync(main, argv) == 0
     said = capsys.readouterr().err
     assert "travelled in a shard" in said and f"completed by worker {stored.worker}" in said, said
     assert ": 6 tokens" in said, said
+    assert await anyio.to_thread.run_sync(main, [*argv, "--json"]) == 1  # no trace records to print
+    assert capsys.readouterr().out == ""
 
 
 FULL = 8

@@ -52,9 +52,12 @@ class LineFollower:
         self.on_claim = on_claim
         self.on_end = on_end
 
-    async def follow(self, lines: list[InputLine], submit: Submit) -> None:
-        """Follow `lines`, submitted by one `submit`, each until its result is in its request log;
-        every log is subscribed to before `submit` runs."""
+    async def follow(
+        self, lines: list[InputLine], submit: Submit, done: Callable[[], None] | None = None
+    ) -> None:
+        """Follow `lines`, submitted by one `submit` (a shard's lines share its one publish), each
+        until its result is in its request log; every log is subscribed to before `submit` runs.
+        `done` is called as soon as every line has ended (or was cancelled), before unsubscribing."""
         subs: list[Any] = []
         try:
             waits = []
@@ -77,6 +80,8 @@ class LineFollower:
                 for line, rid, found, ended, subscribed in waits:
                     tg.start_soon(self._follow_line, line, rid, found, ended, subscribed, submit)
         finally:
+            if done is not None:
+                done()
             with anyio.CancelScope(shield=True):
                 for sub in subs:
                     await _unsubscribe(sub)

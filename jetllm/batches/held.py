@@ -33,7 +33,7 @@ from ..schemas import (
 from ..subjects import codec
 from ..subjects.codec import HEADER_MARGIN
 from . import plan, transitions
-from .following import LineFollower, Submit, unsubmittable
+from .following import LineFollower, unsubmittable
 from .lines import BadInput, InputLine, batch_group, line_request_id
 from .output import output_files, output_lines
 from .service import ApiError, BatchService, NotFound
@@ -203,7 +203,7 @@ class HeldBatch:
             try:
                 req = prepare(endpoint, line.body, rid).job.request
             except (JetllmError, OpenAIError) as exc:  # this line cannot be a job: it fails alone
-                self._ended(line.line, unsubmittable(rid, exc), False)
+                self._ended(line.line, unsubmittable(rid, exc), submitted=False)
                 continue
             if req.model in sharded and req.adapter is None and not isinstance(req.prompt, EmbedsPrompt):
                 groups.setdefault(req.model, []).append((line, req))
@@ -221,13 +221,8 @@ class HeldBatch:
                 )
                 self.shards.add(shard.request_id)
                 submit = _Once(functools.partial(self.client.submit_shard, shard))
-                tg.start_soon(self._follow_shard, [line for line, _ in part], submit, shard.request_id)
-
-    async def _follow_shard(self, lines: list[InputLine], submit: Submit, shard: str) -> None:
-        try:
-            await self.follower.follow(lines, submit)
-        finally:
-            self.shards.discard(shard)
+                done = functools.partial(self.shards.discard, shard.request_id)
+                tg.start_soon(self.follower.follow, [line for line, _ in part], submit, done)
 
     def _claimed(self, line: int) -> None:
         if line in self.queued:

@@ -13,7 +13,7 @@ import nats.errors
 from ..aio import run
 from ..producer.fleet import ask
 from ..producer.registry import instances, watch
-from ..producer.results import result
+from ..producer.results import result_quietly
 from ..producer.traces import trace_records
 from ..router.trace import route_lines
 from ..schemas import (
@@ -195,7 +195,7 @@ async def _trace(args: argparse.Namespace) -> int:
     try:
         js = nc.jetstream(timeout=5)
         records = await trace_records(js, names, args.request_id)
-        ended = None if records else await result(js, names, args.request_id)
+        ended = None if records else await result_quietly(js, names, args.request_id)
     finally:
         await nc.close()
     if not records:
@@ -206,11 +206,11 @@ async def _trace(args: argparse.Namespace) -> int:
             )
             return 1
         print(
-            f"no trace records for {args.request_id!r}: a batch line that travelled in a shard keeps none "
-            f"of its own. Its result: {_ended(ended)}",
+            f"no trace records for {args.request_id!r} (a batch line that travelled in a shard keeps none "
+            f"of its own, and a record can be lost); its result: {_ended(ended)}",
             file=sys.stderr,
         )
-        return 0
+        return 1 if args.json else 0  # --json prints trace records, and there are none
     if args.json:
         for r in records:
             print(msgspec.json.encode(r).decode())
@@ -242,10 +242,12 @@ async def _trace(args: argparse.Namespace) -> int:
 
 
 def _ended(r: Result) -> str:
-    by = f"worker {r.worker}, attempt {r.attempt}, {r.migrations} migrations"
+    by = f"worker {r.worker or '?'}, attempt {r.attempt}, {r.migrations} migrations"
     if r.error is not None:
         return f"{r.error.code.value} ({by}): {r.error.message}"
-    return f"completed by {by}: {sum(len(t) for t in r.token_ids)} tokens"
+    if r.final is None:
+        return f"no outcome ({by})"
+    return f"completed by {by}: {r.final.usage.completion_tokens} tokens"
 
 
 def _queue(queue: str) -> str:
