@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import functools
 import os
 import signal
@@ -14,7 +15,7 @@ import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import anyio
 import pytest
@@ -455,11 +456,14 @@ async def first_tokens_then_frozen(
             yield last, frames
 
 
+@dataclasses.dataclass(frozen=True)
 class Caught:
     """A request `running_then_frozen` caught running, and how many tries ran to their end first."""
 
-    def __init__(self, req, frame, stream: AsyncGenerator, finished: int) -> None:
-        self.req, self.frame, self.stream, self.finished = req, frame, stream, finished
+    req: Any
+    frame: Any
+    stream: AsyncGenerator
+    finished: int
 
 
 @asynccontextmanager

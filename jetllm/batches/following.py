@@ -4,6 +4,7 @@ server per line), and read directly only when it may have gone by unseen (`plan.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -84,7 +85,8 @@ class LineFollower:
                 done()
             with anyio.CancelScope(shield=True):
                 for sub in subs:
-                    await _unsubscribe(sub)
+                    with contextlib.suppress(Exception):  # the connection is gone, and sub with it
+                        await sub.unsubscribe()
 
     async def _follow_line(
         self,
@@ -133,8 +135,8 @@ class LineFollower:
                 reconnected = reconnected or self._reconnects() != reconnects
         finally:
             if sub is not None:
-                with anyio.CancelScope(shield=True):
-                    await _unsubscribe(sub)
+                with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+                    await sub.unsubscribe()
         self.on_end(line.line, found[0], submitted)
 
     def _on_record(
@@ -158,13 +160,6 @@ class LineFollower:
 
     def _reconnects(self) -> int:
         return int(self.client.nc.stats.get("reconnects", 0))
-
-
-async def _unsubscribe(sub: Any) -> None:
-    try:
-        await sub.unsubscribe()
-    except Exception:  # the connection is gone, and the subscription with it
-        pass
 
 
 def unsubmittable(rid: str, exc: JetllmError | OpenAIError) -> Result:

@@ -59,8 +59,8 @@ class InstanceRecord(Report, kw_only=True):
     shard_lines: int = 0
     """It pulls the model's shard queue (`jetllm.<ns>.jobs.shard.<model>`, schemas/shard.py) while
     it has a free slot and no shard's requests beyond its slots, and wants shards of at most this
-    many requests (those beyond its free slots wait in its engine's queue); 0: it takes no shards. A batch runner sends a model's lines as shards
-    while its live workers take them."""
+    many requests (those beyond its free slots wait in its engine's queue); 0: it takes no shards.
+    A batch runner sends a model's lines as shards while its live workers take them."""
 
 
 class ModelCard(Report, kw_only=True):

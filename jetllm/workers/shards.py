@@ -43,7 +43,7 @@ _shard_decoder = codec.Decoder(ShardJob)
 def shard_room(slots: int) -> int:
     """The most requests a worker wants in one shard, which is also the most it holds beyond its
     slots (it takes no shard while it holds one's requests beyond its slots; those wait in the
-    engine's queue): a quarter of its slots, at most 64. 0 (no shards) for a worker of fewer than 8 slots."""
+    engine's queue): a quarter of its slots, at most 64. 0 (no shards) below 8 slots."""
     room = min(64, slots // 4)
     return room if room > 1 else 0
 
