@@ -4,7 +4,9 @@ one function on many items a few at a time."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any, TypeVar
@@ -25,6 +27,66 @@ def run(fn: Callable[..., Awaitable[T]], *args: Any) -> T:
     return anyio.run(fn, *args, backend="asyncio", backend_options=opts)
 
 
+class StrayCancellation(Exception):
+    """A task was cancelled by none of the cancel scopes it runs in."""
+
+
+@contextlib.contextmanager
+def owned_cancellation(what: str) -> Iterator[None]:
+    """Let through only cancellations a cancel scope around this code asked for; raise any other
+    as StrayCancellation.
+
+    asyncio raises CancelledError in a task that awaits a future someone else cancelled (a library
+    cancelling its own futures on a timeout, a reconnect or an unsubscribe). An anyio task group
+    takes a child that ends so for a cancellation of its own and silently cancels every sibling:
+    one job's mishap would end the worker with exit code 0. As an ordinary exception it meets the
+    barrier of the job or step it happened in instead."""
+    try:
+        yield
+    except anyio.get_cancelled_exc_class() as exc:
+        if anyio.current_effective_deadline() == -math.inf:
+            raise  # a scope around us was cancelled: the owner's own
+        raise StrayCancellation(
+            f"{what} was cancelled by something other than its owner (a library cancelled a future it awaited)"
+        ) from exc
+
+
+class TaskGroup:
+    """anyio's task group, each child behind `owned_cancellation`: a child that a library
+    cancelled fails with StrayCancellation, an exception its group and owner see and handle,
+    instead of quietly cancelling its siblings. jetllm opens every task group through this one.
+    (The body of the `async with` is not a child: a stray cancellation there still reads as the
+    group's own.)"""
+
+    __slots__ = ("_tg",)
+
+    def __init__(self) -> None:
+        self._tg = anyio.create_task_group()
+
+    @property
+    def cancel_scope(self) -> anyio.CancelScope:
+        return self._tg.cancel_scope
+
+    def start_soon(self, fn: Callable[..., Awaitable[Any]], *args: Any, name: object = None) -> None:
+        self._tg.start_soon(_owned, fn, *args, name=name or getattr(fn, "__qualname__", None))
+
+    async def __aenter__(self) -> TaskGroup:
+        await self._tg.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> bool | None:
+        return await self._tg.__aexit__(*exc_info)
+
+
+async def _owned(fn: Callable[..., Awaitable[Any]], *args: Any) -> None:
+    with owned_cancellation(getattr(fn, "__qualname__", None) or "a task"):
+        await fn(*args)
+
+
+def task_group() -> TaskGroup:
+    return TaskGroup()
+
+
 async def supervised(
     what: str,
     fn: Callable[..., Awaitable[Any]],
@@ -37,7 +99,8 @@ async def supervised(
     group (which would end the process over one bad message)."""
     while True:
         try:
-            await fn(*args)
+            with owned_cancellation(what):
+                await fn(*args)
             return
         except Exception:
             log.exception("%s failed; starting it again in %.1fs", what, restart_after)
@@ -50,7 +113,8 @@ async def contained(what: str, fn: Callable[..., Awaitable[Any]], *args: Any) ->
     """Run a one-off step (a job's trace record, an adapter's cache pruning) whose failure must
     stay its own."""
     try:
-        await fn(*args)
+        with owned_cancellation(what):
+            await fn(*args)
     except Exception:
         log.exception("%s failed", what)
 
@@ -64,7 +128,7 @@ async def each(items: Iterable[T], fn: Callable[[T], Awaitable[Any]], at_once: i
         for item in todo:
             await fn(item)
 
-    async with anyio.create_task_group() as tg:
+    async with task_group() as tg:
         for _ in range(max(1, at_once)):
             tg.start_soon(worker)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import anyio
 import msgspec
 
+from .aio import task_group
 from .errors import JetllmError, RequestFailed
 from .producer import Client
 from .schemas import (
@@ -211,7 +212,7 @@ async def run_batch(
                 finally:
                     limiter.release()
 
-            async with anyio.create_task_group() as tg:
+            async with task_group() as tg:
                 for n, raw in _read(path):
                     await limiter.acquire()
                     tg.start_soon(one, n, raw)

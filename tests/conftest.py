@@ -557,7 +557,7 @@ def shared_vllm(nats_url, tiny_model, tmp_path_factory) -> Iterator[WorkerProces
     """One real vLLM worker for the whole session, however many tests use it (an engine start-up
     costs 15-40 s on CI's 2-core box): `jetllm worker` on the tiny model, 16 slots, namespace
     `shared`, started by the first test that asks for it. It runs through
-    tests/helpers/faulty_worker.py, for test_faults.py: only a job that carries `fault-<stage>` in
+    tests/helpers/faulty_worker.py, for test_faults.py: only a job that carries `<kind>-<stage>` in
     its request id or prompt meets a fault; every other job is served by the unchanged code.
 
     A test that needs "a worker on the tiny model" and does not kill, drain or reconfigure it

@@ -49,3 +49,70 @@ def test_backoff_doubles_up_to_its_longest_pause():
     from itertools import islice
 
     assert list(islice(backoff(0.1, 0.5), 5)) == [0.1, 0.2, 0.4, 0.5, 0.5]
+
+
+# -- cancellations no scope asked for ------------------------------------------------------------
+
+
+async def _await_cancelled_future(after: float = 0.01) -> None:
+    """What a library does to a task that awaits one of its futures: cancels the future."""
+    import asyncio
+
+    fut = asyncio.get_running_loop().create_future()
+    asyncio.get_running_loop().call_later(after, fut.cancel)
+    await fut
+
+
+async def test_a_child_a_library_cancelled_fails_visibly_instead_of_ending_its_siblings():
+    from jetllm.aio import StrayCancellation, task_group
+
+    sibling_ran_on = anyio.Event()
+
+    async def sibling() -> None:
+        await anyio.sleep(0.1)
+        sibling_ran_on.set()
+
+    with pytest.raises(BaseExceptionGroup) as caught:
+        async with task_group() as tg:
+            tg.start_soon(sibling)
+            tg.start_soon(_await_cancelled_future, 0.2)
+    assert sibling_ran_on.is_set()  # the group was not cancelled before the stray came
+    (stray,) = caught.value.exceptions
+    assert isinstance(stray, StrayCancellation) and "_await_cancelled_future" in str(stray)
+
+
+async def test_the_owners_cancellations_pass_as_they_always_did():
+    from jetllm.aio import task_group
+
+    async def sleeps() -> None:
+        await anyio.sleep(10)
+
+    async def times_out() -> None:
+        with anyio.move_on_after(0.01):
+            await anyio.sleep(10)
+
+    with anyio.fail_after(5):
+        async with task_group() as tg:
+            tg.start_soon(times_out)  # its own scope: ends normally
+            tg.start_soon(sleeps)
+            await anyio.sleep(0.05)
+            tg.cancel_scope.cancel()  # the group's: every child ends, nothing is raised
+    assert tg.cancel_scope.cancelled_caught
+
+
+async def test_contained_and_supervised_treat_a_stray_cancellation_as_a_failure(caplog):
+    from jetllm.aio import contained, supervised
+
+    await contained("a step", _await_cancelled_future)
+    assert "a step failed" in caplog.text and "StrayCancellation" in caplog.text
+
+    calls = []
+
+    async def service() -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            await _await_cancelled_future()
+
+    with anyio.fail_after(5):
+        await supervised("a service", service, restart_after=0.01)
+    assert len(calls) == 2  # started again, as after any failure

@@ -2,6 +2,9 @@
 that job only. The producer gets exactly one terminal frame (an `internal` error that says what
 failed, or its final frame when the fault came after the end), the job is dead-lettered with the
 exception's type, nothing stays in the queue, and the worker serves the next job unchanged.
+The same holds for a cancellation no scope of the worker asked for (a library cancelling a future
+a job awaits): asyncio raises it like any cancellation, and anyio's task group would take it for
+its own and end every job with the worker.
 
 Runs against the light test engine in-process and against a real vLLM worker process whose jobs
 can ask for a fault (tests/helpers/faults.py).
@@ -54,12 +57,16 @@ async def served(request, nats_url, namespace):
             yield c, TINY, worker
 
 
-def faulty_job(model: str, stage: str, reply_to: str):
-    job = req(model, max_tokens=4, request_id=f"fault-{stage}-{uuid.uuid4().hex[:8]}", reply_to=reply_to)
+RAISED = {"fault": "InjectedFault", "stray": "StrayCancellation"}
+assert set(RAISED) == set(faults.KINDS)
+
+
+def faulty_job(model: str, kind: str, stage: str, reply_to: str):
+    job = req(model, max_tokens=4, request_id=f"{kind}-{stage}-{uuid.uuid4().hex[:8]}", reply_to=reply_to)
     if stage == "render":
         import msgspec
 
-        job = msgspec.structs.replace(job, prompt=TextPrompt("fault-render: a prompt"))
+        job = msgspec.structs.replace(job, prompt=TextPrompt(f"{kind}-render: a prompt"))
     return job
 
 
@@ -70,13 +77,14 @@ async def settled_queue(c: Client, model: str) -> tuple[int, int]:
     return counts
 
 
+@pytest.mark.parametrize("kind", faults.KINDS)
 @pytest.mark.parametrize("stage", faults.STAGES)
-async def test_a_fault_at_any_stage_fails_that_job_only(served, stage):
+async def test_a_fault_at_any_stage_fails_that_job_only(served, stage, kind):
     c, model, worker = served
     before = await c.complete(req(model, max_tokens=6))
 
     async with RawInbox(c.nc) as inbox:
-        job = faulty_job(model, stage, inbox.subject)
+        job = faulty_job(model, kind, stage, inbox.subject)
         await publish_raw(c.nc, c.names, model, codec.encode(job))
         frames = await inbox.until_end()
         after = await c.complete(req(model, max_tokens=6))  # the worker serves on, unchanged
@@ -97,7 +105,7 @@ async def test_a_fault_at_any_stage_fails_that_job_only(served, stage):
     else:
         assert isinstance(end, ErrorFrame), end
         assert end.code == ErrorCode.INTERNAL
-        assert f"jetllm failed while {WHILE[stage]}" in end.message and "InjectedFault" in end.message
+        assert f"jetllm failed while {WHILE[stage]}" in end.message and RAISED[kind] in end.message
         dead = await wait_dead_letter(c.nc, c.names, lambda d: d.request_id == job.request_id)
         assert dead.code == ErrorCode.INTERNAL and dead.reason == end.message
         assert dead.payload == codec.encode(job)

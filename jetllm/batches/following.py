@@ -14,6 +14,7 @@ import anyio
 from nats.aio.msg import Msg
 from nats.js.api import PubAck
 
+from ..aio import task_group
 from ..errors import JetllmError
 from ..openai.errors import OpenAIError
 from ..producer import Client
@@ -77,7 +78,7 @@ class LineFollower:
                     log.info("batch %s: subscribing to %s again after %s", self.batch_id, rid, exc)
                     subscribed = False
                 waits.append((line, rid, found, ended, subscribed))
-            async with anyio.create_task_group() as tg:
+            async with task_group() as tg:
                 for line, rid, found, ended, subscribed in waits:
                     tg.start_soon(self._follow_line, line, rid, found, ended, subscribed, submit)
         finally:

@@ -12,7 +12,6 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 
 import anyio
-from anyio.abc import TaskGroup
 from nats.js.api import PubAck
 
 from .. import aio
@@ -146,7 +145,7 @@ class HeldBatch:
         sizes_read = time.monotonic()
         last_state = 0.0
         written = None
-        async with anyio.create_task_group() as tg:
+        async with aio.task_group() as tg:
             while pending or self.in_flight:
                 self.changed = anyio.Event()  # before the awaits below: a line ending meanwhile sets it
                 now = time.monotonic()
@@ -194,7 +193,9 @@ class HeldBatch:
             log.info("batch %s: the registry did not say which slots are free (%s)", self.id, exc)
             return []
 
-    def _submit(self, tg: TaskGroup, taken: list[InputLine], endpoint: str, sharded: dict[str, int]) -> None:
+    def _submit(
+        self, tg: aio.TaskGroup, taken: list[InputLine], endpoint: str, sharded: dict[str, int]
+    ) -> None:
         """Start following the lines taken for submission: each a job of its own, or, for models
         whose workers take shards, together as shards of up to `sharded[model]` lines."""
         groups: dict[str, list[tuple[InputLine, GenerateRequest]]] = {}

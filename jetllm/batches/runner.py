@@ -95,7 +95,7 @@ class BatchRunner:
         )
         free = anyio.Semaphore(self.batches)
         try:
-            async with anyio.create_task_group() as tg:
+            async with aio.task_group() as tg:
                 while True:
                     await free.acquire()
                     try:
@@ -128,7 +128,7 @@ class BatchRunner:
                     log.warning("could not drop the unreadable batch message: %s", term_exc)
                 return
             failed = False
-            async with anyio.create_task_group() as tg:
+            async with aio.task_group() as tg:
                 tg.start_soon(self._keep_alive, msg)
                 try:
                     await HeldBatch(self.client, self.service, self.pacing, self.instance, batch_id).run()

@@ -26,7 +26,7 @@ from typing import Any
 import anyio
 import msgspec
 
-from ..aio import run
+from ..aio import run, task_group
 from ..batches import plan
 from ..spawn import stop
 from ..workers.engine import EngineOptions
@@ -127,7 +127,7 @@ async def run_targets(
             service = await BatchService.open(client.js, client.names)
             await wait_for_workers(client.nc, client.names, model=opts.name, count=1, timeout=600)
             runner = BatchRunner(client, service)
-            async with anyio.create_task_group() as tg:
+            async with task_group() as tg:
                 tg.start_soon(runner.serve)
 
                 server = {"NATS server": [server_pid]} if server_pid is not None else {}
@@ -215,7 +215,7 @@ async def _streamed(client: Any, prompts: list[list[int]], window: int, body: An
             tokens += done.usage.completion_tokens
 
     started = time.perf_counter()
-    async with anyio.create_task_group() as tg:
+    async with task_group() as tg:
         for i in range(len(prompts)):
             tg.start_soon(one, i)
     return time.perf_counter() - started, tokens

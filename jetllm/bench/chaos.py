@@ -24,7 +24,7 @@ import anyio
 import msgspec
 import nats.errors
 
-from ..aio import run
+from ..aio import run, task_group
 from ..cpus import engine_cores
 from ..producer import Client
 from ..producer.fleet import wait_for_workers, worker_statuses
@@ -194,15 +194,15 @@ async def _workload(client: Client, fleet: Fleet, served: str, args: argparse.Na
                 )
             )
             kill_times.append((time.monotonic(), victim.instance))
-            async with anyio.create_task_group() as tg:
+            async with task_group() as tg:
                 tg.start_soon(_watch_gone, client, victim.instance, kill_times[-1][0], gone)
                 await anyio.to_thread.run_sync(fleet.kill, victim.pid)  # frames keep arriving meanwhile
 
     started = time.monotonic()
-    async with anyio.create_task_group() as tg:
+    async with task_group() as tg:
         if kills:
             tg.start_soon(killer)
-        async with anyio.create_task_group() as reqs:
+        async with task_group() as reqs:
             for i, r in enumerate(requests):
                 reqs.start_soon(one, i, r)
         tg.cancel_scope.cancel()
@@ -263,7 +263,7 @@ async def _cancel_latency(client: Client, served: str, args: argparse.Namespace)
                     waits.append(time.monotonic() - cancelled_at)
                 break
 
-    async with anyio.create_task_group() as tg:
+    async with task_group() as tg:
         for i in range(args.concurrency):
             tg.start_soon(one, i)
     return CancelTimes(

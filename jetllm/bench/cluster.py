@@ -24,7 +24,7 @@ from pathlib import Path
 import anyio
 import msgspec
 
-from ..aio import run
+from ..aio import run, task_group
 from ..cpus import engine_cores
 from ..natsserver import NatsCluster
 from ..producer import Client
@@ -158,7 +158,7 @@ async def _jobs(
                         return
                     await anyio.sleep(0.25)
 
-    async with anyio.create_task_group() as tg:
+    async with task_group() as tg:
         for i in range(args.jobs):
             tg.start_soon(one, i)
     return outcomes
@@ -207,7 +207,7 @@ async def _row(args: argparse.Namespace, sync_always: bool, how: str, log_dir: P
                 )
                 started = time.monotonic()
                 enough = anyio.Event()
-                async with anyio.create_task_group() as tg:
+                async with task_group() as tg:
 
                     async def killer() -> None:
                         await enough.wait()

@@ -17,6 +17,7 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from ..aio import task_group
 from ..kvtransfer.pacing import Receiving
 from ..kvtransfer.transport import Incoming, fetch_blocks, remove_blocks
 from ..kvtransfer.window import WINDOW_BYTES
@@ -88,7 +89,7 @@ async def serve(url: str, namespace: str, control: str, work: Path) -> None:
     names = Names(namespace)
     orders = await nc.subscribe(control)
     await nc.publish(f"{control}.up", b"")
-    async with anyio.create_task_group() as tg:
+    async with task_group() as tg:
 
         async def run(order: ReceiveOrder, ready: anyio.Event) -> None:
             error = None

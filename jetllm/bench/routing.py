@@ -31,7 +31,7 @@ from typing import Any
 
 import anyio
 
-from ..aio import run
+from ..aio import run, task_group
 from ..spawn import stop
 from ..workers.engine import EngineOptions
 from .prefixload import Oracle, PrefixWorkload, RoundRobin, Step, next_prompt
@@ -117,7 +117,7 @@ async def drive(client: Any, model: str, work: PrefixWorkload, place: Placer) ->
                 answer = await one(step, prompt)
 
     started = time.perf_counter()
-    async with anyio.create_task_group() as tg:
+    async with task_group() as tg:
         for steps in work.scripts():
             tg.start_soon(script, steps)
     return outcomes, time.perf_counter() - started

@@ -15,6 +15,7 @@ from typing import Any
 
 import anyio
 
+from ..aio import task_group
 from ..cpus import engine_cores
 from ..spawn import jetllm_command, stop
 from ..workers.engine import EngineOptions
@@ -43,7 +44,7 @@ async def _drive(prompts: list[list[int]], concurrency: int, one) -> tuple[list[
                     print(f"  request failed: {type(exc).__name__}: {exc}", file=sys.stderr)
 
     started = time.perf_counter()
-    async with anyio.create_task_group() as tg:
+    async with task_group() as tg:
         for p in prompts:
             tg.start_soon(run, p)
     return timings, time.perf_counter() - started, errors

@@ -15,7 +15,7 @@ from pathlib import Path
 import anyio
 
 from .. import taskdump
-from ..aio import run, supervised
+from ..aio import run, supervised, task_group
 from ..batches import plan
 from ..batches.runner import BatchRunner
 from ..batches.service import DEFAULT_MAX_FILE_BYTES, ApiError, BatchService
@@ -126,7 +126,7 @@ async def _runner(args: argparse.Namespace) -> int:
         runner = BatchRunner.configured(client, service, args)
         print(f"batch runner {runner.instance} on namespace {args.namespace}", file=sys.stderr, flush=True)
         with taskdump.dump_on_signal():
-            async with anyio.create_task_group() as tg:
+            async with task_group() as tg:
 
                 async def on_signal() -> None:
                     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:

@@ -7,7 +7,7 @@ import logging
 
 import anyio
 
-from ..aio import run
+from ..aio import run, task_group
 from ..router.cost import Weights
 from ..router.hashing import DEFAULT_SEED
 from ..router.router import Router
@@ -65,7 +65,7 @@ async def _serve(a: argparse.Namespace) -> int:
                 router.index.blocks,
                 len(router.index.instances()),
             )
-            async with anyio.create_task_group() as tg:
+            async with task_group() as tg:
                 tg.start_soon(_report, router)
                 await serve(nc, names, router, ack_wait=a.ack_wait)
     finally:

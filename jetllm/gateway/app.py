@@ -8,13 +8,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
-import anyio
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import BaseRoute
 
-from ..aio import supervised
+from ..aio import supervised, task_group
 from ..batches.runner import BatchRunner
 from ..batches.service import BatchService
 from ..openai.errors import OpenAIError
@@ -47,7 +46,7 @@ def create_app(config: GatewayConfig, *, extra_routes: Sequence[BaseRoute] = ())
             fleet = FleetView(client.js, Names(config.namespace))
             await fleet.refresh()
             app.state.gateway = Gateway(config, client, fleet)
-            async with anyio.create_task_group() as tg:
+            async with task_group() as tg:
                 tg.start_soon(fleet.watch)
                 if (b := config.batches) is not None:
                     service = await BatchService.open(

@@ -10,12 +10,12 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
-import anyio
 import msgspec
 import nats.errors
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
+from ..aio import task_group
 from ..batches.plan import MAX_IN_FLIGHT, REFILL_SECONDS, SHARD_LINES
 from ..errors import JetllmError, RequestFailed
 from ..openai.errors import OpenAIError, from_code, from_exception, too_large
@@ -116,7 +116,7 @@ class Gateway:
             await self._run_one(0, jobs[0], on_frame)
             return
         try:
-            async with anyio.create_task_group() as tg:
+            async with task_group() as tg:
                 for i, job in enumerate(jobs):
                     tg.start_soon(self._run_one, i, job, on_frame)
         except BaseExceptionGroup as group:

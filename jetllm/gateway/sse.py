@@ -17,6 +17,7 @@ import msgspec
 from anyio import CancelScope
 from starlette.types import Receive, Scope, Send
 
+from ..aio import task_group
 from ..openai.errors import OpenAIError
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ async def until_disconnect(receive: Receive, work: Callable[[], Awaitable[T]]) -
     cancels the job on its worker."""
     done: list[T] = []
     try:
-        async with anyio.create_task_group() as tg:
+        async with task_group() as tg:
             tg.start_soon(_watch, receive, tg.cancel_scope)
             done.append(await work())
             tg.cancel_scope.cancel()
@@ -112,7 +113,7 @@ class EventStream:
                 await send({"type": "http.response.body", "body": body, "more_body": True})
 
         try:
-            async with anyio.create_task_group() as tg:
+            async with task_group() as tg:
                 tg.start_soon(_watch, receive, tg.cancel_scope)
                 try:
                     await self.produce(emit)

@@ -24,14 +24,13 @@ import anyio
 import msgspec
 import nats.errors
 import nats.js.errors
-from anyio.abc import TaskGroup
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js.api import PubAck
 
 from .. import tracecontext
-from ..aio import describe, retried
+from ..aio import TaskGroup, describe, retried, task_group
 from ..errors import JetStreamUnavailable, PayloadTooLarge, RequestFailed
 from ..schemas import (
     Cancelled,
@@ -150,7 +149,7 @@ class Client:
                 self._own_router = True
             self._inboxes = Inboxes(self._nc.new_inbox())  # under the identity's inbox prefix
             self._sub = await subscribe_direct(self._nc, f"{self._inboxes.root}.*", self._inboxes.on_message)
-            self._tg = anyio.create_task_group()
+            self._tg = task_group()
             await self._tg.__aenter__()
             self._tg.start_soon(self._inboxes.watch)
             self._pings = Pings(

@@ -17,11 +17,11 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
-from anyio.abc import TaskGroup
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from ..aio import TaskGroup, owned_cancellation
 from ..errors import JetllmError
 from ..schemas import ControlFailed, ErrorCode
 from ..schemas.common import SUPPORTED_VERSIONS, Command
@@ -147,7 +147,8 @@ class ControlServer:
     async def _answer(self, verb: str, handler: Handler, request: RequestType, msg: Msg) -> None:
         encoding = reply_encoding(msg)
         try:
-            reply: msgspec.Struct = await handler(decode_request(request, msg.data, encoding))
+            with owned_cancellation(f"control verb {verb}"):
+                reply: msgspec.Struct = await handler(decode_request(request, msg.data, encoding))
         except ControlError as exc:
             reply = ControlFailed(instance=self.instance, code=exc.code, message=exc.message)
         except (msgspec.ValidationError, msgspec.DecodeError, codec.UnknownContentType) as exc:

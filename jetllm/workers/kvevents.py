@@ -24,7 +24,7 @@ import msgspec
 import nats.errors
 import nats.js.errors
 
-from ..aio import backoff, supervised
+from ..aio import backoff, supervised, task_group
 from ..schemas import (
     ControlDone,
     ErrorCode,
@@ -125,7 +125,7 @@ class KvEventRelay:
             self.seq + 1,
         )
         try:
-            async with anyio.create_task_group() as tg:
+            async with task_group() as tg:
                 tg.start_soon(self._supervised, "publisher", self._publish_loop)
                 for rank, source in self.sources.items():
                     tg.start_soon(

@@ -27,7 +27,7 @@ import nats.errors
 from nats.aio.msg import Msg
 
 from .. import taskdump
-from ..aio import contained
+from ..aio import contained, owned_cancellation
 from ..errors import EngineDead, EngineRequestError, JetllmError, RequestRejected
 from ..schemas import (
     CancelRequest,
@@ -110,44 +110,48 @@ class JobRun:
 
     async def run(self) -> None:
         """Behind the fault barrier: whatever goes wrong fails this job only."""
-        d, job = self._d, self.job
-        msg = job.msg
         try:
-            hop = Hop(msg)
-            try:
-                req, encoding = d.role.decode(msg.data, msg.headers)
-            except RejectedJob as exc:
-                self._frames = FrameSink(
-                    d.ctx.nc,
-                    exc.reply_to,
-                    exc.encoding,
-                    exc.request_id or "",
-                    attempt=job.attempt,
-                    headers=hop.header,
-                )
-                await self._reject(exc, exc.request_id)
-                return
-            batch = self._batch(msg.headers, req.reply_to, encoding)
-            if not await self.serve(req, encoding, headers=hop.header, batch=batch):
-                return
-            frames = self._frames
-            assert frames is not None
-            await contained(  # the job has settled: a failing trace record is only logged
-                "a trace record",
-                d.traces.publish,
-                hop.record(
-                    request_id=req.request_id,
-                    instance=d.ctx.instance,
-                    model=d.ctx.model,
-                    attempt=frames.attempt,
-                    frames=frames,
-                    outcome=outcome_of(frames, job.settled_how),
-                    prefill=self.prefill,
-                    queue=queue_of(d.ctx.names, msg.subject, msg.headers),
-                ),
-            )
+            with owned_cancellation("the job"):
+                await self._handle()
         except Exception as exc:
             await self._fail(exc)
+
+    async def _handle(self) -> None:
+        d, job = self._d, self.job
+        msg = job.msg
+        hop = Hop(msg)
+        try:
+            req, encoding = d.role.decode(msg.data, msg.headers)
+        except RejectedJob as exc:
+            self._frames = FrameSink(
+                d.ctx.nc,
+                exc.reply_to,
+                exc.encoding,
+                exc.request_id or "",
+                attempt=job.attempt,
+                headers=hop.header,
+            )
+            await self._reject(exc, exc.request_id)
+            return
+        batch = self._batch(msg.headers, req.reply_to, encoding)
+        if not await self.serve(req, encoding, headers=hop.header, batch=batch):
+            return
+        frames = self._frames
+        assert frames is not None
+        await contained(  # the job has settled: a failing trace record is only logged
+            "a trace record",
+            d.traces.publish,
+            hop.record(
+                request_id=req.request_id,
+                instance=d.ctx.instance,
+                model=d.ctx.model,
+                attempt=frames.attempt,
+                frames=frames,
+                outcome=outcome_of(frames, job.settled_how),
+                prefill=self.prefill,
+                queue=queue_of(d.ctx.names, msg.subject, msg.headers),
+            ),
+        )
 
     async def serve(
         self,

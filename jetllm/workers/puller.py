@@ -130,7 +130,8 @@ class Puller:
                 await self._close_inbox(sub)
                 self._credit.clear()
                 await self._hand_back_strays()
-                self.done.set()
+                if self._stopping:  # else it starts again (supervised): not done
+                    self.done.set()
 
     async def _open_inbox(self) -> Subscription:
         inbox = self._nc.new_inbox()  # under the identity's inbox prefix

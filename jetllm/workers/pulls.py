@@ -18,6 +18,7 @@ import anyio
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
+from ..aio import supervised
 from .puller import Puller
 from .pullshare import Waiting, directed_allowance, shard_allowance, shard_kept, shared_allowance
 from .slots import Slots
@@ -150,7 +151,7 @@ class Pulls:
             log.warning("consumer %s is pulled already: no second puller started", consumer)
             return None
         self._pullers[consumer] = puller
-        self._tasks.start_soon(puller.run)
+        self._tasks.start_soon(supervised, f"the puller of {consumer}", puller.run)
         return puller
 
     def _waiting(self) -> int:

@@ -17,6 +17,7 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.js.kv import KeyValue
 
+from ..aio import task_group
 from ..schemas import InstanceRecord, LoadReport, ModelCard
 from ..subjects import codec
 from ..subjects.names import Names
@@ -65,7 +66,7 @@ class RegistryKeeper:
         self._wake.set()
 
     async def run(self) -> None:
-        async with anyio.create_task_group() as tg:
+        async with task_group() as tg:
             tg.start_soon(self._beat)
             tg.start_soon(self._publish_load)
 

@@ -31,7 +31,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from .. import taskdump
-from ..aio import contained, describe, supervised
+from ..aio import contained, describe, supervised, task_group
 from ..schemas import HealthCheck, LoraLoad, LoraUnload, SleepRequest, TasksReport, TaskWait, WorkerStatus
 from ..subjects.consumers import ensure_consumer
 from ..subjects.denials import checked
@@ -311,7 +311,7 @@ class Worker:
             consumer,
         )
         try:
-            async with anyio.create_task_group() as tg:
+            async with task_group() as tg:
                 if handle_signals:
                     tg.start_soon(self._watch_signals)
                 with anyio.fail_after(config.health_timeout):
@@ -319,7 +319,7 @@ class Worker:
                 for name, service, args in self._services():
                     tg.start_soon(supervised, name, service, *args)
                 await self.control.start(tg)
-                async with anyio.create_task_group() as jobs:
+                async with task_group() as jobs:
                     self.tasks.open(jobs)
                     self.directed.start()
                     self.pulls.start(consumer)

@@ -102,7 +102,8 @@ class LineRun(JobRun):
 
     async def run(self) -> None:
         try:
-            await self.serve(self.request, self._encoding)
+            with aio.owned_cancellation("the line"):
+                await self.serve(self.request, self._encoding)
         except Exception as exc:
             await self._fail(exc)
 
@@ -128,36 +129,9 @@ class ShardRun:
         self._held = held
 
     async def run(self) -> None:
-        d = self._d
         try:
-            job = self.job = Job(self._msg)
-            taskdump.name_task(f"shard seq {job.stream_seq}")
-            try:
-                shard, encoding = decode_request(job.msg.data, job.msg.headers, _shard_decoder)
-                if shard.model != d.ctx.model:
-                    raise RejectedJob(
-                        ErrorCode.MODEL_NOT_SERVED,
-                        f"this worker serves {d.ctx.model!r}, not {shard.model!r}",
-                        field="$.model",
-                        request_id=shard.request_id,
-                        encoding=encoding,
-                    )
-            except RejectedJob as exc:
-                await self._reject(exc)
-                return
-            fresh = shard.fresh and job.attempt == 1 and not await self._cancelled(shard)
-            lines = [LineRun(d, job, req, encoding, fresh) for req in _once(shard)]
-            self._hold(len(lines))
-            refused = []
-            async with anyio.create_task_group() as tg:
-                for i, line in enumerate(lines):
-                    problem = _line_problem(line.request, shard.model)
-                    if problem is None:
-                        tg.start_soon(self._run_line, line)
-                    else:
-                        refused.append((line, f"$.requests[{i}].{problem[0]}", problem[1]))
-                await aio.each(refused, self._refuse)
-            await self._settle([line.job for line in lines])
+            with aio.owned_cancellation("the shard"):
+                await self._run()
         except Exception:
             log.exception("a shard could not be run; handing it back")
             with anyio.CancelScope(shield=True):
@@ -167,6 +141,37 @@ class ShardRun:
                     pass
         finally:
             self._hold(0)
+
+    async def _run(self) -> None:
+        d = self._d
+        job = self.job = Job(self._msg)
+        taskdump.name_task(f"shard seq {job.stream_seq}")
+        try:
+            shard, encoding = decode_request(job.msg.data, job.msg.headers, _shard_decoder)
+            if shard.model != d.ctx.model:
+                raise RejectedJob(
+                    ErrorCode.MODEL_NOT_SERVED,
+                    f"this worker serves {d.ctx.model!r}, not {shard.model!r}",
+                    field="$.model",
+                    request_id=shard.request_id,
+                    encoding=encoding,
+                )
+        except RejectedJob as exc:
+            await self._reject(exc)
+            return
+        fresh = shard.fresh and job.attempt == 1 and not await self._cancelled(shard)
+        lines = [LineRun(d, job, req, encoding, fresh) for req in _once(shard)]
+        self._hold(len(lines))
+        refused = []
+        async with aio.task_group() as tg:
+            for i, line in enumerate(lines):
+                problem = _line_problem(line.request, shard.model)
+                if problem is None:
+                    tg.start_soon(self._run_line, line)
+                else:
+                    refused.append((line, f"$.requests[{i}].{problem[0]}", problem[1]))
+            await aio.each(refused, self._refuse)
+        await self._settle([line.job for line in lines])
 
     async def _cancelled(self, shard: ShardJob) -> bool:
         """Whether its submitter cancelled the shard as a whole, or the group it belongs to (a

@@ -11,9 +11,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from anyio.abc import TaskGroup
-
-from ..aio import contained
+from ..aio import TaskGroup, contained
 
 
 class JobTasks:

@@ -1,13 +1,16 @@
 """Fault injection for tests: an unexpected exception at one stage of a job's way through a worker.
 
-A job asks for a fault by carrying `fault-<stage>` in its request id (or, for the stages that
-see no request id, in its bytes or prompt). The patches wrap the real methods and change nothing
+A job asks for a fault by carrying `<kind>-<stage>` in its request id (or, for the stages that
+see no request id, in its bytes or prompt). Kind `fault` raises InjectedFault; kind `stray`
+raises the CancelledError a task meets when a future it awaits is cancelled by a library (no
+cancel scope of the worker asked for it). The patches wrap the real methods and change nothing
 for other jobs, so one worker serves faulty and healthy jobs side by side. Used in-process (fake
 engine) and in a `jetllm worker` process (tests/helpers/faulty_worker.py, real vLLM).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 from collections.abc import Iterator
@@ -34,19 +37,29 @@ STAGES = (
 )
 
 
-def _marked(value: Any, stage: str) -> bool:
-    return isinstance(value, str) and f"fault-{stage}" in value
+KINDS = ("fault", "stray")
 
 
-def _raise_if(stage: str, marked: bool) -> None:
-    if marked:
+def _marked(value: Any, stage: str) -> str | None:
+    """The kind of fault `value` (a request id, a prompt's repr, a job's bytes) asks for at `stage`."""
+    if isinstance(value, bytes | bytearray | memoryview):
+        value = bytes(value).decode(errors="replace")
+    if not isinstance(value, str):
+        return None
+    return next((kind for kind in KINDS if f"{kind}-{stage}" in value), None)
+
+
+def _raise_if(stage: str, kind: str | None) -> None:
+    if kind == "fault":
         raise InjectedFault(stage)
+    if kind == "stray":
+        raise asyncio.CancelledError(f"injected at {stage}: a future cancelled by a library")
 
 
 def _decode(orig):
     @functools.wraps(orig)
     def f(data, headers):
-        _raise_if("decode", b"fault-decode" in bytes(data))
+        _raise_if("decode", _marked(data, "decode"))
         return orig(data, headers)
 
     return f
@@ -57,7 +70,7 @@ def _by_request_id(stage: str, when: Any = None):
 
     def wrap(orig):
         async def f(self, request_id, *args, **kw):
-            _raise_if(stage, _marked(request_id, stage) and (when is None or when(*args)))
+            _raise_if(stage, _marked(request_id, stage) if when is None or when(*args) else None)
             return await orig(self, request_id, *args, **kw)
 
         return f
@@ -70,7 +83,7 @@ def _by_sink(stage: str, when: Any = None):
 
     def wrap(orig):
         async def f(self, *args, **kw):
-            _raise_if(stage, _marked(self.request_id, stage) and (when is None or when(*args)))
+            _raise_if(stage, _marked(self.request_id, stage) if when is None or when(*args) else None)
             return await orig(self, *args, **kw)
 
         return f
@@ -80,7 +93,7 @@ def _by_sink(stage: str, when: Any = None):
 
 def _render(orig):
     async def f(self, prompt):
-        _raise_if("render", "fault-render" in repr(prompt))
+        _raise_if("render", _marked(repr(prompt), "render"))
         return await orig(self, prompt)
 
     return f
@@ -88,10 +101,11 @@ def _render(orig):
 
 def _generate(orig):
     def f(self, req, *args, **kw):
-        if _marked(req.request_id, "engine"):
+        kind = _marked(req.request_id, "engine")
+        if kind is not None:
 
             async def boom():
-                raise InjectedFault("engine")
+                _raise_if("engine", kind)
                 yield  # an async generator, like the engine's
 
             return boom()

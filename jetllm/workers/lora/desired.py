@@ -18,6 +18,7 @@ import nats.errors
 import nats.js.errors
 from nats.js import JetStreamContext
 
+from ...aio import task_group
 from ...schemas import AdapterSpec, ErrorCode
 from ...schemas.lora import AdapterName
 from ...subjects import codec
@@ -59,7 +60,7 @@ class DesiredSet:
 
     async def watch(self, reconcile: Callable[[str], Awaitable[None]]) -> None:
         """Follow the model's keys in the LoRA bucket for the worker's life (re-watch after errors)."""
-        async with anyio.create_task_group() as tg:
+        async with task_group() as tg:
             while True:
                 try:
                     kv = await ensure_lora_bucket(self._js, self._names, replicas=self._replicas)

@@ -18,6 +18,7 @@ import anyio
 import msgspec
 import nats.errors
 
+from ....aio import task_group
 from ....kvtransfer import blockfile
 from ....kvtransfer.params import JETLLM_CONNECTOR, LOAD
 from ....kvtransfer.transport import Incoming, TransferFailed, fetch_blocks, remove_blocks
@@ -197,7 +198,7 @@ class RemotePrefill:
         watched: set[str] = set()
         try:
             with anyio.fail_after(self._s.prefill_timeout):
-                async with anyio.create_task_group() as tg:
+                async with task_group() as tg:
 
                     async def read() -> None:
                         async for msg in sub.messages:  # type: ignore[attr-defined]

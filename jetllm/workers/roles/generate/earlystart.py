@@ -16,6 +16,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import anyio
 
 from .... import taskdump
+from ....aio import owned_cancellation
 
 T = TypeVar("T")
 
@@ -50,7 +51,8 @@ class EarlyStart(Generic[T]):
         try:
             with self._scope:
                 try:
-                    self._result = await self._run(prompt)
+                    with owned_cancellation("the early start"):
+                        self._result = await self._run(prompt)
                 except Exception as exc:  # re-raised, unwrapped, by outcome()
                     self._result = exc
         finally:

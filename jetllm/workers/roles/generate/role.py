@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import anyio
 import msgspec
 
+from ....aio import task_group
 from ....errors import RequestRejected
 from ....schemas import (
     EmbedsPrompt,
@@ -196,7 +197,7 @@ class GenerateRole(Role):
                 early.start(got["prompt"])  # the log and cancels are not read yet, or empty
 
         prompt = req.prompt
-        async with anyio.create_task_group() as tg:
+        async with task_group() as tg:
             tg.start_soon(fetch, "cancel", lambda: self._log.cancel(req.request_id))
             if isinstance(prompt, EmbedsPrompt):  # an object store read: beside the log's
                 tg.start_soon(fetch, "prompt", lambda: self._embeds.load(prompt))
