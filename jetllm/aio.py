@@ -51,12 +51,29 @@ def owned_cancellation(what: str) -> Iterator[None]:
         ) from exc
 
 
+@contextlib.contextmanager
+def entered(scope: anyio.CancelScope) -> Iterator[anyio.CancelScope]:
+    """`with scope:` that also takes as its own a cancellation that lost anyio's mark on the way.
+
+    anyio knows its cancellations by their message. A library that catches one and raises a new
+    CancelledError drops it (asyncio.gather, inside vLLM's prompt rendering, raises its last
+    child's): the scope would let it through, and above it the task would look cancelled by
+    nobody. Once this scope was cancelled (and no scope around it was), any cancellation leaving
+    it is its own."""
+    try:
+        with scope:
+            yield scope
+    except anyio.get_cancelled_exc_class():
+        if not scope.cancel_called or anyio.current_effective_deadline() == -math.inf:
+            raise
+
+
 class TaskGroup:
     """anyio's task group, each child behind `owned_cancellation`: a child that a library
     cancelled fails with StrayCancellation, an exception its group and owner see and handle,
     instead of quietly cancelling its siblings. jetllm opens every task group through this one.
-    (The body of the `async with` is not a child: a stray cancellation there still reads as the
-    group's own.)"""
+    (The body of the `async with` is not a child: a stray cancellation there goes on to the
+    barrier around the block.)"""
 
     __slots__ = ("_tg",)
 

@@ -4,6 +4,7 @@ job's acknowledgement is the protocol's doing, in the order the durability story
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import uuid
 from collections.abc import Awaitable, Callable
@@ -18,6 +19,7 @@ from nats.aio.msg import Msg
 from jetllm.errors import EngineDead, RequestRejected
 from jetllm.schemas import (
     AcceptedFrame,
+    CancelRequest,
     Choice,
     DeadLetter,
     Delivered,
@@ -415,6 +417,59 @@ async def test_a_job_handed_back_records_its_hand_off_and_goes_back_to_the_queue
     wire, deps = await run_job(runs, during=drain)
     assert wire.kinds() == ["PulledFrame:0", "Claim", "AcceptedFrame:0", "Handoff", "-NAK"]
     assert deps.ctx.counters.handed_back == 1 and not deps.running
+
+
+async def _unmarked_cancellation(job: JobHandle) -> None:
+    """Runs until interrupted, then raises a fresh CancelledError without anyio's mark, as
+    asyncio.gather does inside vLLM's prompt rendering when it is cancelled as its last child ends."""
+    await job.claim()
+    await job.accept()
+    interrupted = False
+    try:
+        await anyio.sleep_forever()
+    except anyio.get_cancelled_exc_class():
+        interrupted = True
+    if interrupted:
+        raise asyncio.CancelledError()
+
+
+def _cancel(deps: JobDeps, rid: str) -> Any:
+    notice = CancelRequest(request_id=rid, reason="the producer left")
+    return deps.running.on_cancel(Msg(None, subject=NAMES.cancel(rid), data=codec.encode(notice)))  # type: ignore[arg-type]
+
+
+def _takeover(deps: JobDeps, rid: str) -> Any:
+    notice = CancelRequest(request_id=rid, below_attempt=2)  # a newer delivery claimed it
+    return deps.running.on_cancel(Msg(None, subject=NAMES.cancel(rid), data=codec.encode(notice)))  # type: ignore[arg-type]
+
+
+async def _drain(deps: JobDeps, rid: str) -> None:
+    deps.running.hand_back_all()
+
+
+@pytest.mark.parametrize(
+    "interrupt, kinds",
+    [
+        (_cancel, ["PulledFrame:0", "Claim", "AcceptedFrame:0", "Result", "ErrorFrame:1", "+TERM"]),
+        (_drain, ["PulledFrame:0", "Claim", "AcceptedFrame:0", "Handoff", "-NAK"]),
+        (_takeover, ["PulledFrame:0", "Claim", "AcceptedFrame:0"]),  # the newer delivery settles it
+    ],
+    ids=["cancel", "drain", "takeover"],
+)
+async def test_an_interruption_whose_cancellation_lost_anyios_mark_settles_as_the_interruption_says(
+    interrupt, kinds, caplog
+):
+    rid = f"r-{uuid.uuid4().hex[:6]}"
+
+    async def during(deps: JobDeps) -> None:
+        while rid not in deps.running:
+            await anyio.sleep(0.01)
+        await interrupt(deps, rid)
+
+    data = codec.encode(req("fake", request_id=rid, reply_to=REPLY))
+    wire, deps = await run_job(_unmarked_cancellation, data, during=during)
+    assert wire.kinds() == kinds
+    assert not deps.running and "StrayCancellation" not in caplog.text
 
 
 async def test_a_dead_engine_hands_the_job_back_without_a_hand_off_and_stops_the_worker():

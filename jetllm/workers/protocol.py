@@ -27,7 +27,7 @@ import nats.errors
 from nats.aio.msg import Msg
 
 from .. import taskdump
-from ..aio import contained, owned_cancellation
+from ..aio import contained, entered, owned_cancellation
 from ..errors import EngineDead, EngineRequestError, JetllmError, RequestRejected
 from ..schemas import (
     CancelRequest,
@@ -196,7 +196,7 @@ class JobRun:
         run = self._run = Running(job, frames)
         d.running[rid] = run
         try:
-            with run.scope:
+            with entered(run.scope):
                 await d.role.run(self)
         except LogUnavailable as exc:
             log.warning("request %s waits: %s", rid, exc)

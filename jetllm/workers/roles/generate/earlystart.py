@@ -16,7 +16,7 @@ from typing import Any, Generic, Protocol, TypeVar
 import anyio
 
 from .... import taskdump
-from ....aio import owned_cancellation
+from ....aio import entered, owned_cancellation
 
 T = TypeVar("T")
 
@@ -49,7 +49,7 @@ class EarlyStart(Generic[T]):
     async def _main(self, prompt: Any) -> None:
         taskdump.name_task(self._name)
         try:
-            with self._scope:
+            with entered(self._scope):
                 try:
                     with owned_cancellation("the early start"):
                         self._result = await self._run(prompt)
