@@ -1,6 +1,7 @@
 """Running jetllm's async entry points (anyio on asyncio, with uvloop when it is installed),
-keeping a background task's failure its own, retrying a call that fails for a while, and calling
-one function on many items a few at a time."""
+task groups and cancel scopes that tell their own cancellations from a library's, keeping a
+background task's failure its own, retrying a call that fails for a while, and calling one
+function on many items a few at a time."""
 
 from __future__ import annotations
 

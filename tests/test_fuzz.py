@@ -634,5 +634,9 @@ async def test_fuzz_vllm_worker(nats_url, fuzz_worker, capsys):
             )
         except AssertionError as exc:
             raise AssertionError(f"{exc}\nworker log tail:\n{w.log_tail(60)}") from None
+    # A producer's cancel or a takeover that lands in vLLM's rendering comes back without anyio's
+    # mark; taken for a stray, it fails the job instead of settling it as what it was.
+    strays = [line for line in w.log_tail(10**6).splitlines() if "StrayCancellation:" in line]
+    assert not strays, "\n".join(strays[:5])
     with capsys.disabled():
         print(f"\n[fuzz, vLLM] {report}")
