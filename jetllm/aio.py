@@ -5,6 +5,7 @@ function on many items a few at a time."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import math
@@ -45,8 +46,8 @@ def owned_cancellation(what: str) -> Iterator[None]:
     try:
         yield
     except anyio.get_cancelled_exc_class() as exc:
-        if anyio.current_effective_deadline() == -math.inf:
-            raise  # a scope around us was cancelled: the owner's own
+        if anyio.current_effective_deadline() == -math.inf or _cancelling() > 0:
+            raise  # a scope around us was cancelled, or the task itself (nats-py ends its own so)
         raise StrayCancellation(
             f"{what} was cancelled by something other than its owner (a library cancelled a future it awaited)"
         ) from exc
@@ -61,12 +62,22 @@ def entered(scope: anyio.CancelScope) -> Iterator[anyio.CancelScope]:
     child's): the scope would let it through, and above it the task would look cancelled by
     nobody. Once this scope was cancelled (and no scope around it was), any cancellation leaving
     it is its own."""
+    before = _cancelling()
     try:
         with scope:
             yield scope
     except anyio.get_cancelled_exc_class():
         if not scope.cancel_called or anyio.current_effective_deadline() == -math.inf:
             raise
+        if _cancelling() > before:
+            raise  # the task was cancelled besides (anyio takes back only its own requests)
+
+
+def _cancelling() -> int:
+    """How many cancellations of the current task are pending: anyio withdraws its own as its
+    scopes end, so what is left was asked of the task itself (Task.cancel)."""
+    task = asyncio.current_task()
+    return task.cancelling() if task is not None else 0
 
 
 class TaskGroup:

@@ -116,3 +116,69 @@ async def test_contained_and_supervised_treat_a_stray_cancellation_as_a_failure(
     with anyio.fail_after(5):
         await supervised("a service", service, restart_after=0.01)
     assert len(calls) == 2  # started again, as after any failure
+
+
+async def test_a_task_cancelled_itself_still_ends_cancelled_behind_contained(caplog):
+    """nats-py ends a subscription's callback task with Task.cancel() when it unsubscribes."""
+    import asyncio
+
+    from jetllm.aio import contained
+
+    started = asyncio.Event()
+
+    async def handler() -> None:
+        started.set()
+        await asyncio.sleep(10)
+
+    task = asyncio.create_task(contained("a handler", handler))
+    await started.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert "failed" not in caplog.text
+
+
+async def test_entered_takes_its_own_cancellation_even_when_a_library_re_raised_it_unmarked():
+    import asyncio
+
+    from jetllm.aio import entered
+
+    scope = anyio.CancelScope()
+    with anyio.fail_after(5):
+        with entered(scope):
+            scope.cancel()
+            lost = False
+            try:
+                await anyio.sleep(10)
+            except anyio.get_cancelled_exc_class():
+                lost = True
+            if lost:
+                raise asyncio.CancelledError()  # a new one, as asyncio.gather raises it
+    assert scope.cancel_called  # and we got here: the scope ended as a cancelled scope does
+
+
+async def test_entered_passes_on_a_cancellation_it_does_not_own():
+    import asyncio
+
+    from jetllm.aio import entered
+
+    reached = []
+    with anyio.CancelScope() as outer:  # a scope around it, cancelled too
+        with entered(anyio.CancelScope()) as inner:
+            inner.cancel()
+            outer.cancel()
+            await anyio.sleep(10)
+        reached.append("after the inner scope")
+    assert not reached and outer.cancelled_caught
+
+    async def cancelled_besides() -> None:  # the task itself, cancelled while the scope was
+        with entered(anyio.CancelScope()) as scope:
+            scope.cancel()
+            asyncio.current_task().cancel()
+            await asyncio.sleep(10)
+        reached.append("after the scope")
+
+    task = asyncio.create_task(cancelled_besides())
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not reached

@@ -105,8 +105,12 @@ class Puller:
         request whose reply subject has lost its interest. The inbox is drained, not just
         unsubscribed, so a job the server sent before it saw the unsubscribe is still handled.
         """
-        sub = await self._open_inbox()
+        if self._stopping:  # stopped while it waited to start again
+            self.done.set()
+            return
+        sub = None
         try:
+            sub = await self._open_inbox()
             while not self._stopping:
                 self._credit.expire(time.monotonic())
                 if must_cancel(self.outstanding, self._keep(), self._yielding()) and self._nc.is_connected:
@@ -127,7 +131,8 @@ class Puller:
                 self._wake = anyio.Event()
         finally:
             with anyio.CancelScope(shield=True):
-                await self._close_inbox(sub)
+                if sub is not None:
+                    await self._close_inbox(sub)
                 self._credit.clear()
                 await self._hand_back_strays()
                 if self._stopping:  # else it starts again (supervised): not done
