@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import re
 import signal
 from collections.abc import Iterator
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 _MAX_DEPTH = 64
+_UNNAMED = re.compile(r"Task-\d+")  # asyncio's default name
 
 
 def name_task(name: str) -> None:
@@ -58,10 +60,21 @@ def all_tasks() -> list[tuple[str, list[str]]]:
 
 
 def dump_tasks() -> str:
-    """Every task of the running loop, one line each: its name, then its chain of awaits."""
+    """Every task of the running loop, one line each: its name, then its chain of awaits.
+
+    Unnamed tasks that wait at the same place (a connection's two dozen subscriptions) share one
+    line, so what is unusual is not pushed out of a short log excerpt by what is not."""
     tasks = all_tasks()
     lines = [f"{len(tasks)} tasks, each with what it awaits (outermost first):"]
-    lines += [f"  {name}: " + " > ".join(chain) for name, chain in tasks]
+    alike: dict[tuple[str, ...], list[str]] = {}
+    for name, chain in tasks:
+        if _UNNAMED.fullmatch(name):
+            alike.setdefault(tuple(chain), []).append(name)
+        else:
+            lines.append(f"  {name}: " + " > ".join(chain))
+    for chain, names in alike.items():
+        who = names[0] if len(names) == 1 else f"{len(names)} tasks ({', '.join(names)})"
+        lines.append(f"  {who}: " + " > ".join(chain))
     return "\n".join(lines)
 
 

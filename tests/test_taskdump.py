@@ -3,6 +3,7 @@ the frame it waits in, through coroutines, async generators and the future at th
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -57,6 +58,22 @@ async def test_each_task_shows_the_chain_of_awaits_down_to_what_it_waits_on(star
     at = [next(i for i, n in enumerate(names) if n.endswith(f)) for f in frames]
     assert at == sorted(at), f"not outermost first: {line}"
     assert "test_taskdump.py:" in line and line.rsplit(" > ", 1)[1] == "<Future pending>"
+
+
+async def test_unnamed_tasks_waiting_alike_share_a_line_and_named_ones_keep_theirs():
+    ev = anyio.Event()
+    async with anyio.create_task_group() as tg:
+        loop = asyncio.get_running_loop()
+        unnamed = [loop.create_task(_inner(ev)) for _ in range(5)]  # asyncio's own names: Task-N
+        tg.start_soon(_stream, ev)
+        await anyio.wait_all_tasks_blocked()
+        dump = taskdump.dump_tasks()
+        ev.set()
+        await asyncio.gather(*unnamed)
+    inner = [x for x in dump.splitlines() if "_inner (" in x]
+    assert len(inner) == 1 and inner[0].strip().startswith("5 tasks (Task-"), dump
+    assert "test_taskdump.py:" in inner[0]
+    assert sum(x.strip().startswith("job r-7:") for x in dump.splitlines()) == 1, dump
 
 
 async def test_sigusr1_writes_the_dump_to_the_log_and_the_process_goes_on(caplog):
