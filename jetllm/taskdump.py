@@ -72,9 +72,9 @@ def dump_tasks() -> str:
             alike.setdefault(tuple(chain), []).append(name)
         else:
             lines.append(f"  {name}: " + " > ".join(chain))
-    for chain, names in alike.items():
+    for steps, names in alike.items():
         who = names[0] if len(names) == 1 else f"{len(names)} tasks ({', '.join(names)})"
-        lines.append(f"  {who}: " + " > ".join(chain))
+        lines.append(f"  {who}: " + " > ".join(steps))
     return "\n".join(lines)
 
 
