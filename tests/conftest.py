@@ -125,12 +125,13 @@ def pytest_runtest_setup(item):
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """A failing test's report carries what each live worker wrote during the test, ending with
-    where its tasks wait: a CI run's failure is then readable without the worker's log file."""
+    where its tasks wait: a CI run's failure is then readable without the worker's log file.
+    The workers the test started come first: a CI excerpt of the report may show only its start."""
     report = (yield).get_result()
     if report.when != "call" or not report.failed:
         return
     start = item.stash.get(_log_start, {})
-    for w in WorkerProcess.live:
+    for w in sorted(WorkerProcess.live, key=lambda w: id(w) in start):
         w.dump_tasks()
         report.sections.append(
             (
@@ -414,12 +415,16 @@ class FrozenEngine:
                 os.kill(pid, sig)
 
     async def step(self, seconds: float) -> None:
-        """Lets the engine run for a moment, then freezes it again."""
+        """Lets the engine run for a moment, then freezes it again. The moment blocks the test's
+        event loop on purpose: timed by the loop, it ends only once the loop has handled the
+        frames that arrived meanwhile, and on a loaded box the tiny model can make a request's
+        last tokens in that time."""
         self.signal(signal.SIGCONT)
         try:
-            await anyio.sleep(seconds)
+            time.sleep(seconds)
         finally:
             self.signal(signal.SIGSTOP)
+        await anyio.sleep(0)
 
 
 @asynccontextmanager

@@ -260,9 +260,10 @@ async def test_cancel_reaches_the_engine_and_is_not_migrated(nats_url, shared_vl
 
 async def test_sigterm_with_long_requests_moves_them_without_an_error(nats_url, shared_vllm, start_worker):
     """The shared worker takes the jobs the drained one hands back (it is only paused meanwhile).
-    The first worker's engine is frozen once it has accepted all six: on a loaded machine the
-    tiny model can otherwise finish 480 tokens before a test that reads every frame notices they
-    started, and a request that ends within the grace period is, rightly, not handed back."""
+    The first worker's engine runs 10 ms at a time until each of the six has its first tokens, and
+    stays frozen through the drain: on a loaded machine the tiny model can otherwise finish 480
+    tokens before a test that reads every frame notices they started, and a request that ends
+    within the grace period is, rightly, not handed back."""
     second = shared_vllm
     namespace = second.namespace
     first = start_worker(namespace, "--grace-period", "0.3")
@@ -276,19 +277,22 @@ async def test_sigterm_with_long_requests_moves_them_without_an_error(nats_url, 
         ]
         try:
             async with anyio.create_task_group() as tg:
-                for r in requests:
-                    trackers[r.request_id] = Tracker()
-                    tg.start_soon(follow, c, r, trackers[r.request_id])
-                with anyio.fail_after(60):
-                    while not all(last_accepted(t) == first.instance for t in trackers.values()):
-                        await anyio.sleep(0.01)
-                with first.engine_frozen():
+                with first.engine_frozen() as engine:
+                    for r in requests:
+                        trackers[r.request_id] = Tracker()
+                        tg.start_soon(follow, c, r, trackers[r.request_id])
+                    with anyio.fail_after(60):
+                        while min(len(t.tokens) for t in trackers.values()) < 2:
+                            await engine.step(0.01)
+                            await anyio.sleep(0.2)  # what the step made reaches the producer
+                    assert all(last_accepted(t) == first.instance for t in trackers.values())
                     second.signal(signal.SIGCONT)
+                    since = first.log_size()
                     first.signal(signal.SIGTERM)
                     with anyio.move_on_after(30):
-                        while "handing back" not in first.log_tail(100):
+                        while "handing back 6 running jobs" not in first.log_tail(10_000, since):
                             await anyio.sleep(0.05)
-                    assert "handing back" in first.log_tail(100), first.log_tail(60)
+                    assert "handing back 6 running jobs" in first.log_tail(10_000, since), first.log_tail(60)
         finally:
             second.signal(signal.SIGCONT)
         assert await anyio.to_thread.run_sync(first.wait, 60) == 0
@@ -296,7 +300,6 @@ async def test_sigterm_with_long_requests_moves_them_without_an_error(nats_url, 
         assert not any(isinstance(f, ErrorFrame) for f in t.frames)
         assert isinstance(t.frames[-1], FinalFrame) and len(t.tokens) == 480
         assert t.frames[-1].attempt >= 2  # finished on the second worker
-    assert "handing back 6 running jobs" in first.log_tail(100)
 
 
 @pytest.fixture
