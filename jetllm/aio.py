@@ -73,6 +73,23 @@ def entered(scope: anyio.CancelScope) -> Iterator[anyio.CancelScope]:
             raise  # the task was cancelled besides (anyio takes back only its own requests)
 
 
+@contextlib.contextmanager
+def fail_after(seconds: float) -> Iterator[anyio.CancelScope]:
+    """`anyio.fail_after` on `entered`: its deadline ends the body with TimeoutError even when a
+    library re-raised the cancellation unmarked (an engine call, timed, would otherwise fail with
+    StrayCancellation and say "internal" where "timed out" is the truth)."""
+    scope = anyio.CancelScope(deadline=anyio.current_time() + seconds)
+    interrupted = False
+    with entered(scope):
+        try:
+            yield scope
+        except anyio.get_cancelled_exc_class():
+            interrupted = True
+            raise
+    if interrupted and anyio.current_time() >= scope.deadline:
+        raise TimeoutError
+
+
 def _cancelling() -> int:
     """How many cancellations of the current task are pending: anyio withdraws its own as its
     scopes end, so what is left was asked of the task itself (Task.cancel)."""

@@ -182,3 +182,49 @@ async def test_entered_passes_on_a_cancellation_it_does_not_own():
     with pytest.raises(asyncio.CancelledError):
         await task
     assert not reached
+
+
+async def _reraised_unmarked(seconds: float) -> None:
+    """What asyncio.gather in vLLM's prompt rendering does to a cancellation: a new one, whose
+    context does not lead back to anyio's."""
+    import asyncio
+
+    lost = False
+    try:
+        await anyio.sleep(seconds)
+    except anyio.get_cancelled_exc_class():
+        lost = True
+    if lost:
+        raise asyncio.CancelledError()
+
+
+@pytest.mark.parametrize(
+    ("body", "raised"),
+    [
+        (lambda: anyio.sleep(10), TimeoutError),  # anyio's own mark
+        (lambda: _reraised_unmarked(10), TimeoutError),  # the mark lost on the way
+        (lambda: anyio.sleep(0), None),  # done in time
+    ],
+)
+async def test_fail_after_times_out_whatever_became_of_its_cancellation(body, raised):
+    from jetllm.aio import fail_after
+
+    try:
+        with fail_after(0.05):
+            await body()
+    except Exception as exc:
+        assert type(exc) is raised
+    else:
+        assert raised is None
+
+
+async def test_fail_after_passes_on_a_cancellation_from_a_scope_around_it():
+    from jetllm.aio import entered, fail_after
+
+    reached = []
+    with entered(anyio.CancelScope()) as outer:
+        with fail_after(5):
+            outer.cancel()
+            await _reraised_unmarked(10)
+        reached.append("after fail_after")
+    assert not reached and outer.cancel_called

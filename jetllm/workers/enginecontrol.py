@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 
 import anyio
 
+from ..aio import fail_after
 from ..errors import EngineDead
 from ..schemas import ControlDone, ErrorCode, HealthCheck, HealthReport, SleepRequest
 from .control import ControlError
@@ -64,7 +65,7 @@ class EngineControl:
         while True:
             await anyio.sleep(self._health_interval)
             try:
-                with anyio.fail_after(self._health_timeout):
+                with fail_after(self._health_timeout):
                     await self._engine.check_health()
             except (EngineDead, TimeoutError) as exc:
                 self._lifecycle.engine_died(str(exc) or "health check timed out")
@@ -79,7 +80,7 @@ class EngineControl:
             checked_at=time.time(),
         )
         try:
-            with anyio.fail_after(self._health_timeout):
+            with fail_after(self._health_timeout):
                 await self._engine.check_health()
             report.engine_alive = True
         except (EngineDead, TimeoutError) as exc:

@@ -31,7 +31,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from .. import taskdump
-from ..aio import contained, describe, supervised, task_group
+from ..aio import contained, describe, fail_after, supervised, task_group
 from ..schemas import HealthCheck, LoraLoad, LoraUnload, SleepRequest, TasksReport, TaskWait, WorkerStatus
 from ..subjects.consumers import ensure_consumer
 from ..subjects.denials import checked
@@ -314,7 +314,7 @@ class Worker:
             async with task_group() as tg:
                 if handle_signals:
                     tg.start_soon(self._watch_signals)
-                with anyio.fail_after(config.health_timeout):
+                with fail_after(config.health_timeout):
                     await self.engine.check_health()  # ready means the engine answered, too
                 for name, service, args in self._services():
                     tg.start_soon(supervised, name, service, *args)

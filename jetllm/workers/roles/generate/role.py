@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import anyio
 import msgspec
 
-from ....aio import task_group
+from ....aio import fail_after, task_group
 from ....errors import RequestRejected
 from ....schemas import (
     EmbedsPrompt,
@@ -239,7 +239,7 @@ class GenerateRole(Role):
         try:
             steps = self._engine.generate(req, [1, 2, 3, 4], req.stop.max_tokens or 1)
             while True:
-                with anyio.fail_after(check.stall_timeout):
+                with fail_after(check.stall_timeout):
                     try:
                         step = await steps.__anext__()
                     except StopAsyncIteration:
