@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, ClassVar
@@ -366,6 +366,15 @@ class WorkerProcess:
         with contextlib.suppress(ValueError):
             WorkerProcess.live.remove(self)
 
+    async def drain_until_logged(self, text: str, timeout: float = 30.0) -> None:
+        """SIGTERM, then wait until the log written since says `text`."""
+        since = self.log_size()
+        self.signal(signal.SIGTERM)
+        with anyio.move_on_after(timeout):
+            while text not in self.log_tail(10_000, since):
+                await anyio.sleep(0.05)
+        assert text in self.log_tail(10_000, since), self.log_tail(60)
+
     def engine_pids(self) -> list[int]:
         """The engine's processes among the worker's children (EngineCore; not its watchdog)."""
         import psutil
@@ -425,6 +434,13 @@ class FrozenEngine:
         finally:
             self.signal(signal.SIGSTOP)
         await anyio.sleep(0)
+
+    async def step_until(self, done: Callable[[], bool], timeout: float = 120.0) -> None:
+        """Steps of 10 ms, 0.2 s apart (what a step made reaches the producer), until `done()`."""
+        with anyio.fail_after(timeout):
+            while not done():
+                await self.step(0.01)
+                await anyio.sleep(0.2)
 
 
 @asynccontextmanager

@@ -281,18 +281,10 @@ async def test_sigterm_with_long_requests_moves_them_without_an_error(nats_url, 
                     for r in requests:
                         trackers[r.request_id] = Tracker()
                         tg.start_soon(follow, c, r, trackers[r.request_id])
-                    with anyio.fail_after(60):
-                        while min(len(t.tokens) for t in trackers.values()) < 2:
-                            await engine.step(0.01)
-                            await anyio.sleep(0.2)  # what the step made reaches the producer
+                    await engine.step_until(lambda: min(len(t.tokens) for t in trackers.values()) >= 2, 60)
                     assert all(last_accepted(t) == first.instance for t in trackers.values())
                     second.signal(signal.SIGCONT)
-                    since = first.log_size()
-                    first.signal(signal.SIGTERM)
-                    with anyio.move_on_after(30):
-                        while "handing back 6 running jobs" not in first.log_tail(10_000, since):
-                            await anyio.sleep(0.05)
-                    assert "handing back 6 running jobs" in first.log_tail(10_000, since), first.log_tail(60)
+                    await first.drain_until_logged("handing back 6 running jobs")
         finally:
             second.signal(signal.SIGCONT)
         assert await anyio.to_thread.run_sync(first.wait, 60) == 0

@@ -247,20 +247,13 @@ async def test_structured_requests_moved_by_a_drain_keep_their_constraint_and_th
                 with first.engine_frozen() as engine:
                     for r in moved:
                         tg.start_soon(follow, c, r, trackers[r.request_id])
-                    with anyio.fail_after(120):
-                        while min(len(t.tokens) for t in trackers.values()) < 2:
-                            await engine.step(0.01)
-                            await anyio.sleep(0.2)  # what the step made reaches the producer
+                    await engine.step_until(lambda: min(len(t.tokens) for t in trackers.values()) >= 2)
                     ended = [
                         rid for rid, t in trackers.items() if any(isinstance(f, FinalFrame) for f in t.frames)
                     ]
                     assert not ended, f"ended before the drain: {ended}"
                     second.signal(signal.SIGCONT)
-                    since = first.log_size()
-                    first.signal(signal.SIGTERM)
-                    with anyio.fail_after(30):
-                        while "handing back 3 running jobs" not in first.log_tail(10_000, since):
-                            await anyio.sleep(0.05)
+                    await first.drain_until_logged("handing back 3 running jobs")
         finally:
             second.signal(signal.SIGCONT)
     texts = []
