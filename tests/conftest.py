@@ -435,11 +435,12 @@ class FrozenEngine:
             self.signal(signal.SIGSTOP)
         await anyio.sleep(0)
 
-    async def step_until(self, done: Callable[[], bool], timeout: float = 120.0) -> None:
-        """Steps of 10 ms, 0.2 s apart (what a step made reaches the producer), until `done()`."""
+    async def step_until(self, done: Callable[[], bool], timeout: float = 120.0, step: float = 0.01) -> None:
+        """Steps of `step` seconds, 0.2 s apart (what a step made reaches the producer), until
+        `done()`."""
         with anyio.fail_after(timeout):
             while not done():
-                await self.step(0.01)
+                await self.step(step)
                 await anyio.sleep(0.2)
 
 

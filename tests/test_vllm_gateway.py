@@ -134,28 +134,57 @@ def test_tools_reach_the_template_and_engine_errors_arrive_as_the_sdks_exception
 
 @pytest.mark.anyio
 async def test_a_streaming_client_that_hangs_up_frees_the_engine_slot(stack):
-    """The engine is frozen while the worker's status is read: on a fast box the tiny model's 400
-    tokens were otherwise done before the answer came (CI met that)."""
+    """The engine stays frozen from the start until the worker has let the request go, and runs
+    2 ms at a time until the client has its first chunk: CI's fast box otherwise made the tiny
+    model's 400 tokens before the hang-up reached the worker. Under load one step can still make
+    them all (a 10 ms step made 400 tokens with two CPU hogs beside the test); then the request,
+    finished before the client hung up, is tried again. Letting it go takes no engine step: the
+    abort and the cancelled result are the worker's own."""
     body = {"model": TINY, "messages": USER, "max_tokens": 400, "ignore_eos": True, "stream": True}
-    async with httpx.AsyncClient(base_url=stack.gateway.root, timeout=60) as http:
-        async with http.stream("POST", "/v1/chat/completions", json=body) as response:
-            assert response.status_code == 200
-            lines = response.aiter_lines()  # kept: a dropped iterator closes the connection
-            read = 0
-            async for _ in lines:
-                read += 1
-                if read > 6:
-                    break
-            with stack.worker.engine_frozen():
-                status = await anyio.to_thread.run_sync(stack.status, stack.worker.instance)
-            assert status.engine_unfinished == 1
-    with anyio.fail_after(15):
-        while True:
+    for _ in range(3):
+        if await _hang_up_mid_stream(stack, body):
+            return
+    pytest.fail("each of 3 requests finished before the client hung up: no hang-up was tested")
+
+
+async def _hang_up_mid_stream(stack: Stack, body: dict) -> bool:
+    """False when the request finished before the hang-up (nothing to free)."""
+    before = await anyio.to_thread.run_sync(stack.status, stack.worker.instance)
+    read = 0
+    hang_up = anyio.Event()
+
+    async def client() -> None:
+        nonlocal read
+        async with httpx.AsyncClient(base_url=stack.gateway.root, timeout=60) as http:
+            async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                assert response.status_code == 200
+                lines = response.aiter_lines()  # kept: a dropped iterator closes the connection
+                async for line in lines:
+                    if line.startswith("data: "):
+                        read += 1
+                        break
+                await hang_up.wait()
+
+    with stack.worker.engine_frozen() as engine:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(client)
+            await engine.step_until(lambda: read > 0, step=0.002)
             status = await anyio.to_thread.run_sync(stack.status, stack.worker.instance)
-            if status.engine_unfinished == 0 and status.in_flight == 0:
-                break
-            await anyio.sleep(0.1)
-    assert int(status.extra["cancelled"]) >= 1
+            if status.engine_unfinished == 0:
+                assert int(status.extra["completed"]) == int(before.extra["completed"]) + 1, status
+                hang_up.set()
+                return False
+            assert status.engine_unfinished == 1
+            hang_up.set()
+        with anyio.fail_after(15):
+            while True:
+                status = await anyio.to_thread.run_sync(stack.status, stack.worker.instance)
+                if status.engine_unfinished == 0 and status.in_flight == 0:
+                    break
+                await anyio.sleep(0.1)
+    assert int(status.extra["cancelled"]) == int(before.extra["cancelled"]) + 1
+    assert int(status.extra["completed"]) == int(before.extra["completed"])
+    return True
 
 
 TOOL = {
