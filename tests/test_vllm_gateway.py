@@ -150,32 +150,29 @@ async def test_a_streaming_client_that_hangs_up_frees_the_engine_slot(stack):
 async def _hang_up_mid_stream(stack: Stack, body: dict) -> bool:
     """False when the request finished before the hang-up (nothing to free)."""
     before = await anyio.to_thread.run_sync(stack.status, stack.worker.instance)
-    read = 0
-    hang_up = anyio.Event()
+    first_chunk, hang_up = anyio.Event(), anyio.Event()
 
     async def client() -> None:
-        nonlocal read
         async with httpx.AsyncClient(base_url=stack.gateway.root, timeout=60) as http:
             async with http.stream("POST", "/v1/chat/completions", json=body) as response:
                 assert response.status_code == 200
                 lines = response.aiter_lines()  # kept: a dropped iterator closes the connection
                 async for line in lines:
                     if line.startswith("data: "):
-                        read += 1
+                        first_chunk.set()
                         break
                 await hang_up.wait()
 
     with stack.worker.engine_frozen() as engine:
         async with anyio.create_task_group() as tg:
             tg.start_soon(client)
-            await engine.step_until(lambda: read > 0, step=0.002)
+            await engine.step_until(first_chunk.is_set, step=0.002)
             status = await anyio.to_thread.run_sync(stack.status, stack.worker.instance)
+            hang_up.set()
             if status.engine_unfinished == 0:
                 assert int(status.extra["completed"]) == int(before.extra["completed"]) + 1, status
-                hang_up.set()
                 return False
             assert status.engine_unfinished == 1
-            hang_up.set()
         with anyio.fail_after(15):
             while True:
                 status = await anyio.to_thread.run_sync(stack.status, stack.worker.instance)
