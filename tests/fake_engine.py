@@ -92,6 +92,7 @@ class FakeEngine:
         """Where a stand-in for jetllm's KV connector saves and loads block files (prefill/decode)."""
         self.loaded: dict[str, int] = {}
         """Request id -> prompt tokens its blocks covered, as loaded from a block file."""
+        self._tick: anyio.Event | None = None
 
     async def render(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, TokensPrompt):
@@ -146,7 +147,7 @@ class FakeEngine:
             while not all(done):
                 while self.stalled:
                     await anyio.sleep(0.01)
-                await anyio.sleep(self.step_delay)
+                await self._step()
                 if self.dead:
                     raise EngineDead("fake engine died")
                 choices = []
@@ -177,6 +178,23 @@ class FakeEngine:
             raise
         finally:
             self.running.discard(rid)
+
+    async def _step(self) -> None:
+        """Every running request advances in the same step, as in vLLM, whose output handler hands
+        one step's outputs to all its requests in one turn of the loop; requests sleeping on timers
+        of their own drift apart on a loaded box, and a step's frames then leave in many messages
+        (CI met it). The first request to wait times the step; should it be cancelled, the others
+        step early and the next to wait times the one after."""
+        tick = self._tick
+        if tick is not None:
+            await tick.wait()
+            return
+        tick = self._tick = anyio.Event()
+        try:
+            await anyio.sleep(self.step_delay)
+        finally:
+            self._tick = None
+            tick.set()
 
     def _connector(self, rid: str, prompt: list[int], kv: dict[str, Any]) -> None:
         """What kvtransfer/connector.py does in vLLM, on made-up blocks: a prefill writes the
