@@ -63,8 +63,13 @@ def ratios(rows: list[Summary]) -> str:
             lines.append(
                 f"- where jetllm's TTFT goes (p50, from the workers' trace records): {j.queued_p50_ms:.1f} ms "
                 f"from JetStream storing the job to a worker pulling it, {j.worker_ttft_p50_ms:.1f} ms from the "
-                f"pull to the first token frame sent (direct TTFT: {d.ttft_p50_ms:.1f} ms); the rest is the "
-                "producer's publish and the frame's way back"
+                f"pull to the first token frame sent (direct TTFT: {d.ttft_p50_ms:.1f} ms)"
+                + (
+                    f", of which {j.worker_accept_p50_ms:.1f} ms to its `accepted` frame"
+                    if j.worker_accept_p50_ms is not None
+                    else ""
+                )
+                + "; the rest is the producer's publish and the frame's way back"
             )
     if j and o:
         lines.append(
@@ -170,6 +175,7 @@ def combine(runs: list[Summary]) -> Summary:
         errors=sum(r.errors for r in runs),
         queued_p50_ms=_median_of(r.queued_p50_ms for r in runs),
         worker_ttft_p50_ms=_median_of(r.worker_ttft_p50_ms for r in runs),
+        worker_accept_p50_ms=_median_of(r.worker_accept_p50_ms for r in runs),
         note=f"median of {len(runs)} rounds; tok/s per round: "
         + ", ".join(f"{r.tokens_per_s:,.0f}" for r in runs),
     )

@@ -200,6 +200,9 @@ async def run_jetllm(
     summary.worker_ttft_p50_ms = (
         percentile([r.first_token_at - r.pulled_at for r in hops if r.first_token_at is not None], 50) * 1000
     )
+    summary.worker_accept_p50_ms = (
+        percentile([r.accepted_at - r.pulled_at for r in hops if r.accepted_at is not None], 50) * 1000
+    )
     return summary
 
 

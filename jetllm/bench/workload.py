@@ -48,6 +48,9 @@ class Summary(msgspec.Struct, kw_only=True):
     """jetllm only, from the workers' trace records: JetStream stored the job -> a worker pulled it."""
     worker_ttft_p50_ms: float | None = None
     """jetllm only: a worker pulled the job -> it sent the first token frame."""
+    worker_accept_p50_ms: float | None = None
+    """jetllm only: a worker pulled the job -> it sent `accepted` (its request log read and its claim
+    written; a first token the engine made sooner waits for it)."""
 
 
 def percentile(values: list[float], q: float) -> float:
