@@ -273,7 +273,7 @@ async def test_a_trace_id_travels_on_the_job_its_first_and_last_frame_and_the_wo
         seen = []
         with anyio.move_on_after(1):
             while True:
-                seen.append(await sub.next_msg(timeout=1))
+                seen.append(await sub.next_msg(timeout=5))  # the scope ends the loop, not a timeout
         await sub.unsubscribe()
         traced = [m for m in seen if m.headers]  # token frames go without: one header parse per token
         kinds = [type(codec.frame_decoder.decode(m.data, "json")).__name__ for m in traced]
