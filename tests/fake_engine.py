@@ -1,8 +1,8 @@
 """A light engine for fast tests of the message plane. Never a default; lives only under tests/.
 
-It mimics the parts of vLLM the worker relies on: a context limit, greedy-looking deterministic
-tokens, EOS, stop token ids, stop strings over a simple text form, min/max tokens, n choices,
-log-probabilities, cancellation, and death. Token i of a request is (sum of the context so far) % vocab.
+It mimics the parts of vLLM the worker relies on: one step for all running requests, a context
+limit, greedy-looking deterministic tokens, EOS, stop token ids, stop strings over a simple text
+form, min/max tokens, n choices, log-probabilities, cancellation, and death. Token i of a request is (sum of the context so far) % vocab.
 """
 
 from __future__ import annotations
