@@ -2,7 +2,8 @@
 
 It mimics the parts of vLLM the worker relies on: one step for all running requests, a context
 limit, greedy-looking deterministic tokens, EOS, stop token ids, stop strings over a simple text
-form, min/max tokens, n choices, log-probabilities, cancellation, and death. Token i of a request is (sum of the context so far) % vocab.
+form, min/max tokens, n choices, log-probabilities, cancellation, and death. Token i of a request is
+(sum of the context so far) % vocab.
 """
 
 from __future__ import annotations
