@@ -4,7 +4,7 @@ medians per target, ratios of the medians, and ratios round by round."""
 import pytest
 
 from jetllm.bench import box
-from jetllm.bench.run import report, round_ratios
+from jetllm.bench.run import report, round_ratios, ttft_breakdown
 from jetllm.bench.targets import DIRECT, GATEWAY, JETLLM, OPENAI
 from jetllm.bench.workload import Summary, Workload
 from jetllm.workers.engine import EngineOptions
@@ -73,6 +73,41 @@ def test_the_report_gives_medians_their_ratio_and_the_ratio_of_each_round():
     assert "jetllm / direct throughput: **0.960x**" in text  # medians' ratio
     assert "TTFT p50 added by jetllm: **+8.0 ms**" in text
     assert "round by round: 0.900x, 1.000x, 0.960x (median 0.960x)" in text
+
+
+HOPS = dict(queued_p50_ms=3.6, worker_ttft_p50_ms=36.8, worker_accept_p50_ms=15.1)
+PRODUCER_LEGS = dict(publish_p50_ms=1.4, frame_back_p50_ms=1.1)
+
+
+@pytest.mark.parametrize(
+    ("hops", "says", "omits"),
+    [
+        (
+            HOPS | PRODUCER_LEGS,
+            [
+                "1.4 ms from the producer's call to JetStream storing the job, 3.6 ms from storing it to a "
+                "worker pulling it, 36.8 ms from the pull to the first token frame sent (direct TTFT: "
+                "34.9 ms), of which 15.1 ms to its `accepted` frame, 1.1 ms from the worker sending that "
+                "frame to the producer reading it"
+            ],
+            [],
+        ),
+        (  # rounds of an older report, or records without the producer's clock: the hops it has
+            HOPS | {"worker_accept_p50_ms": None},
+            ["3.6 ms from storing it to a worker pulling it, 36.8 ms from the pull"],
+            ["producer's call", "`accepted`", "producer reading it"],
+        ),
+    ],
+    ids=["every-hop", "worker-hops-only"],
+)
+def test_the_ttft_breakdown_names_each_hop_it_measured(hops, says, omits):
+    j = row(JETLLM, 5000, 44.2)
+    for name, value in hops.items():
+        setattr(j, name, value)
+    line = ttft_breakdown(j, 34.9)
+    assert line.startswith("- where jetllm's TTFT goes")
+    assert all(s in line for s in says), line
+    assert not any(o in line for o in omits), line
 
 
 STAT = "cpu  {} 0 {} {} 0 0 0 {} 0 0\ncpu0 1 2 3 4 5 6 7 8 0 0\nintr 1 2\n"

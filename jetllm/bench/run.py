@@ -47,6 +47,29 @@ def table(rows: list[Summary]) -> str:
     return head + body
 
 
+def ttft_breakdown(j: Summary, direct_ttft_ms: float) -> str:
+    """A first token's way through jetllm, hop by hop, from the trace records and the producer's
+    clock (one host: the same wall clock); the p50 of each hop, so they need not add up exactly."""
+    hops = []
+    if j.publish_p50_ms is not None:
+        hops.append(f"{j.publish_p50_ms:.1f} ms from the producer's call to JetStream storing the job")
+    hops.append(f"{j.queued_p50_ms:.1f} ms from storing it to a worker pulling it")
+    accept = (
+        f", of which {j.worker_accept_p50_ms:.1f} ms to its `accepted` frame"
+        if j.worker_accept_p50_ms
+        else ""
+    )
+    hops.append(
+        f"{j.worker_ttft_p50_ms:.1f} ms from the pull to the first token frame sent "
+        f"(direct TTFT: {direct_ttft_ms:.1f} ms){accept}"
+    )
+    if j.frame_back_p50_ms is not None:
+        hops.append(
+            f"{j.frame_back_p50_ms:.1f} ms from the worker sending that frame to the producer reading it"
+        )
+    return "- where jetllm's TTFT goes (p50 of each hop, from the workers' trace records): " + ", ".join(hops)
+
+
 def ratios(rows: list[Summary]) -> str:
     by = {r.target: r for r in rows}
     d, j, o, g = by.get(DIRECT), by.get(JETLLM), by.get(OPENAI), by.get(GATEWAY)
@@ -60,17 +83,7 @@ def ratios(rows: list[Summary]) -> str:
         )
         lines.append(f"- ITL p50 added by jetllm: {j.itl_p50_ms - d.itl_p50_ms:+.2f} ms")
         if j.queued_p50_ms is not None and j.worker_ttft_p50_ms is not None:
-            lines.append(
-                f"- where jetllm's TTFT goes (p50, from the workers' trace records): {j.queued_p50_ms:.1f} ms "
-                f"from JetStream storing the job to a worker pulling it, {j.worker_ttft_p50_ms:.1f} ms from the "
-                f"pull to the first token frame sent (direct TTFT: {d.ttft_p50_ms:.1f} ms)"
-                + (
-                    f", of which {j.worker_accept_p50_ms:.1f} ms to its `accepted` frame"
-                    if j.worker_accept_p50_ms is not None
-                    else ""
-                )
-                + "; the rest is the producer's publish and the frame's way back"
-            )
+            lines.append(ttft_breakdown(j, d.ttft_p50_ms))
     if j and o:
         lines.append(
             f"- jetllm / vLLM OpenAI server throughput: **{j.tokens_per_s / o.tokens_per_s:.3f}x** (target >= 1x)"
@@ -176,6 +189,8 @@ def combine(runs: list[Summary]) -> Summary:
         queued_p50_ms=_median_of(r.queued_p50_ms for r in runs),
         worker_ttft_p50_ms=_median_of(r.worker_ttft_p50_ms for r in runs),
         worker_accept_p50_ms=_median_of(r.worker_accept_p50_ms for r in runs),
+        publish_p50_ms=_median_of(r.publish_p50_ms for r in runs),
+        frame_back_p50_ms=_median_of(r.frame_back_p50_ms for r in runs),
         note=f"median of {len(runs)} rounds; tok/s per round: "
         + ", ".join(f"{r.tokens_per_s:,.0f}" for r in runs),
     )

@@ -173,7 +173,8 @@ async def run_jetllm(
         async with Client(url, namespace=namespace, heartbeat_timeout=60) as client:
             await wait_for_workers(client.nc, client.names, model=opts.name, count=len(workers), timeout=600)
 
-            measured: set[str] = set()
+            measured: dict[str, tuple[float, float | None]] = {}
+            """Request id -> the wall clock at its call and at its first token (trace records' clock)."""
 
             async def one(prompt: list[int]) -> Timing:
                 req = GenerateRequest(
@@ -183,11 +184,11 @@ async def run_jetllm(
                     sampling=SamplingOptions(temperature=0),
                     stop=StopConditions(max_tokens=work.output_len, ignore_eos=True),
                 )
-                measured.add(req.request_id)
-                rec = Recorder(time.perf_counter())
+                wall, rec = time.time(), Recorder(time.perf_counter())
                 async for frame in client.generate(req):
                     if isinstance(frame, TokensFrame):
                         rec.chunk(time.perf_counter(), len(frame.token_ids))
+                measured[req.request_id] = (wall, None if rec.first is None else wall + rec.first - rec.start)
                 return rec.done(time.perf_counter())
 
             await _drive(work.prompts(vocab, work.warmup, offset=1), work.concurrency, one)
@@ -202,6 +203,18 @@ async def run_jetllm(
     )
     summary.worker_accept_p50_ms = (
         percentile([r.accepted_at - r.pulled_at for r in hops if r.accepted_at is not None], 50) * 1000
+    )
+    summary.publish_p50_ms = percentile([r.queued_at - measured[r.request_id][0] for r in hops], 50) * 1000
+    summary.frame_back_p50_ms = (
+        percentile(
+            [
+                first - r.first_token_at
+                for r in hops
+                if r.first_token_at is not None and (first := measured[r.request_id][1]) is not None
+            ],
+            50,
+        )
+        * 1000
     )
     return summary
 
