@@ -75,7 +75,7 @@ def test_the_report_gives_medians_their_ratio_and_the_ratio_of_each_round():
     assert "round by round: 0.900x, 1.000x, 0.960x (median 0.960x)" in text
 
 
-HOPS = dict(queued_p50_ms=3.6, worker_ttft_p50_ms=36.8, worker_accept_p50_ms=15.1)
+HOPS = dict(queued_p50_ms=1.0, worker_ttft_p50_ms=39.4, worker_wait_p50_ms=2.1, worker_accept_p50_ms=15.1)
 PRODUCER_LEGS = dict(publish_p50_ms=1.4, frame_back_p50_ms=1.1)
 
 
@@ -85,17 +85,17 @@ PRODUCER_LEGS = dict(publish_p50_ms=1.4, frame_back_p50_ms=1.1)
         (
             HOPS | PRODUCER_LEGS,
             [
-                "1.4 ms from the producer's call to JetStream storing the job, 3.6 ms from storing it to a "
-                "worker pulling it, 36.8 ms from the pull to the first token frame sent (direct TTFT: "
-                "34.9 ms), of which 15.1 ms to its `accepted` frame, 1.1 ms from the worker sending that "
-                "frame to the producer reading it"
+                "1.4 ms from the producer's call to JetStream storing the job, 1.0 ms from storing it to a "
+                "worker pulling it, 39.4 ms from the pull to the first token frame sent (direct TTFT: "
+                "34.9 ms), of which 2.1 ms until the job's task ran and 15.1 ms to its `accepted` frame, "
+                "1.1 ms from the worker sending that frame to the producer reading it"
             ],
             [],
         ),
         (  # rounds of an older report, or records without the producer's clock: the hops it has
-            HOPS | {"worker_accept_p50_ms": None},
-            ["3.6 ms from storing it to a worker pulling it, 36.8 ms from the pull"],
-            ["producer's call", "`accepted`", "producer reading it"],
+            HOPS | {"worker_accept_p50_ms": None, "worker_wait_p50_ms": None},
+            ["1.0 ms from storing it to a worker pulling it, 39.4 ms from the pull", "34.9 ms)"],
+            ["producer's call", "of which", "producer reading it"],
         ),
     ],
     ids=["every-hop", "worker-hops-only"],

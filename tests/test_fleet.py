@@ -295,7 +295,14 @@ async def test_a_trace_id_travels_on_the_job_its_first_and_last_frame_and_the_wo
             and header == f"00-{trace_id}-{rec.span_id}-01"
         )
         assert rec.instance == worker.instance and rec.outcome == "completed" and rec.completion_tokens == 5
-        assert rec.queued_at <= rec.pulled_at <= rec.accepted_at <= rec.first_token_at <= rec.ended_at
+        assert (
+            rec.queued_at
+            <= rec.pulled_at
+            <= rec.started_at
+            <= rec.accepted_at
+            <= rec.first_token_at
+            <= rec.ended_at
+        )
 
         # a malformed header from a producer starts a fresh trace instead of failing the job
         bad = req("fake", max_tokens=2)

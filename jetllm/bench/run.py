@@ -54,11 +54,12 @@ def ttft_breakdown(j: Summary, direct_ttft_ms: float) -> str:
     if j.publish_p50_ms is not None:
         hops.append(f"{j.publish_p50_ms:.1f} ms from the producer's call to JetStream storing the job")
     hops.append(f"{j.queued_p50_ms:.1f} ms from storing it to a worker pulling it")
-    accept = (
-        f", of which {j.worker_accept_p50_ms:.1f} ms to its `accepted` frame"
-        if j.worker_accept_p50_ms
-        else ""
-    )
+    of = []
+    if j.worker_wait_p50_ms is not None:
+        of.append(f"{j.worker_wait_p50_ms:.1f} ms until the job's task ran")
+    if j.worker_accept_p50_ms is not None:
+        of.append(f"{j.worker_accept_p50_ms:.1f} ms to its `accepted` frame")
+    accept = f", of which {' and '.join(of)}" if of else ""
     hops.append(
         f"{j.worker_ttft_p50_ms:.1f} ms from the pull to the first token frame sent "
         f"(direct TTFT: {direct_ttft_ms:.1f} ms){accept}"
@@ -189,6 +190,7 @@ def combine(runs: list[Summary]) -> Summary:
         queued_p50_ms=_median_of(r.queued_p50_ms for r in runs),
         worker_ttft_p50_ms=_median_of(r.worker_ttft_p50_ms for r in runs),
         worker_accept_p50_ms=_median_of(r.worker_accept_p50_ms for r in runs),
+        worker_wait_p50_ms=_median_of(r.worker_wait_p50_ms for r in runs),
         publish_p50_ms=_median_of(r.publish_p50_ms for r in runs),
         frame_back_p50_ms=_median_of(r.frame_back_p50_ms for r in runs),
         note=f"median of {len(runs)} rounds; tok/s per round: "

@@ -204,6 +204,9 @@ async def run_jetllm(
     summary.worker_accept_p50_ms = (
         percentile([r.accepted_at - r.pulled_at for r in hops if r.accepted_at is not None], 50) * 1000
     )
+    summary.worker_wait_p50_ms = (
+        percentile([r.started_at - r.pulled_at for r in hops if r.started_at is not None], 50) * 1000
+    )
     summary.publish_p50_ms = percentile([r.queued_at - measured[r.request_id][0] for r in hops], 50) * 1000
     summary.frame_back_p50_ms = (
         percentile(

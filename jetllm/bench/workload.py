@@ -51,6 +51,8 @@ class Summary(msgspec.Struct, kw_only=True):
     worker_accept_p50_ms: float | None = None
     """jetllm only: a worker pulled the job -> it sent `accepted` (its request log read and its claim
     written; a first token the engine made sooner waits for it)."""
+    worker_wait_p50_ms: float | None = None
+    """jetllm only: a worker pulled the job -> the job's task first ran (the worker's busy loop)."""
     publish_p50_ms: float | None = None
     """jetllm only: the producer called `generate` -> JetStream stored the job."""
     frame_back_p50_ms: float | None = None

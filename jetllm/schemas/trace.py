@@ -49,6 +49,10 @@ class TraceRecord(Report, kw_only=True):
     queued_at: float
     """When JetStream stored the job (producer's submit), epoch seconds."""
     pulled_at: float
+    """When the worker's connection handed it the job."""
+    started_at: float | None = None
+    """When the job's task first ran: after `pulled_at` by the turns a busy event loop takes to
+    reach it (None: a worker from before 2026-12-02)."""
     accepted_at: float | None = None
     first_token_at: float | None = None
     ended_at: float

@@ -88,12 +88,16 @@ class JobDeps:
 class JobRun:
     """One delivery, from its bytes to its settlement; the `JobHandle` its role runs it through."""
 
-    __slots__ = ("_d", "job", "request", "request_id", "tokens", "prefill", "_frames", "_run")
+    __slots__ = ("_d", "job", "request", "request_id", "tokens", "prefill", "_frames", "_run", "_received_at")
     tokens: TokenSender
 
-    def __init__(self, deps: JobDeps, msg: Msg, job: Job | None = None) -> None:
-        """`job`: the delivery as the request sees it (a shard's requests share one: shards.py)."""
+    def __init__(
+        self, deps: JobDeps, msg: Msg, job: Job | None = None, received_at: float | None = None
+    ) -> None:
+        """`job`: the delivery as the request sees it (a shard's requests share one: shards.py).
+        `received_at`: when the connection handed the worker `msg`, for its trace record."""
         self._d = deps
+        self._received_at = received_at
         self.job = job or Job(msg)
         self.request: Any = None
         self.request_id = ""
@@ -119,7 +123,7 @@ class JobRun:
     async def _handle(self) -> None:
         d, job = self._d, self.job
         msg = job.msg
-        hop = Hop(msg)
+        hop = Hop(msg, self._received_at)
         try:
             req, encoding = d.role.decode(msg.data, msg.headers)
         except RejectedJob as exc:
@@ -486,9 +490,9 @@ def intake(deps: JobDeps, slots: Slots) -> Callable[[Msg], None]:
     count), and the job runs in the jobs' group until it is settled."""
     counters = deps.ctx.counters
 
-    async def run_job(msg: Msg) -> None:
+    async def run_job(msg: Msg, received_at: float) -> None:
         try:
-            await JobRun(deps, msg).run()
+            await JobRun(deps, msg, received_at=received_at).run()
         except Exception:  # the barrier inside run() failed too; JetStream redelivers after ack_wait
             log.exception("a job could not be handled or failed")
         finally:
@@ -497,6 +501,6 @@ def intake(deps: JobDeps, slots: Slots) -> Callable[[Msg], None]:
     def on_job(msg: Msg) -> None:
         slots.take()
         counters.pulled += 1
-        deps.tasks.start_soon(run_job, msg)
+        deps.tasks.start_soon(run_job, msg, time.time())
 
     return on_job

@@ -24,9 +24,19 @@ log = logging.getLogger(__name__)
 
 
 class Hop:
-    __slots__ = ("trace_id", "parent", "span_id", "queued_at", "pulled_at", "accepted_at", "header")
+    __slots__ = (
+        "trace_id",
+        "parent",
+        "span_id",
+        "queued_at",
+        "pulled_at",
+        "started_at",
+        "accepted_at",
+        "header",
+    )
 
-    def __init__(self, msg: Any) -> None:
+    def __init__(self, msg: Any, received_at: float | None = None) -> None:
+        """`received_at`: when the connection handed the worker `msg` (default: now)."""
         parsed = tracecontext.parse((msg.headers or {}).get(tracecontext.HEADER))
         if parsed is None:  # no usable header: this hop starts the trace
             self.trace_id, self.parent = tracecontext.new_traceparent()[3:35], None
@@ -34,7 +44,8 @@ class Hop:
             self.trace_id, self.parent = parsed
         self.span_id = tracecontext.new_span_id()
         self.header = {tracecontext.HEADER: tracecontext.child(self.trace_id, self.span_id)}
-        self.pulled_at = time.time()
+        self.started_at = time.time()
+        self.pulled_at = received_at or self.started_at
         try:
             self.queued_at = msg.metadata.timestamp.timestamp()
         except Exception:
@@ -63,6 +74,7 @@ class Hop:
             model=model,
             queued_at=self.queued_at,
             pulled_at=self.pulled_at,
+            started_at=self.started_at,
             accepted_at=frames.accepted_at,
             first_token_at=frames.first_token_at,
             ended_at=time.time(),
