@@ -1,10 +1,10 @@
-"""What `jetllm bench` reports from its rounds (jetllm/bench/run.py), without running an engine:
+"""What `jetllm bench` reports from its rounds (jetllm/bench/report.py), without running an engine:
 medians per target, ratios of the medians, and ratios round by round."""
 
 import pytest
 
 from jetllm.bench import box
-from jetllm.bench.run import report, round_ratios, ttft_breakdown
+from jetllm.bench.report import report, round_ratios, ttft_breakdown
 from jetllm.bench.targets import DIRECT, GATEWAY, JETLLM, OPENAI
 from jetllm.bench.workload import Summary, Workload
 from jetllm.workers.engine import EngineOptions

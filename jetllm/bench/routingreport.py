@@ -9,7 +9,7 @@ from collections import Counter
 import msgspec
 
 from .prefixload import PrefixWorkload
-from .run import measured_on
+from .report import measured_on
 from .workload import percentile
 
 LABELS = {

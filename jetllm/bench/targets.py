@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -197,29 +197,21 @@ async def run_jetllm(
             await anyio.sleep(0.5)  # the last trace records are published after the final frames
             hops = [r for r in await trace_records(client.js, client.names) if r.request_id in measured]
     summary = summarize(label, timings, seconds, errors)
-    summary.queued_p50_ms = percentile([r.pulled_at - r.queued_at for r in hops], 50) * 1000
-    summary.worker_ttft_p50_ms = (
-        percentile([r.first_token_at - r.pulled_at for r in hops if r.first_token_at is not None], 50) * 1000
-    )
-    summary.worker_accept_p50_ms = (
-        percentile([r.accepted_at - r.pulled_at for r in hops if r.accepted_at is not None], 50) * 1000
-    )
-    summary.worker_wait_p50_ms = (
-        percentile([r.started_at - r.pulled_at for r in hops if r.started_at is not None], 50) * 1000
-    )
-    summary.publish_p50_ms = percentile([r.queued_at - measured[r.request_id][0] for r in hops], 50) * 1000
-    summary.frame_back_p50_ms = (
-        percentile(
-            [
-                first - r.first_token_at
-                for r in hops
-                if r.first_token_at is not None and (first := measured[r.request_id][1]) is not None
-            ],
-            50,
-        )
-        * 1000
+    summary.queued_p50_ms = _p50_ms(r.pulled_at - r.queued_at for r in hops)
+    summary.worker_ttft_p50_ms = _p50_ms(r.first_token_at - r.pulled_at for r in hops if r.first_token_at)
+    summary.worker_accept_p50_ms = _p50_ms(r.accepted_at - r.pulled_at for r in hops if r.accepted_at)
+    summary.worker_wait_p50_ms = _p50_ms(r.started_at - r.pulled_at for r in hops if r.started_at)
+    summary.publish_p50_ms = _p50_ms(r.queued_at - measured[r.request_id][0] for r in hops)
+    summary.frame_back_p50_ms = _p50_ms(
+        first - r.first_token_at
+        for r in hops
+        if r.first_token_at and (first := measured[r.request_id][1]) is not None
     )
     return summary
+
+
+def _p50_ms(seconds: Iterable[float]) -> float:
+    return percentile(list(seconds), 50) * 1000
 
 
 async def _wait_healthy(http: Any, base: str, proc: subprocess.Popen, log_name: str) -> None:
