@@ -256,6 +256,29 @@ async def _sleeping(js, names):
     return [r for r in await instances(js, names) if r.state == "sleeping"]
 
 
+async def test_a_malformed_trace_record_is_skipped_and_the_others_still_read(
+    nats_url, namespace, fake_engine
+):
+    async with (
+        Client(nats_url, namespace=namespace) as client,
+        inproc_worker(nats_url, fake_engine, namespace=namespace),
+    ):
+        names, js = client.names, client.nc.jetstream()
+        first, second = req("fake", max_tokens=2), req("fake", max_tokens=2)
+        await client.complete(first)
+        with anyio.fail_after(5):
+            while not await trace_records(js, names, first.request_id):
+                await anyio.sleep(0.1)
+        for junk in (b"\xc1", msgspec.msgpack.encode({"request_id": 7}), b"\x91" * 100_000):
+            await js.publish(names.trace(first.request_id), junk)
+        await client.complete(second)
+        with anyio.fail_after(5):
+            while second.request_id not in {r.request_id for r in await trace_records(js, names)}:
+                await anyio.sleep(0.1)
+        records = await trace_records(js, names)
+    assert sorted(r.request_id for r in records) == sorted([first.request_id, second.request_id])
+
+
 async def test_a_trace_id_travels_on_the_job_its_first_and_last_frame_and_the_worker_timing_record(
     nats_url, namespace, fake_engine
 ):

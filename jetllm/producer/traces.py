@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+
+import msgspec
 import nats.errors
 from nats.js import JetStreamContext
 
 from ..schemas import TraceRecord
 from ..subjects import codec
 from ..subjects.names import Names
+
+log = logging.getLogger(__name__)
 
 _decoder = codec.Decoder(TraceRecord)
 
@@ -25,7 +30,12 @@ async def trace_records(
                 msg = await sub.next_msg(timeout=1.0)
             except nats.errors.TimeoutError:
                 return found
-            found.append(_decoder.decode(msg.data))
+            try:
+                found.append(_decoder.decode(msg.data))
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:  # one bad record hides no other
+                log.warning(
+                    "trace record %d on %s skipped: %s", msg.metadata.sequence.stream, msg.subject, exc
+                )
             if msg.metadata.num_pending == 0:
                 return found
     finally:
