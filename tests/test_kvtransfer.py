@@ -251,7 +251,8 @@ async def test_blocks_received_as_published_are_used_and_a_damaged_copy_is_read_
             await prefill.flush()
             assert await incoming.wait_for(pub.messages)
             if damaged:
-                incoming.messages[3] = incoming.messages[3][:-1] + b"\0"
+                last = incoming.messages[3][-1] ^ 0xFF  # a changed byte, whatever it was
+                incoming.messages[3] = incoming.messages[3][:-1] + bytes([last])
             dest = tmp_path / f"{transfer}.kv"
             got = await fetch_blocks(
                 decode, names, done_of(pub, transfer), dest, timeout=10, incoming=incoming
